@@ -1,0 +1,34 @@
+//! `hkvm`: the command-line tool and service launcher of HKVM. Each subcommand lives
+//! in its own module; this file only parses arguments and dispatches.
+
+mod local;
+mod logging;
+
+use clap::{Parser, Subcommand};
+
+/// HKVM: hierarchical KV-cache metadata management over NATS JetStream.
+#[derive(Debug, Parser)]
+#[command(name = "hkvm", version, about)]
+struct Cli {
+    /// Log format on stderr.
+    #[arg(long, global = true, value_enum, default_value_t = logging::LogFormat::Text, env = "HKVM_LOG_FORMAT")]
+    log_format: logging::LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run a local HKVM cluster: nats-server with JetStream as a child process in a
+    /// temp dir, plus every HKVM service. Ctrl-C stops everything.
+    Local(local::LocalArgs),
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    logging::init(cli.log_format);
+    match cli.command {
+        Command::Local(args) => local::run(args).await,
+    }
+}
