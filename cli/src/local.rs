@@ -48,7 +48,9 @@ pub async fn run(args: LocalArgs) -> anyhow::Result<()> {
                 () = tokio::time::sleep(limit) => {}
             }
         }
-        None => tokio::signal::ctrl_c().await.context("waiting for Ctrl-C")?,
+        None => tokio::signal::ctrl_c()
+            .await
+            .context("waiting for Ctrl-C")?,
     }
     tracing::info!("stopping the local cluster");
     let mut nats = nats;

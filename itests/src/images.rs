@@ -57,11 +57,17 @@ mod tests {
         let cases = [
             ("hkvm/nats:2.15.1", ("hkvm/nats", "2.15.1")),
             ("nats", ("nats", "latest")),
-            ("registry:5000/team/nats:2.15", ("registry:5000/team/nats", "2.15")),
+            (
+                "registry:5000/team/nats:2.15",
+                ("registry:5000/team/nats", "2.15"),
+            ),
             ("registry:5000/nats", ("registry:5000/nats", "latest")),
         ];
         for (reference, (name, tag)) in cases {
-            assert_eq!(split_image_ref(reference), (name.to_owned(), tag.to_owned()));
+            assert_eq!(
+                split_image_ref(reference),
+                (name.to_owned(), tag.to_owned())
+            );
         }
     }
 }

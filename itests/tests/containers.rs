@@ -20,8 +20,13 @@ async fn nats_container_runs_jetstream() {
         .await
         .expect("start the NATS container (run scripts/build-images first)");
     let host = container.get_host().await.unwrap();
-    let port = container.get_host_port_ipv4(NATS_CLIENT_PORT).await.unwrap();
-    let client = async_nats::connect(format!("nats://{host}:{port}")).await.unwrap();
+    let port = container
+        .get_host_port_ipv4(NATS_CLIENT_PORT)
+        .await
+        .unwrap();
+    let client = async_nats::connect(format!("nats://{host}:{port}"))
+        .await
+        .unwrap();
     let js = jetstream::new(client);
 
     // The account info request fails unless JetStream is enabled in the server.

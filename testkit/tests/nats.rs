@@ -78,7 +78,10 @@ async fn cluster_keeps_r3_stream_available_when_one_node_dies() {
         } else {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        assert!(i < 199, "the R3 stream never accepted writes with one node down");
+        assert!(
+            i < 199,
+            "the R3 stream never accepted writes with one node down"
+        );
     }
 
     cluster.restart(0).await.unwrap();
