@@ -1,2 +1,22 @@
-//! KVEvent wire types: the versioned envelope, event kinds, validation, subject and
-//! stream names, and the event log over NATS JetStream.
+//! KVEvent wire types and the event log: the versioned message envelope, event kinds,
+//! validation limits, every subject and stream name, stream settings, the
+//! [`log::EventLog`] trait (in-memory and JetStream) and group commit.
+
+pub mod codec;
+pub mod commit;
+pub mod error;
+pub mod event;
+pub mod id;
+pub mod limits;
+pub mod log;
+pub mod stream;
+pub mod subject;
+
+pub use codec::{decode_message, encode_message, DecodedMessage, Header, MessageBuilder};
+pub use error::{DecodeError, EncodeError, EventError, EventErrorKind};
+pub use event::{
+    key_hash, value_checksum, EventKind, Evicted, KvEvent, NodeLost, Placement, PutCommitted,
+    PutFlags, Removed, SegmentMounted, SegmentUnmounted, SnapshotTaken,
+};
+pub use id::{ClusterId, IdError, NodeId, ProducerId, SegmentId, SubclusterId};
+pub use limits::{Limits, ValidationError};

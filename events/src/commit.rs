@@ -1,0 +1,357 @@
+//! Group commit: many concurrent callers submit events; one task packs whatever is
+//! queued into one message (bounded by events and bytes), appends it fenced on the
+//! expected last sequence, keeps several appends in flight, and tells every caller
+//! when its events are durable. Per-message overhead dominates JetStream appends, so
+//! sharing messages is what makes durable puts fast.
+//!
+//! The first failed append (a fencing conflict above all: another writer appended)
+//! stops the committer for good: every later submission fails with the same error,
+//! and the owner must re-read the log before writing again.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use futures::stream::FuturesOrdered;
+use futures::StreamExt as _;
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::codec::{Header, MessageBuilder};
+use crate::error::EncodeError;
+use crate::event::KvEvent;
+use crate::id::ProducerId;
+use crate::limits::Limits;
+use crate::log::{Append, EventLog, LogError};
+use crate::subject::message_id;
+
+/// Tuning of a [`GroupCommitter`].
+#[derive(Debug, Clone, Copy)]
+pub struct CommitConfig {
+    /// Most events packed into one message.
+    pub max_events_per_message: usize,
+    /// Appends sent but not yet acknowledged.
+    pub max_in_flight: usize,
+    /// Submissions queued before `commit` waits (backpressure on callers).
+    pub queue_depth: usize,
+    /// Validation bounds; `max_message_bytes` bounds each message.
+    pub limits: Limits,
+}
+
+impl Default for CommitConfig {
+    fn default() -> Self {
+        Self {
+            max_events_per_message: 4096,
+            max_in_flight: 8,
+            queue_depth: 8192,
+            limits: Limits::default(),
+        }
+    }
+}
+
+/// Where a submission's events landed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Committed {
+    /// The stream sequence of the message holding them.
+    pub seq: u64,
+    /// The index of the submission's first event inside that message.
+    pub first_index: usize,
+    /// How many events the submission had.
+    pub count: usize,
+}
+
+/// Why a submission was not committed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CommitError {
+    /// The submission itself is invalid or cannot fit in one message.
+    #[error("rejected: {0}")]
+    Rejected(#[from] EncodeError),
+    /// The append of its message failed (e.g. fenced); nothing later is committed.
+    #[error("append failed: {0}")]
+    Log(#[from] LogError),
+    /// The committer had stopped after an earlier failure.
+    #[error("committer stopped after an earlier failure: {0}")]
+    Stopped(LogError),
+}
+
+struct Submission {
+    events: Vec<KvEvent>,
+    reply: oneshot::Sender<Result<Committed, CommitError>>,
+}
+
+/// A reply owed to one submission of an in-flight message.
+struct Waiter {
+    reply: oneshot::Sender<Result<Committed, CommitError>>,
+    first_index: usize,
+    count: usize,
+}
+
+/// Handle to a running group-commit task; cheap to clone, one per writer.
+#[derive(Debug, Clone)]
+pub struct GroupCommitter {
+    submissions: mpsc::Sender<Submission>,
+    last_seq: watch::Receiver<u64>,
+}
+
+impl GroupCommitter {
+    /// Starts the commit task over `log`. `last_seq` is the sequence the writer
+    /// knows is last (the fence of its first append); `producer` and `epoch` go into
+    /// every message header and message id.
+    pub fn spawn<L: EventLog>(
+        log: L,
+        producer: ProducerId,
+        epoch: u64,
+        last_seq: u64,
+        config: CommitConfig,
+    ) -> Self {
+        let (submissions, queue) = mpsc::channel(config.queue_depth.max(1));
+        let (seq_tx, seq_rx) = watch::channel(last_seq);
+        let task = CommitTask {
+            log,
+            header: Header {
+                producer,
+                epoch,
+                unix_ms: 0,
+            },
+            config,
+            next_expected: last_seq,
+            counter: 0,
+            carry: None,
+            buffer: Vec::new(),
+            durable_seq: seq_tx,
+        };
+        tokio::spawn(task.run(queue));
+        Self {
+            submissions,
+            last_seq: seq_rx,
+        }
+    }
+
+    /// Submits `events` and waits until they are durable in the log.
+    ///
+    /// # Errors
+    /// [`CommitError`] when they were rejected or their append failed.
+    pub async fn commit(&self, events: Vec<KvEvent>) -> Result<Committed, CommitError> {
+        let (reply, answer) = oneshot::channel();
+        let stopped =
+            || CommitError::Stopped(LogError::other("committer", "the commit task has ended"));
+        self.submissions
+            .send(Submission { events, reply })
+            .await
+            .map_err(|_| stopped())?;
+        answer.await.map_err(|_| stopped())?
+    }
+
+    /// The last sequence known durable, updated as acknowledgements arrive.
+    pub fn durable_seq(&self) -> u64 {
+        *self.last_seq.borrow()
+    }
+}
+
+type AckResult = (Result<crate::log::AppendAck, LogError>, Vec<Waiter>);
+
+struct CommitTask<L> {
+    log: L,
+    header: Header,
+    config: CommitConfig,
+    /// The fence of the next append: the sequence the previous one will get.
+    next_expected: u64,
+    counter: u64,
+    /// A submission that did not fit in the previous message.
+    carry: Option<Submission>,
+    buffer: Vec<u8>,
+    durable_seq: watch::Sender<u64>,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl<L: EventLog> CommitTask<L> {
+    async fn run(mut self, mut queue: mpsc::Receiver<Submission>) {
+        let mut in_flight: FuturesOrdered<futures::future::BoxFuture<'static, AckResult>> =
+            FuturesOrdered::new();
+        let mut failure: Option<LogError> = None;
+        loop {
+            let can_send = failure.is_none() && in_flight.len() < self.config.max_in_flight;
+            tokio::select! {
+                biased;
+                Some((ack, waiters)) = in_flight.next(), if !in_flight.is_empty() => {
+                    match ack {
+                        Ok(ack) if failure.is_none() => {
+                            self.durable_seq.send_replace(ack.seq);
+                            for waiter in waiters {
+                                let _ = waiter.reply.send(Ok(Committed {
+                                    seq: ack.seq,
+                                    first_index: waiter.first_index,
+                                    count: waiter.count,
+                                }));
+                            }
+                        }
+                        // Acknowledged after an earlier failure: cannot happen with
+                        // fencing, but never report success out of order.
+                        Ok(_) => fail_all(waiters, failure.as_ref()),
+                        Err(error) => {
+                            tracing::error!(%error, "append failed; the committer stops");
+                            for waiter in waiters {
+                                let _ = waiter.reply.send(Err(CommitError::Log(error.clone())));
+                            }
+                            failure.get_or_insert(error);
+                        }
+                    }
+                }
+                submission = next_submission(&mut self.carry, &mut queue), if can_send || failure.is_some() => {
+                    let Some(first) = submission else { break };
+                    if let Some(error) = &failure {
+                        let _ = first.reply.send(Err(CommitError::Stopped(error.clone())));
+                        continue;
+                    }
+                    match self.send_message(first, &mut queue).await {
+                        Ok(Some(pending)) => in_flight.push_back(pending),
+                        Ok(None) => {}
+                        Err(error) => { failure.get_or_insert(error); }
+                    }
+                }
+                else => break,
+            }
+        }
+        // Drain: answer whatever is still in flight before the task ends.
+        while let Some((ack, waiters)) = in_flight.next().await {
+            match ack {
+                Ok(ack) if failure.is_none() => {
+                    for waiter in waiters {
+                        let _ = waiter.reply.send(Ok(Committed {
+                            seq: ack.seq,
+                            first_index: waiter.first_index,
+                            count: waiter.count,
+                        }));
+                    }
+                }
+                _ => fail_all(waiters, failure.as_ref()),
+            }
+        }
+    }
+
+    /// Packs `first` and whatever else is queued into one message and sends it.
+    /// `Ok(None)` when every submission was rejected and nothing was sent.
+    async fn send_message(
+        &mut self,
+        first: Submission,
+        queue: &mut mpsc::Receiver<Submission>,
+    ) -> Result<Option<futures::future::BoxFuture<'static, AckResult>>, LogError> {
+        self.header.unix_ms = now_ms();
+        let buffer = std::mem::take(&mut self.buffer);
+        let mut builder = match MessageBuilder::new(&self.header, buffer) {
+            Ok(builder) => builder,
+            Err(error) => {
+                let _ = first.reply.send(Err(error.into()));
+                return Ok(None);
+            }
+        };
+        let mut waiters = Vec::new();
+        let mut next = Some(first);
+        while let Some(submission) = next.take() {
+            let fits_count = builder.event_count() + submission.events.len()
+                <= self.config.max_events_per_message;
+            if !waiters.is_empty() && !fits_count {
+                self.carry = Some(submission);
+                break;
+            }
+            match self.add(&mut builder, &submission.events) {
+                Ok(first_index) => waiters.push(Waiter {
+                    reply: submission.reply,
+                    first_index,
+                    count: submission.events.len(),
+                }),
+                Err(error) if waiters.is_empty() => {
+                    let _ = submission.reply.send(Err(error.into()));
+                }
+                // It did not fit beside the others: it goes first in the next message.
+                Err(EncodeError::MessageTooLarge { .. }) => {
+                    self.carry = Some(submission);
+                    break;
+                }
+                Err(error) => {
+                    let _ = submission.reply.send(Err(error.into()));
+                }
+            }
+            next = queue.try_recv().ok();
+        }
+        if waiters.is_empty() {
+            self.buffer = builder.finish();
+            return Ok(None);
+        }
+        let payload = Bytes::from(builder.finish());
+        let msg_id = message_id(&self.header.producer, self.header.epoch, self.counter);
+        let append = Append {
+            expected_last_seq: Some(self.next_expected),
+            msg_id,
+            payload,
+        };
+        match self.log.send(append).await {
+            Ok(pending) => {
+                self.counter += 1;
+                self.next_expected += 1;
+                Ok(Some(Box::pin(async move { (pending.await, waiters) })))
+            }
+            Err(error) => {
+                for waiter in waiters {
+                    let _ = waiter.reply.send(Err(CommitError::Log(error.clone())));
+                }
+                Err(error)
+            }
+        }
+    }
+
+    /// Adds one submission's events, rolling back if any is invalid or the message
+    /// would grow past the byte limit. Returns the index of its first event.
+    fn add(&self, builder: &mut MessageBuilder, events: &[KvEvent]) -> Result<usize, EncodeError> {
+        let limits = &self.config.limits;
+        if events.len() > self.config.max_events_per_message {
+            return Err(EncodeError::TooManyEvents {
+                count: events.len(),
+                max: self.config.max_events_per_message,
+            });
+        }
+        let mark = builder.mark();
+        let first_index = builder.event_count();
+        for (index, event) in events.iter().enumerate() {
+            let pushed = limits
+                .check_event(event)
+                .map_err(|source| EncodeError::Invalid { index, source })
+                .and_then(|()| builder.push(event));
+            if let Err(error) = pushed {
+                builder.rollback(mark);
+                return Err(error);
+            }
+        }
+        if builder.len_bytes() > limits.max_message_bytes {
+            let size = builder.len_bytes() - mark.0;
+            builder.rollback(mark);
+            return Err(EncodeError::MessageTooLarge {
+                size,
+                max: limits.max_message_bytes,
+            });
+        }
+        Ok(first_index)
+    }
+}
+
+async fn next_submission(
+    carry: &mut Option<Submission>,
+    queue: &mut mpsc::Receiver<Submission>,
+) -> Option<Submission> {
+    match carry.take() {
+        Some(submission) => Some(submission),
+        None => queue.recv().await,
+    }
+}
+
+fn fail_all(waiters: Vec<Waiter>, failure: Option<&LogError>) {
+    let error = failure
+        .cloned()
+        .unwrap_or_else(|| LogError::other("committer", "stopped"));
+    for waiter in waiters {
+        let _ = waiter.reply.send(Err(CommitError::Stopped(error.clone())));
+    }
+}

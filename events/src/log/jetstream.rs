@@ -1,0 +1,213 @@
+//! The event log over one JetStream stream: appends with `Nats-Expected-Last-Sequence`
+//! fencing and `Nats-Msg-Id` dedup, pipelined through JetStream's publish-ack
+//! futures; reads through an ephemeral pull consumer fetching bounded batches.
+
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy};
+use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
+use async_nats::jetstream::message::PublishMessage;
+use async_nats::jetstream::{self, stream};
+use futures::future::BoxFuture;
+use futures::{FutureExt as _, StreamExt as _};
+
+use super::{
+    check_not_truncated, gap_checked, read_end, Append, AppendAck, EntryStream, EventLog,
+    LogBounds, LogEntry, LogError, LogErrorKind, ReadOptions,
+};
+
+/// An [`EventLog`] over the JetStream stream `stream` whose subject is `subject`.
+#[derive(Debug, Clone)]
+pub struct JetStreamLog {
+    js: jetstream::Context,
+    stream: String,
+    subject: String,
+}
+
+impl JetStreamLog {
+    /// A log over an existing stream (see [`crate::stream::ensure_stream`]).
+    pub fn new(
+        js: jetstream::Context,
+        stream: impl Into<String>,
+        subject: impl Into<String>,
+    ) -> Self {
+        Self {
+            js,
+            stream: stream.into(),
+            subject: subject.into(),
+        }
+    }
+
+    /// The stream name.
+    pub fn stream_name(&self) -> &str {
+        &self.stream
+    }
+
+    /// The subject appends go to.
+    pub fn subject(&self) -> &str {
+        &self.subject
+    }
+
+    async fn get_stream(&self) -> Result<stream::Stream, LogError> {
+        use async_nats::jetstream::context::GetStreamErrorKind;
+        use async_nats::jetstream::ErrorCode;
+        self.js
+            .get_stream(&self.stream)
+            .await
+            .map_err(|e| match e.kind() {
+                GetStreamErrorKind::JetStream(inner)
+                    if inner.error_code() == ErrorCode::STREAM_NOT_FOUND =>
+                {
+                    LogError::new(&self.stream, LogErrorKind::StreamNotFound)
+                }
+                _ => LogError::other(&self.stream, e),
+            })
+    }
+
+    fn publish_error(
+        &self,
+        error: &async_nats::jetstream::context::PublishError,
+        expected: Option<u64>,
+    ) -> LogError {
+        let kind = match error.kind() {
+            PublishErrorKind::WrongLastSequence => LogErrorKind::Fenced {
+                expected: expected.unwrap_or_default(),
+            },
+            PublishErrorKind::StreamNotFound => LogErrorKind::StreamNotFound,
+            PublishErrorKind::TimedOut => LogErrorKind::Timeout,
+            PublishErrorKind::MaxPayloadExceeded => LogErrorKind::TooLarge(error.to_string()),
+            _ => LogErrorKind::Other(error.to_string()),
+        };
+        LogError::new(&self.stream, kind)
+    }
+}
+
+impl JetStreamLog {
+    /// JetStream checks the expected sequence before the message id, so a retried
+    /// append whose first copy was stored comes back fenced. It is our own copy, not
+    /// another writer's, when the message right after the fence carries our id.
+    async fn earlier_copy(&self, seq: u64, msg_id: &str) -> Option<AppendAck> {
+        let stream = self.get_stream().await.ok()?;
+        let stored = stream.get_raw_message(seq).await.ok()?;
+        let stored_id = stored.headers.get(async_nats::header::NATS_MESSAGE_ID)?;
+        (stored_id.as_str() == msg_id).then_some(AppendAck {
+            seq,
+            duplicate: true,
+        })
+    }
+}
+
+fn unix_ms(published: &async_nats::jetstream::message::Info<'_>) -> u64 {
+    let nanos = published.published.unix_timestamp_nanos();
+    u64::try_from(nanos / 1_000_000).unwrap_or_default()
+}
+
+impl EventLog for JetStreamLog {
+    type PendingAck = BoxFuture<'static, Result<AppendAck, LogError>>;
+
+    async fn send(&self, append: Append) -> Result<Self::PendingAck, LogError> {
+        let mut message = PublishMessage::build()
+            .payload(append.payload)
+            .message_id(&append.msg_id);
+        if let Some(expected) = append.expected_last_seq {
+            message = message.expected_last_sequence(expected);
+        }
+        let expected = append.expected_last_seq;
+        let pending: PublishAckFuture = self
+            .js
+            .send_publish(self.subject.clone(), message)
+            .await
+            .map_err(|e| self.publish_error(&e, expected))?;
+        let log = self.clone();
+        let msg_id = append.msg_id;
+        Ok(async move {
+            match pending.await {
+                Ok(ack) => Ok(AppendAck {
+                    seq: ack.sequence,
+                    duplicate: ack.duplicate,
+                }),
+                Err(error) => {
+                    let error = log.publish_error(&error, expected);
+                    match (error.kind(), expected) {
+                        (LogErrorKind::Fenced { .. }, Some(expected)) => {
+                            log.earlier_copy(expected + 1, &msg_id).await.ok_or(error)
+                        }
+                        _ => Err(error),
+                    }
+                }
+            }
+        }
+        .boxed())
+    }
+
+    async fn bounds(&self) -> Result<LogBounds, LogError> {
+        let mut stream = self.get_stream().await?;
+        let info = stream
+            .info()
+            .await
+            .map_err(|e| LogError::other(&self.stream, e))?;
+        Ok(LogBounds {
+            first_seq: info.state.first_sequence,
+            last_seq: info.state.last_sequence,
+        })
+    }
+
+    async fn read(&self, options: ReadOptions) -> Result<EntryStream, LogError> {
+        let stream = self.get_stream().await?;
+        let bounds = self.bounds().await?;
+        check_not_truncated(&self.stream, &options, bounds)?;
+        let end = read_end(&options, bounds);
+        let from = options.from_seq.max(1);
+        if end.is_some_and(|end| from > end) {
+            return Ok(Box::pin(futures::stream::empty()));
+        }
+        let consumer = stream
+            .create_consumer(pull::Config {
+                deliver_policy: DeliverPolicy::ByStartSequence {
+                    start_sequence: from,
+                },
+                ack_policy: AckPolicy::None,
+                memory_storage: true,
+                inactive_threshold: Duration::from_secs(60),
+                description: Some("hkvm event log reader".to_owned()),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| LogError::other(&self.stream, e))?;
+        let messages = consumer
+            .stream()
+            .max_messages_per_batch(options.batch_messages.max(1))
+            .max_bytes_per_batch(options.batch_bytes.max(1))
+            .heartbeat(Duration::from_secs(5))
+            .messages()
+            .await
+            .map_err(|e| LogError::other(&self.stream, e))?;
+        let name = self.stream.clone();
+        // Stop right after the last wanted entry instead of waiting for one more.
+        let entries = futures::stream::unfold((messages, false), move |(mut messages, done)| {
+            let name = name.clone();
+            async move {
+                if done {
+                    return None;
+                }
+                let item = messages.next().await?;
+                let entry = item
+                    .map_err(|e| LogError::other(&name, e))
+                    .and_then(|message| {
+                        let info = message.info().map_err(|e| LogError::other(&name, e))?;
+                        Ok(LogEntry {
+                            seq: info.stream_sequence,
+                            unix_ms: unix_ms(&info),
+                            payload: message.payload.clone(),
+                        })
+                    });
+                let last = match &entry {
+                    Ok(entry) => end.is_some_and(|end| entry.seq >= end),
+                    Err(_) => true,
+                };
+                Some((entry, (messages, last)))
+            }
+        });
+        Ok(gap_checked(self.stream.clone(), from, Box::pin(entries)))
+    }
+}

@@ -1,0 +1,90 @@
+//! Every NATS subject, stream, bucket and message-id name HKVM uses, in one place.
+//! Names are built only from validated ids, so they never contain `.`, `*`, `>` or
+//! whitespace by accident.
+//!
+//! | what | name |
+//! |---|---|
+//! | event subject of a sub-cluster | `hkvm.<cluster>.<subcluster>.ev` |
+//! | its stream | `HKVM_<cluster>_<subcluster>` |
+//! | sub-master RPC | `hkvm.<cluster>.<subcluster>.rpc.<op>` |
+//! | global-master RPC | `hkvm.<cluster>.global.rpc.<op>` |
+//! | KV buckets / object stores | `hkvm_<cluster>_<purpose>` |
+
+use crate::id::{ClusterId, ProducerId, SubclusterId};
+
+/// Prefix of every subject.
+pub const SUBJECT_PREFIX: &str = "hkvm";
+/// Prefix of every event stream name.
+pub const STREAM_PREFIX: &str = "HKVM";
+
+/// The subject a sub-cluster's events are appended to.
+pub fn event_subject(cluster: &ClusterId, subcluster: &SubclusterId) -> String {
+    format!("{SUBJECT_PREFIX}.{cluster}.{subcluster}.ev")
+}
+
+/// The JetStream stream holding one sub-cluster's events (one stream per
+/// sub-cluster: independent leaders and failure domains in a NATS cluster).
+pub fn stream_name(cluster: &ClusterId, subcluster: &SubclusterId) -> String {
+    format!("{STREAM_PREFIX}_{cluster}_{subcluster}")
+}
+
+/// The prefix shared by all event stream names of a cluster (for listing them).
+pub fn stream_name_prefix(cluster: &ClusterId) -> String {
+    format!("{STREAM_PREFIX}_{cluster}_")
+}
+
+/// The sub-cluster a stream name belongs to, if it is one of `cluster`'s streams.
+pub fn subcluster_of_stream(cluster: &ClusterId, stream: &str) -> Option<SubclusterId> {
+    let rest = stream.strip_prefix(&stream_name_prefix(cluster))?;
+    SubclusterId::new(rest).ok()
+}
+
+/// The subject of a sub-master RPC operation (`op` is a fixed operation name).
+pub fn submaster_rpc_subject(cluster: &ClusterId, subcluster: &SubclusterId, op: &str) -> String {
+    format!("{SUBJECT_PREFIX}.{cluster}.{subcluster}.rpc.{op}")
+}
+
+/// The subject of a global-master RPC operation.
+pub fn global_rpc_subject(cluster: &ClusterId, op: &str) -> String {
+    format!("{SUBJECT_PREFIX}.{cluster}.global.rpc.{op}")
+}
+
+/// The name of a cluster-wide KV bucket or object store (`purpose` such as
+/// `leader`, `registry`, `snapshots`).
+pub fn bucket_name(cluster: &ClusterId, purpose: &str) -> String {
+    format!("{}_{cluster}_{purpose}", SUBJECT_PREFIX)
+}
+
+/// The `Nats-Msg-Id` of the `counter`-th message a producer appended in an epoch:
+/// a retried append reuses it, so JetStream stores the message once.
+pub fn message_id(producer: &ProducerId, epoch: u64, counter: u64) -> String {
+    format!("{producer}-{epoch}-{counter}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_design() {
+        let cluster = ClusterId::new("prod").unwrap();
+        let sc = SubclusterId::new("sc-0").unwrap();
+        assert_eq!(event_subject(&cluster, &sc), "hkvm.prod.sc-0.ev");
+        assert_eq!(stream_name(&cluster, &sc), "HKVM_prod_sc-0");
+        assert_eq!(
+            submaster_rpc_subject(&cluster, &sc, "put_start"),
+            "hkvm.prod.sc-0.rpc.put_start"
+        );
+        assert_eq!(
+            global_rpc_subject(&cluster, "batch_is_exist"),
+            "hkvm.prod.global.rpc.batch_is_exist"
+        );
+        assert_eq!(
+            subcluster_of_stream(&cluster, "HKVM_prod_sc-0"),
+            Some(sc.clone())
+        );
+        assert_eq!(subcluster_of_stream(&cluster, "HKVM_other_sc-0"), None);
+        let producer = ProducerId::new("sm-a").unwrap();
+        assert_eq!(message_id(&producer, 3, 17), "sm-a-3-17");
+    }
+}
