@@ -3,6 +3,8 @@
 
 mod local;
 mod logging;
+mod replay;
+mod target;
 
 use clap::{Parser, Subcommand};
 
@@ -22,6 +24,8 @@ enum Command {
     /// Run a local HKVM cluster: nats-server with JetStream as a child process in a
     /// temp dir, plus every HKVM service. Ctrl-C stops everything.
     Local(local::LocalArgs),
+    /// Print the events of one or all sub-cluster streams, for debugging.
+    Replay(replay::ReplayArgs),
 }
 
 #[tokio::main]
@@ -30,5 +34,6 @@ async fn main() -> anyhow::Result<()> {
     logging::init(cli.log_format);
     match cli.command {
         Command::Local(args) => local::run(args).await,
+        Command::Replay(args) => replay::run(args).await,
     }
 }

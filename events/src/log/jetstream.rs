@@ -152,6 +152,29 @@ impl EventLog for JetStreamLog {
         })
     }
 
+    async fn first_seq_since(&self, unix_ms: u64) -> Result<u64, LogError> {
+        // Binary search over stored times: streams are gap-free past their first
+        // sequence (single deletes are denied), so every probe hits a message.
+        let stream = self.get_stream().await?;
+        let bounds = self.bounds().await?;
+        let (mut low, mut high) = (bounds.first_seq.max(1), bounds.last_seq + 1);
+        while low < high {
+            let middle = low + (high - low) / 2;
+            let message = stream
+                .get_raw_message(middle)
+                .await
+                .map_err(|e| LogError::other(&self.stream, e))?;
+            let stored_ms =
+                u64::try_from(message.time.unix_timestamp_nanos() / 1_000_000).unwrap_or_default();
+            if stored_ms < unix_ms {
+                low = middle + 1;
+            } else {
+                high = middle;
+            }
+        }
+        Ok(low)
+    }
+
     async fn read(&self, options: ReadOptions) -> Result<EntryStream, LogError> {
         let stream = self.get_stream().await?;
         let bounds = self.bounds().await?;

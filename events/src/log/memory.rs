@@ -165,6 +165,12 @@ impl EventLog for MemoryLog {
         })
     }
 
+    async fn first_seq_since(&self, unix_ms: u64) -> Result<u64, LogError> {
+        let state = self.lock();
+        let index = state.entries.partition_point(|entry| entry.unix_ms < unix_ms);
+        Ok(state.first_seq + index as u64)
+    }
+
     async fn read(&self, options: ReadOptions) -> Result<EntryStream, LogError> {
         let bounds = self.bounds().await?;
         check_not_truncated(&self.name, &options, bounds)?;

@@ -130,6 +130,12 @@ pub trait EventLog: Send + Sync + 'static {
     /// [`LogErrorKind::StreamNotFound`] when the log vanished, or a transport error.
     fn bounds(&self) -> impl Future<Output = Result<LogBounds, LogError>> + Send;
 
+    /// The first sequence stored at or after `unix_ms` (`last_seq + 1` when none is).
+    ///
+    /// # Errors
+    /// [`LogErrorKind::StreamNotFound`] when the log vanished, or a transport error.
+    fn first_seq_since(&self, unix_ms: u64) -> impl Future<Output = Result<u64, LogError>> + Send;
+
     /// Reads entries in sequence order, a bounded batch at a time: a slow reader
     /// slows the reads instead of buffering without bound.
     ///
