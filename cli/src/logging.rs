@@ -1,4 +1,4 @@
-//! Structured `tracing` logs on stderr, filtered by `RUST_LOG` (default `info`).
+//! Structured `tracing` logs on stderr, filtered by `RUST_LOG` (default `info`, NATS client chatter at `warn`).
 
 use tracing_subscriber::EnvFilter;
 
@@ -13,7 +13,8 @@ pub enum LogFormat {
 
 /// Installs the global subscriber.
 pub fn init(format: LogFormat) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("info,async_nats=warn"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

@@ -1,6 +1,7 @@
 //! `hkvm`: the command-line tool and service launcher of HKVM. Each subcommand lives
 //! in its own module; this file only parses arguments and dispatches.
 
+mod bench;
 mod local;
 mod logging;
 mod replay;
@@ -26,7 +27,13 @@ enum Command {
     Local(local::LocalArgs),
     /// Print the events of one or all sub-cluster streams, for debugging.
     Replay(replay::ReplayArgs),
+    /// Run a benchmark; every figure comes with a baseline measured in the same run.
+    Bench(bench::BenchArgs),
 }
+
+/// Counts allocations so that benchmarks can report allocations per event.
+#[global_allocator]
+static ALLOCATOR: bench::CountingAllocator = bench::CountingAllocator;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -35,5 +42,6 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Local(args) => local::run(args).await,
         Command::Replay(args) => replay::run(args).await,
+        Command::Bench(args) => bench::run(args).await,
     }
 }

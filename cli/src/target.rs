@@ -8,7 +8,11 @@ use hkvm_events::ClusterId;
 #[derive(Debug, Clone, clap::Args)]
 pub struct Target {
     /// NATS server URL(s), comma-separated.
-    #[arg(long = "nats", env = "HKVM_NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    #[arg(
+        long = "nats",
+        env = "HKVM_NATS_URL",
+        default_value = "nats://127.0.0.1:4222"
+    )]
     pub nats_url: String,
     /// The HKVM cluster name.
     #[arg(long, env = "HKVM_CLUSTER", default_value = "local")]

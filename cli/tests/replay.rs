@@ -32,7 +32,9 @@ async fn write_stream(server: &NatsServer, subcluster: &str, messages: Vec<Bytes
     let js = jetstream::new(server.connect().await.unwrap());
     let cluster = ClusterId::new("demo").unwrap();
     let sc = SubclusterId::new(subcluster).unwrap();
-    ensure_stream(&js, &cluster, &sc, &StreamSettings::default()).await.unwrap();
+    ensure_stream(&js, &cluster, &sc, &StreamSettings::default())
+        .await
+        .unwrap();
     let log = JetStreamLog::new(js, stream_name(&cluster, &sc), event_subject(&cluster, &sc));
     for (i, payload) in messages.into_iter().enumerate() {
         log.append(Append {
@@ -60,7 +62,10 @@ fn replay(server: &NatsServer, args: &[&str]) -> (String, bool) {
         .args(args)
         .output()
         .unwrap();
-    (String::from_utf8(output.stdout).unwrap(), output.status.success())
+    (
+        String::from_utf8(output.stdout).unwrap(),
+        output.status.success(),
+    )
 }
 
 #[tokio::test]
@@ -78,7 +83,12 @@ async fn replay_prints_events_and_survives_a_corrupted_message() {
         vec![
             encoded(&[mounted, put("alpha")]),
             Bytes::from_static(b"\xc1garbage in the middle"),
-            encoded(&[put("beta"), KvEvent::Evicted(Evicted { keys: vec!["alpha".into()] })]),
+            encoded(&[
+                put("beta"),
+                KvEvent::Evicted(Evicted {
+                    keys: vec!["alpha".into()],
+                }),
+            ]),
         ],
     )
     .await;
@@ -91,10 +101,19 @@ async fn replay_prints_events_and_survives_a_corrupted_message() {
     assert!(text.contains("sc-0 #1.1 "), "{text}");
     assert!(text.contains("key=\"alpha\" size=64"), "{text}");
     assert!(text.contains("sc-0 #2 ERROR undecodable message"), "{text}");
-    assert!(text.contains("sc-0 #3.0 ") && text.contains("key=\"beta\""), "replay goes on: {text}");
-    assert!(text.contains("sc-1 #1.0 ") && text.contains("sm-test/e2 put"), "{text}");
+    assert!(
+        text.contains("sc-0 #3.0 ") && text.contains("key=\"beta\""),
+        "replay goes on: {text}"
+    );
+    assert!(
+        text.contains("sc-1 #1.0 ") && text.contains("sm-test/e2 put"),
+        "{text}"
+    );
 
-    let (only_alpha, _) = replay(&server, &["--subcluster", "sc-0", "--key", "alpha", "--format", "json"]);
+    let (only_alpha, _) = replay(
+        &server,
+        &["--subcluster", "sc-0", "--key", "alpha", "--format", "json"],
+    );
     let events: Vec<serde_json::Value> = only_alpha
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -104,11 +123,24 @@ async fn replay_prints_events_and_survives_a_corrupted_message() {
     assert_eq!(kinds, vec!["put", "evicted"]);
     assert_eq!(events[0]["event"]["placements"][0]["offset"], 128);
 
-    let (from_three, _) = replay(&server, &["--subcluster", "sc-0", "--from-seq", "3", "--kind", "evicted"]);
+    let (from_three, _) = replay(
+        &server,
+        &[
+            "--subcluster",
+            "sc-0",
+            "--from-seq",
+            "3",
+            "--kind",
+            "evicted",
+        ],
+    );
     assert_eq!(from_three.lines().count(), 1, "{from_three}");
 
     let (last_one, _) = replay(&server, &["--subcluster", "sc-0", "--last", "1"]);
-    assert!(last_one.lines().all(|l| l.starts_with("sc-0 #3.")), "{last_one}");
+    assert!(
+        last_one.lines().all(|l| l.starts_with("sc-0 #3.")),
+        "{last_one}"
+    );
 
     let (stats, _) = replay(&server, &["--stats", "--format", "json"]);
     let stats: serde_json::Value = serde_json::from_str(stats.trim()).unwrap();
@@ -122,7 +154,15 @@ async fn replay_prints_events_and_survives_a_corrupted_message() {
 async fn replay_of_a_missing_subcluster_fails_clearly() {
     let server = NatsServer::start().await.unwrap();
     let output = Command::new(env!("CARGO_BIN_EXE_hkvm"))
-        .args(["replay", "--nats", &server.url(), "--cluster", "demo", "--subcluster", "nope"])
+        .args([
+            "replay",
+            "--nats",
+            &server.url(),
+            "--cluster",
+            "demo",
+            "--subcluster",
+            "nope",
+        ])
         .output()
         .unwrap();
     assert!(!output.status.success());

@@ -79,9 +79,16 @@ pub fn validate_id(what: &'static str, value: &str) -> Result<(), IdError> {
 macro_rules! define_id {
     ($(#[$doc:meta])* $name:ident, $what:literal $(, reserved = [$($reserved:literal),*])?) => {
         $(#[$doc])*
-        #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-        #[serde(try_from = "String", into = "String")]
+        #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Deserialize)]
+        #[serde(try_from = "String")]
         pub struct $name(String);
+
+        // Serialized by reference: `serde(into)` would clone the string every time.
+        impl Serialize for $name {
+            fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                serializer.serialize_str(&self.0)
+            }
+        }
 
         impl $name {
             /// Validates and wraps `value`.

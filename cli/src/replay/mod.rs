@@ -108,7 +108,11 @@ async fn sources(js: &jetstream::Context, args: &ReplayArgs) -> anyhow::Result<V
     Ok(subclusters
         .into_iter()
         .map(|sc| Source {
-            log: JetStreamLog::new(js.clone(), stream_name(cluster, &sc), event_subject(cluster, &sc)),
+            log: JetStreamLog::new(
+                js.clone(),
+                stream_name(cluster, &sc),
+                event_subject(cluster, &sc),
+            ),
             subcluster: sc,
         })
         .collect())
@@ -116,7 +120,11 @@ async fn sources(js: &jetstream::Context, args: &ReplayArgs) -> anyhow::Result<V
 
 /// Where each stream's replay starts, from `--from-seq`, `--since` or `--last`,
 /// clamped to what is still stored (a purged prefix is announced, not an error).
-async fn read_options(source: &Source, args: &ReplayArgs, since_ms: Option<u64>) -> anyhow::Result<ReadOptions> {
+async fn read_options(
+    source: &Source,
+    args: &ReplayArgs,
+    since_ms: Option<u64>,
+) -> anyhow::Result<ReadOptions> {
     let bounds = source.log.bounds().await?;
     let wanted = match (args.from_seq, since_ms, args.last) {
         (Some(seq), _, _) => seq,
@@ -126,7 +134,12 @@ async fn read_options(source: &Source, args: &ReplayArgs, since_ms: Option<u64>)
     };
     let first = bounds.first_seq.max(1);
     if wanted < first {
-        tracing::warn!(stream = source.log.stream_name(), wanted, first, "history before the first stored sequence was purged");
+        tracing::warn!(
+            stream = source.log.stream_name(),
+            wanted,
+            first,
+            "history before the first stored sequence was purged"
+        );
     }
     Ok(ReadOptions {
         from_seq: wanted.max(first),
@@ -151,12 +164,18 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
     for source in &sources {
         let options = read_options(source, &args, since_ms).await?;
         if !args.follow {
-            let last = args.until_seq.unwrap_or(source.log.bounds().await?.last_seq);
+            let last = args
+                .until_seq
+                .unwrap_or(source.log.bounds().await?.last_seq);
             total_expected += last.saturating_sub(options.from_seq) + 1;
         }
         let subcluster = source.subcluster.clone();
         let entries = source.log.read(options).await?;
-        streams.push(entries.map(move |entry| (subcluster.clone(), entry)).boxed());
+        streams.push(
+            entries
+                .map(move |entry| (subcluster.clone(), entry))
+                .boxed(),
+        );
     }
     let mut merged = futures::stream::select_all(streams);
 
@@ -194,19 +213,33 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
                             if !args.kind.is_empty() && !args.kind.contains(&event.kind()) {
                                 continue;
                             }
-                            if args.key.as_deref().is_some_and(|key| !event.mentions_key(key)) {
+                            if args
+                                .key
+                                .as_deref()
+                                .is_some_and(|key| !event.mentions_key(key))
+                            {
                                 continue;
                             }
                             stats.record_event(&subcluster, event.kind());
                             if !args.stats {
-                                let line = renderer.event(&subcluster, &entry, &message.header, index, &event);
+                                let line = renderer.event(
+                                    &subcluster,
+                                    &entry,
+                                    &message.header,
+                                    index,
+                                    &event,
+                                );
                                 writeln!(out, "{line}")?;
                             }
                         }
                         Err(error) => {
                             stats.bad_events += 1;
                             if !args.stats {
-                                writeln!(out, "{}", renderer.bad_event(&subcluster, &entry, &error))?;
+                                writeln!(
+                                    out,
+                                    "{}",
+                                    renderer.bad_event(&subcluster, &entry, &error)
+                                )?;
                             }
                         }
                     }
@@ -220,9 +253,15 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
             last_progress = Instant::now();
             let rate = messages as f64 / started.elapsed().as_secs_f64();
             if total_expected > 0 {
-                eprintln!("replay: {messages}/{total_expected} messages, {} events, {rate:.0} msg/s", stats.events);
+                eprintln!(
+                    "replay: {messages}/{total_expected} messages, {} events, {rate:.0} msg/s",
+                    stats.events
+                );
             } else {
-                eprintln!("replay: {messages} messages, {} events, {rate:.0} msg/s", stats.events);
+                eprintln!(
+                    "replay: {messages} messages, {} events, {rate:.0} msg/s",
+                    stats.events
+                );
             }
         }
     }

@@ -23,7 +23,10 @@ pub fn format_ms(unix_ms: u64) -> String {
     let nanos = i128::from(unix_ms) * 1_000_000;
     time::OffsetDateTime::from_unix_timestamp_nanos(nanos)
         .ok()
-        .and_then(|t| t.format(&time::format_description::well_known::Rfc3339).ok())
+        .and_then(|t| {
+            t.format(&time::format_description::well_known::Rfc3339)
+                .ok()
+        })
         .unwrap_or_else(|| unix_ms.to_string())
 }
 
@@ -34,7 +37,9 @@ fn event_fields(event: &KvEvent) -> Value {
             "node": e.node.as_str(), "segment": e.segment.as_str(),
             "size": e.size, "endpoint": e.endpoint,
         }),
-        KvEvent::SegmentUnmounted(e) => json!({"node": e.node.as_str(), "segment": e.segment.as_str()}),
+        KvEvent::SegmentUnmounted(e) => {
+            json!({"node": e.node.as_str(), "segment": e.segment.as_str()})
+        }
         KvEvent::NodeLost(e) => json!({"node": e.node.as_str()}),
         KvEvent::PutCommitted(e) => json!({
             "key": e.key, "key_hash": format!("{:016x}", e.key_hash), "size": e.size,
@@ -74,7 +79,11 @@ fn event_text(event: &KvEvent) -> String {
                 e.size,
                 e.checksum,
                 replicas.join(","),
-                if e.flags.hard_pinned() { " hard_pin" } else { "" }
+                if e.flags.hard_pinned() {
+                    " hard_pin"
+                } else {
+                    ""
+                }
             )
         }
         KvEvent::Evicted(e) => format!("{} keys={:?}", e.keys.len(), e.keys),
@@ -121,13 +130,36 @@ impl Renderer {
     }
 
     /// The line of a message that does not decode at all.
-    pub fn bad_message(&self, subcluster: &SubclusterId, entry: &LogEntry, error: &DecodeError) -> String {
-        self.error_line(subcluster, Some(entry.seq), None, &format!("undecodable message ({} bytes): {error}", entry.payload.len()))
+    pub fn bad_message(
+        &self,
+        subcluster: &SubclusterId,
+        entry: &LogEntry,
+        error: &DecodeError,
+    ) -> String {
+        self.error_line(
+            subcluster,
+            Some(entry.seq),
+            None,
+            &format!(
+                "undecodable message ({} bytes): {error}",
+                entry.payload.len()
+            ),
+        )
     }
 
     /// The line of one event that does not decode.
-    pub fn bad_event(&self, subcluster: &SubclusterId, entry: &LogEntry, error: &EventError) -> String {
-        self.error_line(subcluster, Some(entry.seq), Some(error.index), &error.kind.to_string())
+    pub fn bad_event(
+        &self,
+        subcluster: &SubclusterId,
+        entry: &LogEntry,
+        error: &EventError,
+    ) -> String {
+        self.error_line(
+            subcluster,
+            Some(entry.seq),
+            Some(error.index),
+            &error.kind.to_string(),
+        )
     }
 
     /// The line of a failed read (the stream's replay ends after it).
@@ -135,7 +167,13 @@ impl Renderer {
         self.error_line(subcluster, None, None, &error.to_string())
     }
 
-    fn error_line(&self, subcluster: &SubclusterId, seq: Option<u64>, index: Option<usize>, what: &str) -> String {
+    fn error_line(
+        &self,
+        subcluster: &SubclusterId,
+        seq: Option<u64>,
+        index: Option<usize>,
+        what: &str,
+    ) -> String {
         match self.format {
             OutputFormat::Text => {
                 let at = match (seq, index) {

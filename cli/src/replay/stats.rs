@@ -44,14 +44,20 @@ impl Stats {
 
     /// Counts a message that did not decode.
     pub fn record_bad_message(&mut self, subcluster: &SubclusterId) {
-        self.per_stream.entry(subcluster.clone()).or_default().bad_messages += 1;
+        self.per_stream
+            .entry(subcluster.clone())
+            .or_default()
+            .bad_messages += 1;
     }
 
     /// Counts one event.
     pub fn record_event(&mut self, subcluster: &SubclusterId, kind: EventKind) {
         self.events += 1;
         *self.per_kind.entry(kind).or_default() += 1;
-        self.per_stream.entry(subcluster.clone()).or_default().events += 1;
+        self.per_stream
+            .entry(subcluster.clone())
+            .or_default()
+            .events += 1;
     }
 
     /// Prints the summary.
@@ -82,7 +88,11 @@ impl Stats {
                 writeln!(out, "{summary}")
             }
             OutputFormat::Text => {
-                writeln!(out, "events: {} (undecodable events: {}, read errors: {})", self.events, self.bad_events, self.stream_errors)?;
+                writeln!(
+                    out,
+                    "events: {} (undecodable events: {}, read errors: {})",
+                    self.events, self.bad_events, self.stream_errors
+                )?;
                 writeln!(out, "{:<20} {:>12}", "kind", "events")?;
                 for (kind, count) in &self.per_kind {
                     writeln!(out, "{:<20} {:>12}", kind.name(), count)?;
@@ -97,8 +107,13 @@ impl Stats {
                     writeln!(
                         out,
                         "{:<20} {:>10} {:>12} {:>10} {:>8} {:>10} {:>10}",
-                        sc.as_str(), s.messages, s.bytes, s.events, s.bad_messages,
-                        seq(s.first_seq), seq(s.last_seq)
+                        sc.as_str(),
+                        s.messages,
+                        s.bytes,
+                        s.events,
+                        s.bad_messages,
+                        seq(s.first_seq),
+                        seq(s.last_seq)
                     )?;
                 }
                 Ok(())

@@ -167,7 +167,9 @@ impl EventLog for MemoryLog {
 
     async fn first_seq_since(&self, unix_ms: u64) -> Result<u64, LogError> {
         let state = self.lock();
-        let index = state.entries.partition_point(|entry| entry.unix_ms < unix_ms);
+        let index = state
+            .entries
+            .partition_point(|entry| entry.unix_ms < unix_ms);
         Ok(state.first_seq + index as u64)
     }
 

@@ -1,0 +1,94 @@
+//! `hkvm bench <workload>`: benchmarks that report every figure as a ratio against a
+//! baseline measured in the same run (this machine is noisy), as a table or as one
+//! JSON object per result line (`--json`). Workloads start what they need (a
+//! nats-server child from the test kit) unless given `--nats`.
+
+mod alloc;
+mod events;
+mod report;
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use hkvm_testkit::NatsServer;
+
+pub use alloc::CountingAllocator;
+
+/// Options of `hkvm bench`.
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// What to measure.
+    #[arg(value_enum)]
+    workload: Workload,
+    /// One JSON object per result line instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Small sizes, for CI and smoke runs.
+    #[arg(long)]
+    quick: bool,
+    /// Use this NATS server instead of starting one (JetStream must be enabled).
+    #[arg(long)]
+    nats: Option<String>,
+}
+
+/// The workloads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Workload {
+    /// Event encode/decode, append and replay, against rmp-serde and raw JetStream.
+    Events,
+    /// Every workload.
+    All,
+}
+
+/// The NATS server a benchmark runs against: given, or a child we own.
+pub struct BenchNats {
+    url: String,
+    _child: Option<NatsServer>,
+}
+
+impl BenchNats {
+    async fn new(url: Option<String>) -> anyhow::Result<Self> {
+        match url {
+            Some(url) => Ok(Self { url, _child: None }),
+            None => {
+                let server = NatsServer::start()
+                    .await
+                    .context("starting a nats-server for the benchmark")?;
+                Ok(Self {
+                    url: server.url(),
+                    _child: Some(server),
+                })
+            }
+        }
+    }
+
+    /// Connects a client with a generous ack timeout (benchmarks push hard).
+    async fn connect(&self) -> anyhow::Result<async_nats::Client> {
+        async_nats::ConnectOptions::new()
+            .request_timeout(Some(Duration::from_secs(30)))
+            .connect(self.url.as_str())
+            .await
+            .with_context(|| format!("connecting to {}", self.url))
+    }
+}
+
+/// Runs the benchmark and prints its results.
+///
+/// # Errors
+/// When the environment cannot be set up or a step fails.
+pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let nats = BenchNats::new(args.nats.clone()).await?;
+    let mut printer = report::Printer::new(args.json);
+    let workloads = match args.workload {
+        Workload::All => vec![Workload::Events],
+        one => vec![one],
+    };
+    for workload in workloads {
+        match workload {
+            Workload::Events => events::run(&nats, args.quick, &mut printer).await?,
+            Workload::All => {}
+        }
+    }
+    printer.finish();
+    Ok(())
+}
