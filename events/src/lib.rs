@@ -8,6 +8,7 @@ pub mod error;
 pub mod event;
 pub mod id;
 pub mod limits;
+pub mod rpc;
 pub mod log;
 pub mod stream;
 pub mod subject;

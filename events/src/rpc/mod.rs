@@ -1,0 +1,126 @@
+//! RPC wire types: every request and reply exchanged over NATS request/reply, so
+//! that clients depend on this crate only, never on a server crate. Requests and
+//! replies are MessagePack maps (named fields: unknown fields are skipped, missing
+//! optional ones default). Every reply is an [`RpcReply`]: the operation's result or
+//! an [`RpcError`] with a code the caller can act on (`Busy` means retry later).
+
+pub mod submaster;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+/// Largest request or reply body accepted (below the NATS default `max_payload`).
+pub const MAX_RPC_BYTES: usize = 1 << 20;
+
+/// What went wrong with a request, for the caller to act on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum RpcErrorCode {
+    /// The server is recovering or overloaded: retry after the given delay, with
+    /// jitter. Never a reason to give up.
+    #[error("busy, retry after {retry_after_ms} ms")]
+    Busy {
+        /// Suggested delay before retrying.
+        retry_after_ms: u64,
+    },
+    /// The request does not decode or breaks a limit.
+    #[error("invalid request")]
+    InvalidRequest,
+    /// The caller is not registered (e.g. a node pinging before mounting).
+    #[error("unknown caller")]
+    UnknownCaller,
+    /// The server lost leadership while handling the request; retry (the new leader
+    /// answers on the same subject).
+    #[error("not the leader")]
+    NotLeader,
+    /// The server failed internally (the event log refused an append).
+    #[error("internal error")]
+    Internal,
+}
+
+/// An error reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct RpcError {
+    /// What went wrong.
+    #[serde(rename = "c")]
+    pub code: RpcErrorCode,
+    /// A human-readable explanation.
+    #[serde(rename = "m")]
+    pub message: String,
+}
+
+impl RpcError {
+    /// An error with `code` and `message`.
+    pub fn new(code: RpcErrorCode, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+        }
+    }
+
+    /// A `Busy` error asking to retry after `retry_after_ms`.
+    pub fn busy(retry_after_ms: u64, message: impl Into<String>) -> Self {
+        Self::new(RpcErrorCode::Busy { retry_after_ms }, message)
+    }
+
+    /// An `InvalidRequest` error.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(RpcErrorCode::InvalidRequest, message)
+    }
+}
+
+/// Every reply on the wire: the result, or an error.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RpcReply<T> {
+    /// The operation ran; per-item outcomes are inside `T` for batch operations.
+    #[serde(rename = "ok")]
+    Ok(T),
+    /// The operation did not run.
+    #[serde(rename = "err")]
+    Err(RpcError),
+}
+
+impl<T> From<Result<T, RpcError>> for RpcReply<T> {
+    fn from(result: Result<T, RpcError>) -> Self {
+        match result {
+            Ok(value) => Self::Ok(value),
+            Err(error) => Self::Err(error),
+        }
+    }
+}
+
+impl<T> RpcReply<T> {
+    /// The reply as a `Result`.
+    ///
+    /// # Errors
+    /// The carried [`RpcError`].
+    pub fn into_result(self) -> Result<T, RpcError> {
+        match self {
+            Self::Ok(value) => Ok(value),
+            Self::Err(error) => Err(error),
+        }
+    }
+}
+
+/// Encodes a request or reply (named-field MessagePack).
+///
+/// # Errors
+/// [`RpcError`] with `Internal` if serialization fails (it does not for these types).
+pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, RpcError> {
+    rmp_serde::to_vec_named(value)
+        .map_err(|e| RpcError::new(RpcErrorCode::Internal, format!("encoding: {e}")))
+}
+
+/// Decodes a request or reply, refusing oversized bodies.
+///
+/// # Errors
+/// [`RpcErrorCode::InvalidRequest`] naming what did not decode.
+pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, RpcError> {
+    if bytes.len() > MAX_RPC_BYTES {
+        return Err(RpcError::invalid(format!(
+            "body of {} bytes exceeds {MAX_RPC_BYTES}",
+            bytes.len()
+        )));
+    }
+    rmp_serde::from_slice(bytes).map_err(|e| RpcError::invalid(format!("malformed body: {e}")))
+}

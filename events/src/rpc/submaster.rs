@@ -1,0 +1,343 @@
+//! Sub-master RPCs (Mooncake-master semantics), one subject per operation:
+//! `hkvm.<cluster>.<subcluster>.rpc.<op>` with `op` from [`Op::name`]. Batch
+//! operations answer one [`ItemResult`] per item, in request order.
+
+use serde::{Deserialize, Serialize};
+
+use crate::id::{NodeId, SegmentId};
+
+/// The sub-master operations and their subject suffixes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// [`MountSegment`].
+    MountSegment,
+    /// [`UnmountSegment`].
+    UnmountSegment,
+    /// [`Remount`].
+    Remount,
+    /// [`Ping`].
+    Ping,
+    /// [`PutStart`].
+    PutStart,
+    /// [`PutEnd`].
+    PutEnd,
+    /// [`PutRevoke`].
+    PutRevoke,
+    /// [`GetReplicaList`].
+    GetReplicaList,
+    /// [`Exist`].
+    Exist,
+    /// [`Remove`].
+    Remove,
+    /// [`RemoveAll`].
+    RemoveAll,
+    /// [`Status`].
+    Status,
+}
+
+impl Op {
+    /// Every operation.
+    pub const ALL: [Op; 12] = [
+        Op::MountSegment,
+        Op::UnmountSegment,
+        Op::Remount,
+        Op::Ping,
+        Op::PutStart,
+        Op::PutEnd,
+        Op::PutRevoke,
+        Op::GetReplicaList,
+        Op::Exist,
+        Op::Remove,
+        Op::RemoveAll,
+        Op::Status,
+    ];
+
+    /// The last subject token.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::MountSegment => "mount_segment",
+            Op::UnmountSegment => "unmount_segment",
+            Op::Remount => "remount",
+            Op::Ping => "ping",
+            Op::PutStart => "put_start",
+            Op::PutEnd => "put_end",
+            Op::PutRevoke => "put_revoke",
+            Op::GetReplicaList => "get_replica_list",
+            Op::Exist => "exist",
+            Op::Remove => "remove",
+            Op::RemoveAll => "remove_all",
+            Op::Status => "status",
+        }
+    }
+
+    /// The operation with this subject token.
+    pub fn from_name(name: &str) -> Option<Op> {
+        Op::ALL.into_iter().find(|op| op.name() == name)
+    }
+}
+
+/// Why one item of a batch failed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum ItemError {
+    /// No such object (or not complete yet, for reads).
+    #[error("not found")]
+    NotFound,
+    /// A complete object or a pending put already holds the key.
+    #[error("already exists")]
+    AlreadyExists,
+    /// Not enough free space on enough distinct nodes.
+    #[error("no space for {replicas} replicas of {size} bytes")]
+    NoSpace {
+        /// Replicas asked for.
+        replicas: u32,
+        /// Object size.
+        size: u64,
+    },
+    /// The object is leased by a reader; use `force` to remove anyway.
+    #[error("leased by a reader")]
+    Leased,
+    /// `put_end` or `put_revoke` for a key without a pending put (never started,
+    /// already ended, revoked, timed out, or lost in a leader change).
+    #[error("no pending put")]
+    NoPendingPut,
+    /// The checksum given to `put_end` is missing or the put was already ended.
+    #[error("invalid item: {0}")]
+    Invalid(String),
+}
+
+/// One item's outcome in a batch reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ItemResult<T> {
+    /// Success.
+    #[serde(rename = "ok")]
+    Ok(T),
+    /// Failure of this item only.
+    #[serde(rename = "err")]
+    Err(ItemError),
+}
+
+impl<T> From<Result<T, ItemError>> for ItemResult<T> {
+    fn from(result: Result<T, ItemError>) -> Self {
+        match result {
+            Ok(value) => Self::Ok(value),
+            Err(error) => Self::Err(error),
+        }
+    }
+}
+
+impl<T> ItemResult<T> {
+    /// The outcome as a `Result`.
+    ///
+    /// # Errors
+    /// The item's [`ItemError`].
+    pub fn into_result(self) -> Result<T, ItemError> {
+        match self {
+            Self::Ok(value) => Ok(value),
+            Self::Err(error) => Err(error),
+        }
+    }
+}
+
+/// Where a replica lives, with what a client needs to reach it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaLocation {
+    /// The node owning the segment.
+    pub node: NodeId,
+    /// The segment.
+    pub segment: SegmentId,
+    /// The node's transfer endpoint (`host:port`).
+    pub endpoint: String,
+    /// Byte offset inside the segment.
+    pub offset: u64,
+}
+
+/// A node mounts a memory segment (or re-announces it after a leader change).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MountSegment {
+    /// The node.
+    pub node: NodeId,
+    /// The segment's name.
+    pub segment: SegmentId,
+    /// Size in bytes.
+    pub size: u64,
+    /// Transfer endpoint (`host:port`).
+    pub endpoint: String,
+}
+
+/// A node unmounts a segment: every object with a replica there loses it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnmountSegment {
+    /// The node.
+    pub node: NodeId,
+    /// The segment.
+    pub segment: SegmentId,
+}
+
+/// A node re-announces all its segments (after `PingReply::need_remount`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Remount {
+    /// The node.
+    pub node: NodeId,
+    /// All its segments.
+    pub segments: Vec<MountSegment>,
+}
+
+/// Node liveness; a node silent past its timeout is declared lost.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ping {
+    /// The node.
+    pub node: NodeId,
+}
+
+/// The answer to a ping.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PingReply {
+    /// The serving leader's epoch.
+    pub epoch: u64,
+    /// The leader does not know this node's segments: send [`Remount`].
+    pub need_remount: bool,
+}
+
+/// Reserve space for new objects (batch).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PutStart {
+    /// One item per object.
+    pub items: Vec<PutStartItem>,
+}
+
+/// One object to reserve space for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PutStartItem {
+    /// The key.
+    pub key: String,
+    /// Value size in bytes.
+    pub size: u64,
+    /// Replicas wanted, on distinct nodes.
+    pub replicas: u32,
+    /// Put the first replica on this segment if it has room.
+    #[serde(default)]
+    pub preferred_segment: Option<SegmentId>,
+    /// Never evict this object.
+    #[serde(default)]
+    pub hard_pin: bool,
+}
+
+/// The reply to [`PutStart`]: per item, where to write the replicas.
+pub type PutStartReply = Vec<ItemResult<Vec<ReplicaLocation>>>;
+
+/// Commit written objects (batch).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PutEnd {
+    /// One item per object.
+    pub items: Vec<PutEndItem>,
+}
+
+/// One object to commit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PutEndItem {
+    /// The key.
+    pub key: String,
+    /// xxh3-64 of the value as written.
+    pub checksum: u64,
+}
+
+/// The reply to [`PutEnd`].
+pub type PutEndReply = Vec<ItemResult<()>>;
+
+/// Abandon pending puts (batch).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PutRevoke {
+    /// The keys.
+    pub keys: Vec<String>,
+}
+
+/// The reply to [`PutRevoke`].
+pub type PutRevokeReply = Vec<ItemResult<()>>;
+
+/// Where complete objects are, with a read lease (batch).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GetReplicaList {
+    /// The keys.
+    pub keys: Vec<String>,
+}
+
+/// One object's replicas.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaList {
+    /// Value size.
+    pub size: u64,
+    /// xxh3-64 of the value.
+    pub checksum: u64,
+    /// The replicas.
+    pub replicas: Vec<ReplicaLocation>,
+    /// How long the read lease lasts, from now.
+    pub lease_ms: u64,
+}
+
+/// The reply to [`GetReplicaList`].
+pub type GetReplicaListReply = Vec<ItemResult<ReplicaList>>;
+
+/// Which keys exist as complete objects (batch).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Exist {
+    /// The keys.
+    pub keys: Vec<String>,
+}
+
+/// The reply to [`Exist`]: one flag per key.
+pub type ExistReply = Vec<bool>;
+
+/// Remove objects (batch).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Remove {
+    /// The keys.
+    pub keys: Vec<String>,
+    /// Remove even if leased.
+    #[serde(default)]
+    pub force: bool,
+}
+
+/// The reply to [`Remove`].
+pub type RemoveReply = Vec<ItemResult<()>>;
+
+/// Remove every object.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoveAll {
+    /// Remove even leased objects.
+    #[serde(default)]
+    pub force: bool,
+}
+
+/// The reply to [`RemoveAll`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoveAllReply {
+    /// How many objects were removed.
+    pub removed: u64,
+}
+
+/// Ask for the sub-master's state summary.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Status {}
+
+/// A sub-master's state summary.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatusReply {
+    /// The serving instance.
+    pub producer: String,
+    /// Its leadership epoch.
+    pub epoch: u64,
+    /// Last applied stream sequence.
+    pub applied_seq: u64,
+    /// Complete objects.
+    pub objects: u64,
+    /// Pending puts.
+    pub pending_puts: u64,
+    /// Mounted segments.
+    pub segments: u64,
+    /// Live nodes.
+    pub nodes: u64,
+    /// Bytes allocated (complete + pending, all replicas).
+    pub used_bytes: u64,
+    /// Bytes mounted.
+    pub capacity_bytes: u64,
+}
