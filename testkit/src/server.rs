@@ -25,6 +25,8 @@ pub struct ServerOptions {
     pub extra_config: String,
     /// How long to wait for `/healthz` to answer 200.
     pub ready_timeout: Duration,
+    /// A fixed client port; an ephemeral one when `None`.
+    pub client_port: Option<u16>,
 }
 
 impl Default for ServerOptions {
@@ -34,6 +36,7 @@ impl Default for ServerOptions {
             jetstream: true,
             extra_config: String::new(),
             ready_timeout: Duration::from_secs(30),
+            client_port: None,
         }
     }
 }
@@ -91,8 +94,12 @@ impl NatsServer {
     ) -> Result<Self, TestkitError> {
         let binary = find_nats_server()?;
         let dir = tempfile::Builder::new().prefix("hkvm-nats-").tempdir()?;
+        let client_port = match options.client_port {
+            Some(port) => port,
+            None => free_port()?,
+        };
         let server = Self {
-            client_port: free_port()?,
+            client_port,
             monitor_port: free_port()?,
             options,
             binary,
