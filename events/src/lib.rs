@@ -10,6 +10,7 @@ pub mod id;
 pub mod limits;
 pub mod rpc;
 pub mod log;
+pub mod registry;
 pub mod stream;
 pub mod subject;
 

@@ -1,0 +1,347 @@
+//! The sub-master registry: every sub-master announces itself (id, sub-cluster,
+//! RPC subjects, labels, capacity, stream position) in one JetStream KV bucket per
+//! cluster (`hkvm_<cluster>_registry`), keyed by sub-cluster id, and re-announces it
+//! as a heartbeat every second or two. The bucket's `max_age` is the liveness TTL: a
+//! sub-master silent for longer than the TTL disappears from the bucket. Global
+//! masters and `hkvm status` list and watch the bucket.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_nats::jetstream::{self, kv};
+use futures::{Stream, StreamExt as _};
+use serde::{Deserialize, Serialize};
+
+use crate::id::{ClusterId, ProducerId, SubclusterId};
+use crate::subject::bucket_name;
+
+/// The purpose part of the registry bucket name.
+pub const REGISTRY_PURPOSE: &str = "registry";
+/// The liveness TTL used when none is configured.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(10);
+
+/// What one sub-master says about itself (MessagePack, named fields).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SubmasterInfo {
+    /// The serving sub-master instance.
+    pub id: ProducerId,
+    /// Its cluster.
+    pub cluster: ClusterId,
+    /// The sub-cluster it is authoritative for (the registry key).
+    pub subcluster: SubclusterId,
+    /// Prefix of its RPC subjects (`hkvm.<cluster>.<subcluster>.rpc`).
+    pub rpc_prefix: String,
+    /// Free-form labels (e.g. `pool=prefill`, `zone=a`), used to partition answers.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// Bytes mounted in the sub-cluster.
+    #[serde(default)]
+    pub capacity_bytes: u64,
+    /// Bytes allocated.
+    #[serde(default)]
+    pub used_bytes: u64,
+    /// Complete objects.
+    #[serde(default)]
+    pub objects: u64,
+    /// The sub-master's leadership epoch.
+    #[serde(default)]
+    pub epoch: u64,
+    /// The JetStream stream holding its events.
+    pub stream: String,
+    /// The last stream sequence it appended or applied.
+    #[serde(default)]
+    pub last_seq: u64,
+    /// When this announcement was made, Unix milliseconds.
+    #[serde(default)]
+    pub unix_ms: u64,
+}
+
+/// A registry entry as read back, with its liveness.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Registered {
+    /// The announcement.
+    pub info: SubmasterInfo,
+    /// Whether its last heartbeat is younger than the TTL.
+    pub alive: bool,
+    /// Age of the last heartbeat in milliseconds (by the bucket's clock).
+    pub age_ms: u64,
+}
+
+/// A change seen by [`watch`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RegistryChange {
+    /// A sub-master registered or heartbeat.
+    Put(SubmasterInfo),
+    /// A sub-master's entry was deleted (graceful deregistration).
+    Deleted(SubclusterId),
+}
+
+/// What went wrong talking to the registry.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegistryErrorKind {
+    /// The bucket does not exist (no sub-master ever registered).
+    #[error("registry bucket not found")]
+    BucketNotFound,
+    /// An entry does not decode.
+    #[error("malformed entry: {0}")]
+    Malformed(String),
+    /// The KV store failed or NATS is unreachable.
+    #[error("{0}")]
+    Transport(String),
+}
+
+/// A registry failure.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("registry {bucket}: {kind}")]
+pub struct RegistryError {
+    bucket: String,
+    kind: RegistryErrorKind,
+}
+
+impl RegistryError {
+    fn new(bucket: &str, kind: RegistryErrorKind) -> Self {
+        Self {
+            bucket: bucket.to_owned(),
+            kind,
+        }
+    }
+
+    fn transport(bucket: &str, cause: impl std::fmt::Display) -> Self {
+        Self::new(bucket, RegistryErrorKind::Transport(cause.to_string()))
+    }
+
+    /// What went wrong.
+    pub fn kind(&self) -> &RegistryErrorKind {
+        &self.kind
+    }
+}
+
+impl SubmasterInfo {
+    /// Encodes the announcement (named-field MessagePack).
+    ///
+    /// # Errors
+    /// [`RegistryErrorKind::Malformed`] if serialization fails (it does not).
+    pub fn encode(&self) -> Result<Vec<u8>, RegistryError> {
+        rmp_serde::to_vec_named(self)
+            .map_err(|e| RegistryError::new("-", RegistryErrorKind::Malformed(e.to_string())))
+    }
+
+    /// Decodes an announcement.
+    ///
+    /// # Errors
+    /// [`RegistryErrorKind::Malformed`] naming what did not decode.
+    pub fn decode(bytes: &[u8]) -> Result<Self, RegistryError> {
+        rmp_serde::from_slice(bytes)
+            .map_err(|e| RegistryError::new("-", RegistryErrorKind::Malformed(e.to_string())))
+    }
+}
+
+/// The current time in Unix milliseconds.
+pub fn now_unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// Creates the registry bucket of `cluster` (entries expire after `ttl`) or opens
+/// it if it exists.
+///
+/// # Errors
+/// [`RegistryErrorKind::Transport`] when JetStream refuses.
+pub async fn ensure_registry_bucket(
+    js: &jetstream::Context,
+    cluster: &ClusterId,
+    ttl: Duration,
+) -> Result<kv::Store, RegistryError> {
+    let bucket = bucket_name(cluster, REGISTRY_PURPOSE);
+    if let Ok(store) = js.get_key_value(&bucket).await {
+        return Ok(store);
+    }
+    js.create_key_value(kv::Config {
+        bucket: bucket.clone(),
+        description: format!("HKVM sub-master registry of cluster {cluster}"),
+        history: 1,
+        max_age: ttl,
+        storage: jetstream::stream::StorageType::Memory,
+        ..Default::default()
+    })
+    .await
+    .map_err(|e| RegistryError::transport(&bucket, e))
+}
+
+/// Opens the registry bucket of `cluster` without creating it.
+///
+/// # Errors
+/// [`RegistryErrorKind::BucketNotFound`] when no sub-master created it yet.
+pub async fn open_registry(
+    js: &jetstream::Context,
+    cluster: &ClusterId,
+) -> Result<kv::Store, RegistryError> {
+    let bucket = bucket_name(cluster, REGISTRY_PURPOSE);
+    js.get_key_value(&bucket)
+        .await
+        .map_err(|_| RegistryError::new(&bucket, RegistryErrorKind::BucketNotFound))
+}
+
+/// Registers `info` (or refreshes it: registering again is the heartbeat). The
+/// announcement's `unix_ms` is set to now.
+///
+/// # Errors
+/// [`RegistryErrorKind::Transport`] when the put fails.
+pub async fn register(store: &kv::Store, info: &SubmasterInfo) -> Result<u64, RegistryError> {
+    let mut info = info.clone();
+    info.unix_ms = now_unix_ms();
+    let bytes = info.encode()?;
+    store
+        .put(info.subcluster.as_str(), bytes.into())
+        .await
+        .map_err(|e| RegistryError::transport(&store.name, e))
+}
+
+/// Sends one heartbeat: the same as [`register`].
+///
+/// # Errors
+/// As for [`register`].
+pub async fn heartbeat(store: &kv::Store, info: &SubmasterInfo) -> Result<u64, RegistryError> {
+    register(store, info).await
+}
+
+/// Removes a sub-master's entry (graceful shutdown).
+///
+/// # Errors
+/// [`RegistryErrorKind::Transport`] when the delete fails.
+pub async fn deregister(store: &kv::Store, subcluster: &SubclusterId) -> Result<(), RegistryError> {
+    store
+        .delete(subcluster.as_str())
+        .await
+        .map_err(|e| RegistryError::transport(&store.name, e))
+}
+
+/// Every registered sub-master, sorted by sub-cluster, with liveness judged against
+/// `ttl`. Entries that do not decode are skipped with a warning.
+///
+/// # Errors
+/// [`RegistryErrorKind::Transport`] when listing fails.
+pub async fn list(store: &kv::Store, ttl: Duration) -> Result<Vec<Registered>, RegistryError> {
+    let mut keys = store
+        .keys()
+        .await
+        .map_err(|e| RegistryError::transport(&store.name, e))?;
+    let mut names = Vec::new();
+    while let Some(key) = keys.next().await {
+        names.push(key.map_err(|e| RegistryError::transport(&store.name, e))?);
+    }
+    names.sort();
+    let now = now_unix_ms();
+    let mut out = Vec::with_capacity(names.len());
+    for name in names {
+        let Some(entry) = store
+            .entry(name.as_str())
+            .await
+            .map_err(|e| RegistryError::transport(&store.name, e))?
+        else {
+            continue;
+        };
+        if entry.operation != kv::Operation::Put {
+            continue;
+        }
+        match SubmasterInfo::decode(&entry.value) {
+            Ok(info) => {
+                let created_ms =
+                    u64::try_from(entry.created.unix_timestamp_nanos() / 1_000_000).unwrap_or(0);
+                let age_ms = now.saturating_sub(created_ms);
+                out.push(Registered {
+                    alive: u128::from(age_ms) < ttl.as_millis(),
+                    age_ms,
+                    info,
+                });
+            }
+            Err(error) => tracing::warn!(key = %name, %error, "skipping a registry entry"),
+        }
+    }
+    Ok(out)
+}
+
+/// Watches the registry: first every current entry, then every change. Entries
+/// that do not decode are skipped with a warning; entries expiring by TTL are not
+/// reported (use [`list`] for liveness).
+///
+/// # Errors
+/// [`RegistryErrorKind::Transport`] when the watch cannot start; the stream yields
+/// an error when it breaks.
+pub async fn watch(
+    store: &kv::Store,
+) -> Result<impl Stream<Item = Result<RegistryChange, RegistryError>> + Send + 'static, RegistryError>
+{
+    let bucket = store.name.clone();
+    let watch = store
+        .watch_with_history(">")
+        .await
+        .map_err(|e| RegistryError::transport(&bucket, e))?;
+    Ok(watch.filter_map(move |entry| {
+        let bucket = bucket.clone();
+        async move {
+            let entry = match entry {
+                Ok(entry) => entry,
+                Err(e) => return Some(Err(RegistryError::transport(&bucket, e))),
+            };
+            match entry.operation {
+                kv::Operation::Put => match SubmasterInfo::decode(&entry.value) {
+                    Ok(info) => Some(Ok(RegistryChange::Put(info))),
+                    Err(error) => {
+                        tracing::warn!(key = %entry.key, %error, "skipping a registry entry");
+                        None
+                    }
+                },
+                kv::Operation::Delete | kv::Operation::Purge => SubclusterId::new(entry.key)
+                    .ok()
+                    .map(|sc| Ok(RegistryChange::Deleted(sc))),
+            }
+        }
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn info_round_trips_with_named_fields_and_defaults() {
+        let info = SubmasterInfo {
+            id: ProducerId::new("sm-0").unwrap(),
+            cluster: ClusterId::new("c").unwrap(),
+            subcluster: SubclusterId::new("sc-0").unwrap(),
+            rpc_prefix: "hkvm.c.sc-0.rpc".into(),
+            labels: BTreeMap::from([("pool".into(), "prefill".into())]),
+            capacity_bytes: 10,
+            used_bytes: 5,
+            objects: 2,
+            epoch: 3,
+            stream: "HKVM_c_sc-0".into(),
+            last_seq: 7,
+            unix_ms: 1,
+        };
+        let bytes = info.encode().unwrap();
+        assert_eq!(SubmasterInfo::decode(&bytes).unwrap(), info);
+        #[derive(Serialize)]
+        struct Minimal<'a> {
+            id: &'a str,
+            cluster: &'a str,
+            subcluster: &'a str,
+            rpc_prefix: &'a str,
+            stream: &'a str,
+        }
+        let minimal = rmp_serde::to_vec_named(&Minimal {
+            id: "sm",
+            cluster: "c",
+            subcluster: "sc-1",
+            rpc_prefix: "p",
+            stream: "s",
+        })
+        .unwrap();
+        let decoded = SubmasterInfo::decode(&minimal).unwrap();
+        assert!(decoded.labels.is_empty());
+        assert_eq!(decoded.last_seq, 0);
+        assert!(SubmasterInfo::decode(b"\xc1garbage").is_err());
+    }
+}
