@@ -1,2 +1,13 @@
 //! The sub-master: the authoritative, strongly consistent metadata master of one
 //! sub-cluster, whose state is a fold over its own JetStream event stream.
+//!
+//! - [`state`]: the state and the pure `apply` fold;
+//! - [`command`]: validating requests and deciding their events;
+//! - [`allocator`], [`placement`]: where replicas go;
+//! - the driver modules do the I/O: serving RPCs, appending through group commit,
+//!   snapshots, the leader lease and the hot standby.
+
+pub mod allocator;
+pub mod command;
+pub mod placement;
+pub mod state;

@@ -1,0 +1,261 @@
+//! Commands: validate a request against the state and decide the events it causes.
+//! The driver then applies those events ([`State::apply`]), appends them, and replies
+//! only once they are durable. Handlers may change ephemeral state (pending puts,
+//! leases, liveness) directly; durable state changes only through events.
+
+mod maintenance;
+mod objects;
+mod segments;
+
+use hkvm_events::rpc::submaster::{
+    Exist, ExistReply, GetReplicaList, GetReplicaListReply, MountSegment, Ping, PingReply, PutEnd,
+    PutEndReply, PutRevoke, PutRevokeReply, PutStart, PutStartReply, Remount, Remove, RemoveAll,
+    RemoveAllReply, RemoveReply, Status, StatusReply, UnmountSegment,
+};
+use hkvm_events::rpc::RpcError;
+use hkvm_events::{KvEvent, Limits};
+
+pub use maintenance::maintain;
+
+use crate::placement::PlacementStrategy;
+use crate::state::State;
+
+/// The rules commands follow.
+#[derive(Debug, Clone, Copy)]
+pub struct Policy {
+    /// Read lease granted by `get_replica_list`.
+    pub lease_ttl_ms: u64,
+    /// An un-ended `put_start` is reclaimed after this long.
+    pub put_timeout_ms: u64,
+    /// A node silent this long is declared lost.
+    pub node_timeout_ms: u64,
+    /// Eviction starts when used/capacity exceeds this.
+    pub high_watermark: f64,
+    /// Fraction of objects evicted per round.
+    pub evict_ratio: f64,
+    /// Where replicas go.
+    pub strategy: PlacementStrategy,
+    /// Most replicas per object.
+    pub max_replicas: u32,
+    /// Most items in one batch request.
+    pub max_batch: usize,
+    /// Key and size bounds.
+    pub limits: Limits,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            lease_ttl_ms: 10_000,
+            put_timeout_ms: 30_000,
+            node_timeout_ms: 10_000,
+            high_watermark: 0.90,
+            evict_ratio: 0.05,
+            strategy: PlacementStrategy::Random,
+            max_replicas: 8,
+            max_batch: 4096,
+            limits: Limits::default(),
+        }
+    }
+}
+
+/// A decoded request.
+#[derive(Debug, Clone)]
+pub enum Request {
+    /// See [`MountSegment`].
+    Mount(MountSegment),
+    /// See [`UnmountSegment`].
+    Unmount(UnmountSegment),
+    /// See [`Remount`].
+    Remount(Remount),
+    /// See [`Ping`].
+    Ping(Ping),
+    /// See [`PutStart`].
+    PutStart(PutStart),
+    /// See [`PutEnd`].
+    PutEnd(PutEnd),
+    /// See [`PutRevoke`].
+    PutRevoke(PutRevoke),
+    /// See [`GetReplicaList`].
+    GetReplicaList(GetReplicaList),
+    /// See [`Exist`].
+    Exist(Exist),
+    /// See [`Remove`].
+    Remove(Remove),
+    /// See [`RemoveAll`].
+    RemoveAll(RemoveAll),
+    /// See [`Status`].
+    Status(Status),
+}
+
+impl Request {
+    /// Whether the request reads objects (its reply must wait until every earlier
+    /// write is durable, so nobody sees state that could still be lost).
+    pub fn reads_objects(&self) -> bool {
+        matches!(
+            self,
+            Self::GetReplicaList(_) | Self::Exist(_) | Self::Status(_)
+        )
+    }
+}
+
+/// A typed reply.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reply {
+    /// Mount, unmount, remount.
+    Done,
+    /// Ping.
+    Ping(PingReply),
+    /// PutStart.
+    PutStart(PutStartReply),
+    /// PutEnd.
+    PutEnd(PutEndReply),
+    /// PutRevoke.
+    PutRevoke(PutRevokeReply),
+    /// GetReplicaList.
+    GetReplicaList(GetReplicaListReply),
+    /// Exist.
+    Exist(ExistReply),
+    /// Remove.
+    Remove(RemoveReply),
+    /// RemoveAll.
+    RemoveAll(RemoveAllReply),
+    /// Status.
+    Status(StatusReply),
+}
+
+/// What a command decided: events to append (and apply), and the reply to send once
+/// they are durable.
+#[derive(Debug)]
+pub struct Outcome {
+    /// Events, in order.
+    pub events: Vec<KvEvent>,
+    /// The reply.
+    pub reply: Reply,
+}
+
+impl Outcome {
+    fn reply(reply: Reply) -> Self {
+        Self {
+            events: Vec::new(),
+            reply,
+        }
+    }
+}
+
+/// Who is serving, for `Status` and `Ping` replies.
+#[derive(Debug, Clone)]
+pub struct ServingInfo {
+    /// The producer id of the serving instance.
+    pub producer: String,
+    /// Its leadership epoch.
+    pub epoch: u64,
+}
+
+fn check_batch(len: usize, policy: &Policy) -> Result<(), RpcError> {
+    if len > policy.max_batch {
+        return Err(RpcError::invalid(format!(
+            "batch of {len} items exceeds the limit of {}",
+            policy.max_batch
+        )));
+    }
+    Ok(())
+}
+
+/// Decides `request` at time `now_ms`. Events in the outcome must then be applied
+/// with [`State::apply`] before the next request is handled.
+///
+/// # Errors
+/// An [`RpcError`] when the request as a whole is invalid.
+pub fn handle(
+    state: &mut State,
+    request: Request,
+    now_ms: u64,
+    policy: &Policy,
+    serving: &ServingInfo,
+) -> Result<Outcome, RpcError> {
+    match request {
+        Request::Mount(mount) => segments::mount(state, mount, now_ms, policy),
+        Request::Unmount(unmount) => segments::unmount(state, &unmount),
+        Request::Remount(remount) => segments::remount(state, remount, now_ms, policy),
+        Request::Ping(ping) => Ok(segments::ping(state, &ping, now_ms, serving.epoch)),
+        Request::PutStart(put) => {
+            check_batch(put.items.len(), policy)?;
+            Ok(objects::put_start(state, put, now_ms, policy))
+        }
+        Request::PutEnd(put) => {
+            check_batch(put.items.len(), policy)?;
+            Ok(objects::put_end(state, put))
+        }
+        Request::PutRevoke(revoke) => {
+            check_batch(revoke.keys.len(), policy)?;
+            Ok(objects::put_revoke(state, revoke))
+        }
+        Request::GetReplicaList(get) => {
+            check_batch(get.keys.len(), policy)?;
+            Ok(objects::get_replica_list(state, get, now_ms, policy))
+        }
+        Request::Exist(exist) => {
+            check_batch(exist.keys.len(), policy)?;
+            Ok(Outcome::reply(Reply::Exist(
+                exist
+                    .keys
+                    .iter()
+                    .map(|key| state.object(key).is_some())
+                    .collect(),
+            )))
+        }
+        Request::Remove(remove) => {
+            check_batch(remove.keys.len(), policy)?;
+            Ok(objects::remove(state, remove, now_ms))
+        }
+        Request::RemoveAll(remove_all) => Ok(objects::remove_all(state, &remove_all, now_ms)),
+        Request::Status(Status {}) => Ok(Outcome::reply(Reply::Status(status(state, serving)))),
+    }
+}
+
+fn status(state: &State, serving: &ServingInfo) -> StatusReply {
+    let (capacity, used) = state.usage();
+    let nodes: std::collections::HashSet<_> =
+        state.segments().map(|(_, s)| s.node.clone()).collect();
+    StatusReply {
+        producer: serving.producer.clone(),
+        epoch: serving.epoch,
+        applied_seq: state.applied_seq,
+        objects: state.object_count() as u64,
+        pending_puts: state.pending.len() as u64,
+        segments: state.segments().count() as u64,
+        nodes: nodes.len() as u64,
+        used_bytes: used,
+        capacity_bytes: capacity,
+    }
+}
+
+/// Most keys per `Removed`/`Evicted` event.
+pub(crate) const KEYS_PER_EVENT: usize = 4096;
+/// Most key bytes per `Removed`/`Evicted` event, so one event stays far below the
+/// message size limit even with long keys.
+pub(crate) const KEY_BYTES_PER_EVENT: usize = 128 * 1024;
+
+/// Splits `keys` into events of at most [`KEYS_PER_EVENT`] keys and about
+/// [`KEY_BYTES_PER_EVENT`] key bytes, built by `make`.
+pub(crate) fn chunked(keys: Vec<String>, make: impl Fn(Vec<String>) -> KvEvent) -> Vec<KvEvent> {
+    let mut events = Vec::new();
+    let mut chunk = Vec::new();
+    let mut bytes = 0;
+    for key in keys {
+        bytes += key.len();
+        chunk.push(key);
+        if chunk.len() >= KEYS_PER_EVENT || bytes >= KEY_BYTES_PER_EVENT {
+            events.push(make(std::mem::take(&mut chunk)));
+            bytes = 0;
+        }
+    }
+    if !chunk.is_empty() {
+        events.push(make(chunk));
+    }
+    events
+}
+
+#[cfg(test)]
+mod tests;

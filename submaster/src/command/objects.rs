@@ -1,0 +1,232 @@
+//! Object commands: put_start / put_end / put_revoke, get_replica_list, remove and
+//! remove_all.
+
+use hkvm_events::rpc::submaster::{
+    GetReplicaList, ItemError, ItemResult, PutEnd, PutRevoke, PutStart, PutStartItem, Remove,
+    RemoveAll, RemoveAllReply, ReplicaList, ReplicaLocation,
+};
+use hkvm_events::{KvEvent, PutCommitted, PutFlags, Removed};
+
+use super::{chunked, Outcome, Policy, Reply};
+use crate::placement;
+use crate::state::{PendingPut, Replica, State};
+
+fn locations(state: &State, replicas: &[Replica]) -> Vec<ReplicaLocation> {
+    replicas
+        .iter()
+        .filter_map(|replica| {
+            let segment = state.segment(replica.slot)?;
+            Some(ReplicaLocation {
+                node: segment.node.clone(),
+                segment: segment.id.clone(),
+                endpoint: segment.endpoint.clone(),
+                offset: replica.offset,
+            })
+        })
+        .collect()
+}
+
+fn start_one(
+    state: &mut State,
+    item: PutStartItem,
+    now_ms: u64,
+    policy: &Policy,
+) -> Result<Vec<ReplicaLocation>, ItemError> {
+    policy
+        .limits
+        .check_key(&item.key)
+        .map_err(|e| ItemError::Invalid(e.to_string()))?;
+    if item.size == 0 || item.size > policy.limits.max_object_size {
+        return Err(ItemError::Invalid(format!(
+            "size {} is out of range",
+            item.size
+        )));
+    }
+    if item.replicas == 0 || item.replicas > policy.max_replicas {
+        return Err(ItemError::Invalid(format!(
+            "{} replicas asked; 1 to {} allowed",
+            item.replicas, policy.max_replicas
+        )));
+    }
+    if state.object(&item.key).is_some() || state.pending.contains_key(&item.key) {
+        return Err(ItemError::AlreadyExists);
+    }
+    let preferred = item
+        .preferred_segment
+        .as_ref()
+        .and_then(|s| state.slot_of(s));
+    let slots = placement::choose(
+        state,
+        item.size,
+        item.replicas as usize,
+        preferred,
+        policy.strategy,
+    );
+    if slots.len() < item.replicas as usize {
+        return Err(ItemError::NoSpace {
+            replicas: item.replicas,
+            size: item.size,
+        });
+    }
+    let mut replicas = Vec::with_capacity(slots.len());
+    for slot in slots {
+        let offset = state
+            .segment_mut(slot)
+            .and_then(|segment| segment.allocator.allocate(item.size));
+        match offset {
+            Some(offset) => replicas.push(Replica { slot, offset }),
+            None => {
+                // Cannot happen (choose() checked the room), but never leak space.
+                state.free_replicas(&replicas, item.size);
+                return Err(ItemError::NoSpace {
+                    replicas: item.replicas,
+                    size: item.size,
+                });
+            }
+        }
+    }
+    let reply = locations(state, &replicas);
+    state.pending.insert(
+        item.key,
+        PendingPut {
+            size: item.size,
+            replicas,
+            started_ms: now_ms,
+            hard_pin: item.hard_pin,
+        },
+    );
+    Ok(reply)
+}
+
+/// Reserves space for each item on distinct nodes (ephemeral: no event yet).
+pub(super) fn put_start(state: &mut State, put: PutStart, now_ms: u64, policy: &Policy) -> Outcome {
+    let results = put
+        .items
+        .into_iter()
+        .map(|item| ItemResult::from(start_one(state, item, now_ms, policy)))
+        .collect();
+    Outcome::reply(Reply::PutStart(results))
+}
+
+/// Commits pending puts: one `PutCommitted` event per item that had one.
+pub(super) fn put_end(state: &mut State, put: PutEnd) -> Outcome {
+    let mut events = Vec::new();
+    let mut results = Vec::with_capacity(put.items.len());
+    let mut seen = std::collections::HashSet::new();
+    for item in put.items {
+        let Some(pending) = state.pending.get(&item.key) else {
+            results.push(ItemResult::Err(ItemError::NoPendingPut));
+            continue;
+        };
+        if !seen.insert(item.key.clone()) {
+            results.push(ItemResult::Err(ItemError::Invalid(
+                "key repeated in one batch".into(),
+            )));
+            continue;
+        }
+        let mut event = PutCommitted::new(
+            item.key,
+            pending.size,
+            item.checksum,
+            state.placements(&pending.replicas),
+        );
+        if pending.hard_pin {
+            event.flags = PutFlags(PutFlags::HARD_PIN);
+        }
+        events.push(KvEvent::PutCommitted(event));
+        results.push(ItemResult::Ok(()));
+    }
+    Outcome {
+        events,
+        reply: Reply::PutEnd(results),
+    }
+}
+
+/// Abandons pending puts and frees their space (ephemeral: no event).
+pub(super) fn put_revoke(state: &mut State, revoke: PutRevoke) -> Outcome {
+    let results = revoke
+        .keys
+        .iter()
+        .map(|key| match state.pending.remove(key) {
+            Some(pending) => {
+                state.free_replicas(&pending.replicas, pending.size);
+                ItemResult::Ok(())
+            }
+            None => ItemResult::Err(ItemError::NoPendingPut),
+        })
+        .collect();
+    Outcome::reply(Reply::PutRevoke(results))
+}
+
+/// Where complete objects are; each found object gets a read lease.
+pub(super) fn get_replica_list(
+    state: &mut State,
+    get: GetReplicaList,
+    now_ms: u64,
+    policy: &Policy,
+) -> Outcome {
+    let lease_until = now_ms + policy.lease_ttl_ms;
+    let results = get
+        .keys
+        .iter()
+        .map(|key| {
+            let Some(object) = state.object_mut(key) else {
+                return ItemResult::Err(ItemError::NotFound);
+            };
+            object.lease_until_ms = object.lease_until_ms.max(lease_until);
+            let (size, checksum, replicas) =
+                (object.size, object.checksum, object.replicas.clone());
+            ItemResult::Ok(ReplicaList {
+                size,
+                checksum,
+                replicas: locations(state, &replicas),
+                lease_ms: policy.lease_ttl_ms,
+            })
+        })
+        .collect();
+    Outcome::reply(Reply::GetReplicaList(results))
+}
+
+/// Whether an object may be removed or evicted now without `force`.
+pub(crate) fn is_leased(state: &State, lease_until_ms: u64, now_ms: u64) -> bool {
+    lease_until_ms > now_ms || state.grace_until_ms > now_ms
+}
+
+/// Removes objects (leased ones only with `force`).
+pub(super) fn remove(state: &mut State, remove: Remove, now_ms: u64) -> Outcome {
+    let mut removed = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    let mut results = Vec::with_capacity(remove.keys.len());
+    for key in remove.keys {
+        let result = match state.object(&key) {
+            None => Err(ItemError::NotFound),
+            Some(object) if !remove.force && is_leased(state, object.lease_until_ms, now_ms) => {
+                Err(ItemError::Leased)
+            }
+            Some(_) if !seen.insert(key.clone()) => Err(ItemError::NotFound),
+            Some(_) => {
+                removed.push(key);
+                Ok(())
+            }
+        };
+        results.push(ItemResult::from(result));
+    }
+    Outcome {
+        events: chunked(removed, |keys| KvEvent::Removed(Removed { keys })),
+        reply: Reply::Remove(results),
+    }
+}
+
+/// Removes every object (leased ones only with `force`).
+pub(super) fn remove_all(state: &mut State, remove_all: &RemoveAll, now_ms: u64) -> Outcome {
+    let keys: Vec<String> = state
+        .objects()
+        .filter(|(_, object)| remove_all.force || !is_leased(state, object.lease_until_ms, now_ms))
+        .map(|(key, _)| key.to_owned())
+        .collect();
+    let removed = keys.len() as u64;
+    Outcome {
+        events: chunked(keys, |keys| KvEvent::Removed(Removed { keys })),
+        reply: Reply::RemoveAll(RemoveAllReply { removed }),
+    }
+}

@@ -1,0 +1,465 @@
+//! Pure tests of commands and `apply`, without NATS: every event a leader decides is
+//! also folded by a standby, which must end with the same durable state.
+
+use hkvm_events::rpc::submaster::{
+    Exist, GetReplicaList, ItemError, ItemResult, MountSegment, Ping, PutEnd, PutEndItem,
+    PutRevoke, PutStart, PutStartItem, Remount, Remove, RemoveAll, UnmountSegment,
+};
+use hkvm_events::{KvEvent, NodeId, SegmentId};
+
+use super::*;
+
+struct Harness {
+    leader: State,
+    standby: State,
+    log: Vec<KvEvent>,
+    now: u64,
+    policy: Policy,
+}
+
+impl Harness {
+    fn new() -> Self {
+        Self {
+            leader: State::new(),
+            standby: State::new(),
+            log: Vec::new(),
+            now: 1_000,
+            policy: Policy::default(),
+        }
+    }
+
+    fn commit(&mut self, events: Vec<KvEvent>) {
+        for event in &events {
+            self.leader.apply(event);
+            self.standby.apply(event);
+        }
+        self.log.extend(events);
+    }
+
+    fn run(&mut self, request: Request) -> Result<Reply, RpcError> {
+        let serving = ServingInfo {
+            producer: "sm-test".into(),
+            epoch: 1,
+        };
+        let outcome = handle(&mut self.leader, request, self.now, &self.policy, &serving)?;
+        self.commit(outcome.events);
+        Ok(outcome.reply)
+    }
+
+    fn tick(&mut self) {
+        let events = maintain(&mut self.leader, self.now, &self.policy);
+        self.commit(events);
+    }
+
+    fn mount(&mut self, node: &str, segment: &str, size: u64) {
+        let reply = self.run(Request::Mount(MountSegment {
+            node: NodeId::new(node).unwrap(),
+            segment: SegmentId::new(segment).unwrap(),
+            size,
+            endpoint: format!("{node}:7000"),
+        }));
+        assert_eq!(reply, Ok(Reply::Done));
+    }
+
+    fn put_start(
+        &mut self,
+        key: &str,
+        size: u64,
+        replicas: u32,
+    ) -> ItemResult<Vec<hkvm_events::rpc::submaster::ReplicaLocation>> {
+        let item = PutStartItem {
+            key: key.into(),
+            size,
+            replicas,
+            preferred_segment: None,
+            hard_pin: false,
+        };
+        match self.run(Request::PutStart(PutStart { items: vec![item] })) {
+            Ok(Reply::PutStart(mut results)) => results.remove(0),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn put(&mut self, key: &str, size: u64, replicas: u32) {
+        assert!(matches!(
+            self.put_start(key, size, replicas),
+            ItemResult::Ok(_)
+        ));
+        let reply = self.run(Request::PutEnd(PutEnd {
+            items: vec![PutEndItem {
+                key: key.into(),
+                checksum: 42,
+            }],
+        }));
+        assert_eq!(reply, Ok(Reply::PutEnd(vec![ItemResult::Ok(())])));
+    }
+
+    fn exists(&mut self, keys: &[&str]) -> Vec<bool> {
+        match self.run(Request::Exist(Exist {
+            keys: keys.iter().map(|k| (*k).to_owned()).collect(),
+        })) {
+            Ok(Reply::Exist(flags)) => flags,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn assert_standby_agrees(&self) {
+        assert!(
+            self.leader.same_durable_state(&self.standby),
+            "standby diverged"
+        );
+    }
+}
+
+fn three_nodes() -> Harness {
+    let mut h = Harness::new();
+    h.mount("n1", "s1", 1 << 20);
+    h.mount("n2", "s2", 1 << 20);
+    h.mount("n3", "s3", 1 << 20);
+    h
+}
+
+#[test]
+fn a_put_is_invisible_until_ended_and_then_everywhere() {
+    let mut h = three_nodes();
+    let ItemResult::Ok(placements) = h.put_start("k", 1000, 2) else {
+        panic!()
+    };
+    assert_eq!(placements.len(), 2);
+    assert_ne!(
+        placements[0].node, placements[1].node,
+        "replicas on distinct nodes"
+    );
+    assert_eq!(h.exists(&["k"]), vec![false]);
+    h.run(Request::PutEnd(PutEnd {
+        items: vec![PutEndItem {
+            key: "k".into(),
+            checksum: 7,
+        }],
+    }))
+    .unwrap();
+    assert_eq!(h.exists(&["k", "other"]), vec![true, false]);
+    let object = h.standby.object("k").unwrap();
+    assert_eq!((object.size, object.checksum), (1000, 7));
+    h.assert_standby_agrees();
+}
+
+#[test]
+fn put_errors_are_per_item() {
+    let mut h = three_nodes();
+    h.put("dup", 10, 1);
+    assert_eq!(
+        h.put_start("dup", 10, 1),
+        ItemResult::Err(ItemError::AlreadyExists)
+    );
+    assert!(matches!(
+        h.put_start("k", 10, 4),
+        ItemResult::Err(ItemError::NoSpace { replicas: 4, .. })
+    ));
+    assert!(matches!(
+        h.put_start("k", 0, 1),
+        ItemResult::Err(ItemError::Invalid(_))
+    ));
+    assert!(matches!(
+        h.put_start(&"x".repeat(5000), 10, 1),
+        ItemResult::Err(ItemError::Invalid(_))
+    ));
+    assert!(matches!(
+        h.put_start("big", 2 << 20, 1),
+        ItemResult::Err(ItemError::NoSpace { .. })
+    ));
+    let reply = h.run(Request::PutEnd(PutEnd {
+        items: vec![PutEndItem {
+            key: "never-started".into(),
+            checksum: 1,
+        }],
+    }));
+    assert_eq!(
+        reply,
+        Ok(Reply::PutEnd(vec![ItemResult::Err(
+            ItemError::NoPendingPut
+        )]))
+    );
+    let too_many = (0..5000)
+        .map(|i| PutStartItem {
+            key: format!("k{i}"),
+            size: 1,
+            replicas: 1,
+            preferred_segment: None,
+            hard_pin: false,
+        })
+        .collect();
+    assert!(h
+        .run(Request::PutStart(PutStart { items: too_many }))
+        .is_err());
+}
+
+#[test]
+fn revoke_and_timeout_free_the_space() {
+    let mut h = three_nodes();
+    let (_, free_before) = h.leader.usage();
+    assert!(matches!(h.put_start("r", 4096, 3), ItemResult::Ok(_)));
+    assert!(h.leader.usage().1 > free_before);
+    let reply = h.run(Request::PutRevoke(PutRevoke {
+        keys: vec!["r".into(), "r".into()],
+    }));
+    assert_eq!(
+        reply,
+        Ok(Reply::PutRevoke(vec![
+            ItemResult::Ok(()),
+            ItemResult::Err(ItemError::NoPendingPut)
+        ]))
+    );
+    assert_eq!(h.leader.usage().1, free_before);
+
+    assert!(matches!(h.put_start("t", 4096, 1), ItemResult::Ok(_)));
+    h.now += h.policy.put_timeout_ms;
+    // Keep the nodes alive while the clock moves.
+    for node in ["n1", "n2", "n3"] {
+        h.run(Request::Ping(Ping {
+            node: NodeId::new(node).unwrap(),
+        }))
+        .unwrap();
+    }
+    h.tick();
+    assert!(h.leader.pending.is_empty());
+    assert_eq!(h.leader.usage().1, free_before);
+    assert!(
+        h.log.iter().all(|e| !matches!(e, KvEvent::PutCommitted(_))),
+        "nothing was committed"
+    );
+}
+
+#[test]
+fn leases_block_removal_unless_forced() {
+    let mut h = three_nodes();
+    h.put("leased", 10, 1);
+    h.put("free", 10, 1);
+    h.run(Request::GetReplicaList(GetReplicaList {
+        keys: vec!["leased".into()],
+    }))
+    .unwrap();
+    let reply = h.run(Request::Remove(Remove {
+        keys: vec!["leased".into(), "free".into(), "missing".into()],
+        force: false,
+    }));
+    assert_eq!(
+        reply,
+        Ok(Reply::Remove(vec![
+            ItemResult::Err(ItemError::Leased),
+            ItemResult::Ok(()),
+            ItemResult::Err(ItemError::NotFound)
+        ]))
+    );
+    h.now += h.policy.lease_ttl_ms;
+    h.run(Request::Remove(Remove {
+        keys: vec!["leased".into()],
+        force: false,
+    }))
+    .unwrap();
+    assert_eq!(h.exists(&["leased", "free"]), vec![false, false]);
+    h.assert_standby_agrees();
+}
+
+#[test]
+fn remove_all_respects_leases_and_force() {
+    let mut h = three_nodes();
+    for i in 0..10 {
+        h.put(&format!("k{i}"), 100, 2);
+    }
+    h.run(Request::GetReplicaList(GetReplicaList {
+        keys: vec!["k3".into()],
+    }))
+    .unwrap();
+    assert!(matches!(
+        h.run(Request::RemoveAll(RemoveAll { force: false })),
+        Ok(Reply::RemoveAll(r)) if r.removed == 9
+    ));
+    assert_eq!(h.leader.object_count(), 1);
+    assert!(matches!(
+        h.run(Request::RemoveAll(RemoveAll { force: true })),
+        Ok(Reply::RemoveAll(r)) if r.removed == 1
+    ));
+    assert_eq!(h.leader.usage().1, 0, "all space is free again");
+    h.assert_standby_agrees();
+}
+
+#[test]
+fn eviction_is_oldest_first_and_spares_pinned_and_leased() {
+    let mut h = Harness::new();
+    h.mount("n1", "s1", 64 * 1024);
+    h.policy.evict_ratio = 0.25;
+    let pinned = PutStartItem {
+        key: "pinned".into(),
+        size: 4096,
+        replicas: 1,
+        preferred_segment: None,
+        hard_pin: true,
+    };
+    h.run(Request::PutStart(PutStart {
+        items: vec![pinned],
+    }))
+    .unwrap();
+    h.run(Request::PutEnd(PutEnd {
+        items: vec![PutEndItem {
+            key: "pinned".into(),
+            checksum: 1,
+        }],
+    }))
+    .unwrap();
+    for i in 0..14 {
+        h.put(&format!("k{i:02}"), 4096, 1);
+    }
+    h.run(Request::GetReplicaList(GetReplicaList {
+        keys: vec!["k00".into()],
+    }))
+    .unwrap();
+    h.tick();
+    let evicted: Vec<String> = h
+        .log
+        .iter()
+        .filter_map(|e| match e {
+            KvEvent::Evicted(e) => Some(e.keys.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    // 15 objects * 0.25 -> 4 evicted, oldest first, skipping pinned and leased k00.
+    assert_eq!(evicted, vec!["k01", "k02", "k03", "k04"]);
+    assert!(h.leader.object("pinned").is_some());
+    h.assert_standby_agrees();
+}
+
+#[test]
+fn a_silent_node_is_lost_with_the_objects_only_it_held() {
+    let mut h = three_nodes();
+    h.put("both", 10, 3);
+    h.put_start("only-n1", 10, 1);
+    // Force the single replica onto n1 by preferring its segment.
+    h.run(Request::PutRevoke(PutRevoke {
+        keys: vec!["only-n1".into()],
+    }))
+    .unwrap();
+    h.run(Request::PutStart(PutStart {
+        items: vec![PutStartItem {
+            key: "only-n1".into(),
+            size: 10,
+            replicas: 1,
+            preferred_segment: Some(SegmentId::new("s1").unwrap()),
+            hard_pin: false,
+        }],
+    }))
+    .unwrap();
+    h.run(Request::PutEnd(PutEnd {
+        items: vec![PutEndItem {
+            key: "only-n1".into(),
+            checksum: 3,
+        }],
+    }))
+    .unwrap();
+
+    h.now += h.policy.node_timeout_ms;
+    for node in ["n2", "n3"] {
+        h.run(Request::Ping(Ping {
+            node: NodeId::new(node).unwrap(),
+        }))
+        .unwrap();
+    }
+    h.tick();
+    assert!(h
+        .log
+        .iter()
+        .any(|e| matches!(e, KvEvent::NodeLost(l) if l.node.as_str() == "n1")));
+    assert_eq!(h.exists(&["both", "only-n1"]), vec![true, false]);
+    assert_eq!(h.leader.object("both").unwrap().replicas.len(), 2);
+    // The lost node must remount before it counts again.
+    let reply = h
+        .run(Request::Ping(Ping {
+            node: NodeId::new("n1").unwrap(),
+        }))
+        .unwrap();
+    assert!(matches!(reply, Reply::Ping(p) if p.need_remount));
+    h.assert_standby_agrees();
+}
+
+#[test]
+fn unmount_and_remount() {
+    let mut h = three_nodes();
+    h.put("k", 10, 3);
+    h.run(Request::Unmount(UnmountSegment {
+        node: NodeId::new("n2").unwrap(),
+        segment: SegmentId::new("s2").unwrap(),
+    }))
+    .unwrap();
+    assert_eq!(h.leader.object("k").unwrap().replicas.len(), 2);
+    let wrong_owner = h.run(Request::Unmount(UnmountSegment {
+        node: NodeId::new("n2").unwrap(),
+        segment: SegmentId::new("s1").unwrap(),
+    }));
+    assert!(wrong_owner.is_err());
+    // An identical remount records nothing; a moved endpoint is recorded.
+    let before = h.log.len();
+    let mount = MountSegment {
+        node: NodeId::new("n1").unwrap(),
+        segment: SegmentId::new("s1").unwrap(),
+        size: 1 << 20,
+        endpoint: "n1:7000".into(),
+    };
+    h.run(Request::Remount(Remount {
+        node: mount.node.clone(),
+        segments: vec![mount.clone()],
+    }))
+    .unwrap();
+    assert_eq!(h.log.len(), before);
+    let moved = MountSegment {
+        endpoint: "n1:7001".into(),
+        ..mount
+    };
+    h.run(Request::Remount(Remount {
+        node: moved.node.clone(),
+        segments: vec![moved],
+    }))
+    .unwrap();
+    assert_eq!(h.log.len(), before + 1);
+    assert_eq!(
+        h.standby
+            .segment(h.standby.slot_of(&SegmentId::new("s1").unwrap()).unwrap())
+            .unwrap()
+            .endpoint,
+        "n1:7001"
+    );
+    h.assert_standby_agrees();
+}
+
+#[test]
+fn the_allocator_is_rebuilt_from_events() {
+    let mut h = three_nodes();
+    for i in 0..50 {
+        h.put(&format!("k{i}"), 1000 + i * 37, 2);
+    }
+    for i in (0..50).step_by(3) {
+        h.run(Request::Remove(Remove {
+            keys: vec![format!("k{i}")],
+            force: true,
+        }))
+        .unwrap();
+    }
+    // A fresh standby folding the whole log gets identical free space per segment.
+    let mut fresh = State::new();
+    for event in &h.log {
+        fresh.apply(event);
+    }
+    assert!(fresh.same_durable_state(&h.leader));
+    // And a new object placed by the standby (after a takeover) cannot overlap.
+    let mut takeover = Harness {
+        leader: fresh,
+        ..Harness::new()
+    };
+    for i in 0..20 {
+        takeover.put(&format!("new{i}"), 2000, 2);
+    }
+    assert_eq!(
+        takeover.leader.anomalies,
+        crate::state::ApplyAnomalies::default()
+    );
+}

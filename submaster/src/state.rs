@@ -1,0 +1,419 @@
+//! The sub-master's state and `apply`, the pure fold over its event stream.
+//!
+//! State has two parts. The **durable** part (segments, allocators, complete
+//! objects, the applied sequence) changes only through [`State::apply`], so a standby
+//! that folds the same events holds the same state. The **ephemeral** part (pending
+//! puts, read leases, node liveness, the takeover grace period) lives only in the
+//! serving leader and is changed by command handlers directly; a new leader starts
+//! it afresh (pending puts are lost, every object is treated as leased for one lease
+//! TTL).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use hkvm_events::{KvEvent, NodeId, Placement, PutCommitted, PutFlags, SegmentId, SegmentMounted};
+
+use crate::allocator::SegmentAllocator;
+
+/// Index of a mounted segment in the state's segment table; objects refer to
+/// segments by slot so a replica costs 16 bytes, not a copy of the segment name.
+pub type Slot = u32;
+
+/// One replica of an object: a segment slot and an offset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Replica {
+    /// The segment's slot.
+    pub slot: Slot,
+    /// Byte offset inside the segment.
+    pub offset: u64,
+}
+
+/// A complete object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Object {
+    /// Value size.
+    pub size: u64,
+    /// xxh3-64 of the value.
+    pub checksum: u64,
+    /// Its replicas (at least one).
+    pub replicas: Box<[Replica]>,
+    /// Put flags (hard pin).
+    pub flags: PutFlags,
+    /// Commit order: smaller is older (eviction is oldest-first).
+    pub order: u64,
+    /// Ephemeral: read lease expiry in the state clock's milliseconds (0: none).
+    pub lease_until_ms: u64,
+}
+
+/// A mounted segment.
+#[derive(Debug, Clone)]
+pub struct Segment {
+    /// Its name.
+    pub id: SegmentId,
+    /// The owning node.
+    pub node: NodeId,
+    /// The node's transfer endpoint.
+    pub endpoint: String,
+    /// Free-space bookkeeping.
+    pub allocator: SegmentAllocator,
+}
+
+/// An ephemeral reservation made by `put_start`, committed by `put_end`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingPut {
+    /// Value size.
+    pub size: u64,
+    /// The reserved replicas.
+    pub replicas: Vec<Replica>,
+    /// When it started (state clock ms), for the put timeout.
+    pub started_ms: u64,
+    /// Whether the object will be hard-pinned.
+    pub hard_pin: bool,
+}
+
+/// Counters of events that did not fit the state (a bug or a corrupted stream);
+/// they are logged and counted, never a panic.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ApplyAnomalies {
+    /// A placement on an unknown segment was dropped.
+    pub unknown_segment: u64,
+    /// A placement overlapped space already in use.
+    pub overlapping_range: u64,
+}
+
+/// The whole state of one sub-cluster's master.
+#[derive(Debug, Default)]
+pub struct State {
+    /// Last applied stream sequence.
+    pub applied_seq: u64,
+    /// Highest leadership epoch seen in the stream.
+    pub max_epoch: u64,
+    slots: Vec<Option<Segment>>,
+    free_slots: Vec<Slot>,
+    by_segment: HashMap<SegmentId, Slot>,
+    objects: HashMap<Arc<str>, Object>,
+    next_order: u64,
+    /// Apply anomalies so far.
+    pub anomalies: ApplyAnomalies,
+    /// Ephemeral: pending puts by key.
+    pub pending: HashMap<String, PendingPut>,
+    /// Ephemeral: last ping of each live node (state clock ms).
+    pub liveness: HashMap<NodeId, u64>,
+    /// Ephemeral: until this time every object counts as leased (after takeover).
+    pub grace_until_ms: u64,
+}
+
+impl State {
+    /// An empty state.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Applies every event of the message stored at `seq` by a producer in `epoch`.
+    pub fn apply_message<'a>(
+        &mut self,
+        seq: u64,
+        epoch: u64,
+        events: impl IntoIterator<Item = &'a KvEvent>,
+    ) {
+        for event in events {
+            self.apply(event);
+        }
+        self.applied_seq = seq;
+        self.max_epoch = self.max_epoch.max(epoch);
+    }
+
+    /// Applies one event. Pure: the same events in the same order always give the
+    /// same durable state.
+    pub fn apply(&mut self, event: &KvEvent) {
+        match event {
+            KvEvent::SegmentMounted(mounted) => self.mount(mounted),
+            KvEvent::SegmentUnmounted(unmounted) => self.unmount(&unmounted.segment),
+            KvEvent::NodeLost(lost) => {
+                for segment in self.segments_of(&lost.node) {
+                    self.unmount(&segment);
+                }
+                self.liveness.remove(&lost.node);
+            }
+            KvEvent::PutCommitted(put) => self.commit_put(put),
+            KvEvent::Evicted(evicted) => {
+                for key in &evicted.keys {
+                    self.remove_object(key);
+                }
+            }
+            KvEvent::Removed(removed) => {
+                for key in &removed.keys {
+                    self.remove_object(key);
+                }
+            }
+            KvEvent::Snapshot(_) => {}
+        }
+    }
+
+    fn mount(&mut self, mounted: &SegmentMounted) {
+        if let Some(&slot) = self.by_segment.get(&mounted.segment) {
+            if let Some(Some(segment)) = self.slots.get_mut(slot as usize) {
+                // A remount (same name): refresh where it is served, keep its data.
+                segment.node = mounted.node.clone();
+                segment.endpoint.clone_from(&mounted.endpoint);
+                return;
+            }
+        }
+        let segment = Segment {
+            id: mounted.segment.clone(),
+            node: mounted.node.clone(),
+            endpoint: mounted.endpoint.clone(),
+            allocator: SegmentAllocator::new(mounted.size),
+        };
+        let slot = match self.free_slots.pop() {
+            Some(slot) => {
+                self.slots[slot as usize] = Some(segment);
+                slot
+            }
+            None => {
+                self.slots.push(Some(segment));
+                Slot::try_from(self.slots.len() - 1).unwrap_or(Slot::MAX)
+            }
+        };
+        self.by_segment.insert(mounted.segment.clone(), slot);
+    }
+
+    fn unmount(&mut self, segment: &SegmentId) {
+        let Some(slot) = self.by_segment.remove(segment) else {
+            return;
+        };
+        if let Some(entry) = self.slots.get_mut(slot as usize) {
+            *entry = None;
+        }
+        self.free_slots.push(slot);
+        // Replicas on it are gone; objects without any replica are gone.
+        self.objects.retain(|_, object| {
+            if object.replicas.iter().any(|r| r.slot == slot) {
+                let kept: Vec<Replica> = object
+                    .replicas
+                    .iter()
+                    .copied()
+                    .filter(|r| r.slot != slot)
+                    .collect();
+                object.replicas = kept.into_boxed_slice();
+            }
+            !object.replicas.is_empty()
+        });
+        self.pending
+            .retain(|_, pending| pending.replicas.iter().all(|r| r.slot != slot));
+    }
+
+    fn commit_put(&mut self, put: &PutCommitted) {
+        if let Some(old) = self.objects.get(put.key.as_str()).cloned() {
+            // Last writer wins (a leader never commits an existing key).
+            self.free_replicas(&old.replicas, old.size);
+            self.objects.remove(put.key.as_str());
+        }
+        let replicas: Vec<Replica> = match self.pending.remove(&put.key) {
+            Some(pending) if self.same_placements(&pending.replicas, &put.placements) => {
+                pending.replicas
+            }
+            other => {
+                if let Some(pending) = other {
+                    self.free_replicas(&pending.replicas, pending.size);
+                }
+                self.reserve_placements(&put.placements, put.size)
+            }
+        };
+        if replicas.is_empty() {
+            return;
+        }
+        let order = self.next_order;
+        self.next_order += 1;
+        self.objects.insert(
+            Arc::from(put.key.as_str()),
+            Object {
+                size: put.size,
+                checksum: put.checksum,
+                replicas: replicas.into_boxed_slice(),
+                flags: put.flags,
+                order,
+                lease_until_ms: 0,
+            },
+        );
+    }
+
+    fn same_placements(&self, replicas: &[Replica], placements: &[Placement]) -> bool {
+        replicas.len() == placements.len()
+            && replicas.iter().zip(placements).all(|(replica, placement)| {
+                self.by_segment.get(&placement.segment) == Some(&replica.slot)
+                    && replica.offset == placement.offset
+            })
+    }
+
+    fn reserve_placements(&mut self, placements: &[Placement], size: u64) -> Vec<Replica> {
+        let mut replicas = Vec::with_capacity(placements.len());
+        for placement in placements {
+            let Some(&slot) = self.by_segment.get(&placement.segment) else {
+                self.anomalies.unknown_segment += 1;
+                tracing::warn!(segment = %placement.segment, "put on an unknown segment; replica dropped");
+                continue;
+            };
+            if let Some(Some(segment)) = self.slots.get_mut(slot as usize) {
+                if segment
+                    .allocator
+                    .reserve_at(placement.offset, size)
+                    .is_err()
+                {
+                    self.anomalies.overlapping_range += 1;
+                    tracing::warn!(segment = %placement.segment, offset = placement.offset, size, "put overlaps used space");
+                }
+            }
+            replicas.push(Replica {
+                slot,
+                offset: placement.offset,
+            });
+        }
+        replicas
+    }
+
+    /// Frees the space of `replicas` of an object of `size` bytes.
+    pub fn free_replicas(&mut self, replicas: &[Replica], size: u64) {
+        for replica in replicas {
+            if let Some(Some(segment)) = self.slots.get_mut(replica.slot as usize) {
+                segment.allocator.free(replica.offset, size);
+            }
+        }
+    }
+
+    fn remove_object(&mut self, key: &str) {
+        if let Some(object) = self.objects.remove(key) {
+            self.free_replicas(&object.replicas, object.size);
+        }
+    }
+
+    // ---- queries ---------------------------------------------------------------
+
+    /// A complete object.
+    pub fn object(&self, key: &str) -> Option<&Object> {
+        self.objects.get(key)
+    }
+
+    /// A complete object, mutably (for ephemeral lease updates).
+    pub fn object_mut(&mut self, key: &str) -> Option<&mut Object> {
+        self.objects.get_mut(key)
+    }
+
+    /// All complete objects.
+    pub fn objects(&self) -> impl Iterator<Item = (&str, &Object)> {
+        self.objects.iter().map(|(key, object)| (&**key, object))
+    }
+
+    /// Number of complete objects.
+    pub fn object_count(&self) -> usize {
+        self.objects.len()
+    }
+
+    /// A segment by slot.
+    pub fn segment(&self, slot: Slot) -> Option<&Segment> {
+        self.slots.get(slot as usize).and_then(Option::as_ref)
+    }
+
+    /// A segment by slot, mutably (for ephemeral reservations).
+    pub fn segment_mut(&mut self, slot: Slot) -> Option<&mut Segment> {
+        self.slots.get_mut(slot as usize).and_then(Option::as_mut)
+    }
+
+    /// The slot of a segment.
+    pub fn slot_of(&self, segment: &SegmentId) -> Option<Slot> {
+        self.by_segment.get(segment).copied()
+    }
+
+    /// Every mounted segment with its slot.
+    pub fn segments(&self) -> impl Iterator<Item = (Slot, &Segment)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, segment)| Some((Slot::try_from(slot).ok()?, segment.as_ref()?)))
+    }
+
+    /// The segments a node has mounted.
+    pub fn segments_of(&self, node: &NodeId) -> Vec<SegmentId> {
+        self.segments()
+            .filter(|(_, segment)| &segment.node == node)
+            .map(|(_, segment)| segment.id.clone())
+            .collect()
+    }
+
+    /// Whether a node has any segment mounted.
+    pub fn knows_node(&self, node: &NodeId) -> bool {
+        self.segments().any(|(_, segment)| &segment.node == node)
+    }
+
+    /// Keys whose every replica is on `slots` (they vanish if those go).
+    pub fn keys_only_on(&self, slots: &[Slot]) -> Vec<String> {
+        self.objects
+            .iter()
+            .filter(|(_, object)| object.replicas.iter().all(|r| slots.contains(&r.slot)))
+            .map(|(key, _)| key.to_string())
+            .collect()
+    }
+
+    /// Total and used bytes over all segments.
+    pub fn usage(&self) -> (u64, u64) {
+        self.segments().fold((0, 0), |(total, used), (_, segment)| {
+            (
+                total + segment.allocator.size(),
+                used + segment.allocator.used_bytes(),
+            )
+        })
+    }
+
+    /// The public placements of replicas (segment names).
+    pub fn placements(&self, replicas: &[Replica]) -> Vec<Placement> {
+        replicas
+            .iter()
+            .filter_map(|replica| {
+                Some(Placement {
+                    segment: self.segment(replica.slot)?.id.clone(),
+                    offset: replica.offset,
+                })
+            })
+            .collect()
+    }
+
+    /// Durable-state equality: the same segments (names, nodes, endpoints, free
+    /// space) and the same objects. Used by tests and the restore check.
+    pub fn same_durable_state(&self, other: &State) -> bool {
+        let segments = |state: &State| {
+            let mut list: Vec<(String, String, String, u64, u64)> = state
+                .segments()
+                .map(|(_, s)| {
+                    (
+                        s.id.to_string(),
+                        s.node.to_string(),
+                        s.endpoint.clone(),
+                        s.allocator.size(),
+                        s.allocator.free_bytes(),
+                    )
+                })
+                .collect();
+            list.sort();
+            list
+        };
+        let objects = |state: &State| {
+            let mut list: Vec<(String, u64, u64, Vec<Placement>, u32)> = state
+                .objects()
+                .map(|(key, o)| {
+                    (
+                        key.to_owned(),
+                        o.size,
+                        o.checksum,
+                        state.placements(&o.replicas),
+                        o.flags.0,
+                    )
+                })
+                .collect();
+            list.sort_by(|a, b| a.0.cmp(&b.0));
+            list
+        };
+        self.applied_seq == other.applied_seq
+            && segments(self) == segments(other)
+            && objects(self) == objects(other)
+    }
+}
