@@ -1,0 +1,48 @@
+//! The projector's error type, with a [`ProjectorErrorKind`] callers match on.
+
+/// A projector failure.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{kind}")]
+pub struct ProjectorError {
+    kind: ProjectorErrorKind,
+}
+
+/// What went wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProjectorErrorKind {
+    /// A message arrived out of sequence (a gap): the source must be re-read.
+    #[error("out of order: expected sequence {expected}, got {found}")]
+    OutOfOrder {
+        /// The next sequence expected.
+        expected: u64,
+        /// The sequence that arrived.
+        found: u64,
+    },
+    /// A stream message whose envelope or event frames do not decode.
+    #[error("message {seq} does not decode: {reason}")]
+    Undecodable {
+        /// Its stream sequence.
+        seq: u64,
+        /// The decoder's complaint.
+        reason: String,
+    },
+    /// A checkpoint that is truncated, corrupt (checksum) or inconsistent.
+    #[error("invalid checkpoint: {0}")]
+    BadCheckpoint(String),
+}
+
+impl ProjectorError {
+    /// An error of `kind`.
+    pub fn new(kind: ProjectorErrorKind) -> Self {
+        Self { kind }
+    }
+
+    /// What went wrong.
+    pub fn kind(&self) -> &ProjectorErrorKind {
+        &self.kind
+    }
+
+    pub(crate) fn checkpoint(reason: impl Into<String>) -> Self {
+        Self::new(ProjectorErrorKind::BadCheckpoint(reason.into()))
+    }
+}

@@ -1,0 +1,350 @@
+//! The key index: key hash (xxh3-64) to the set of sources (sub-clusters) holding
+//! the key, in about 20 bytes per key.
+//!
+//! Every distinct hash gets a dense `u32` id. Per id the index keeps the hash
+//! (8 B) and a 32-bit source mask (4 B); a `hashbrown::HashTable<u32>` of ids keyed
+//! by hash finds the id (about 5-9 B per key at its load factor). Sources 0..31 are
+//! bits of the mask; bit 31 means "some source with index 31 or more holds it" and
+//! the per-source roaring bitmaps say which. Each source also has a roaring bitmap
+//! of the ids it holds (about 2 B per key and source): counts, set algebra (diffs
+//! between sub-clusters or pools) and bloom filters come from those. An id whose
+//! mask drops to zero is freed and reused.
+
+use hashbrown::HashTable;
+use roaring::RoaringBitmap;
+
+/// The mask bit meaning "held by some source at index [`OVERFLOW_BIT`] or more".
+pub const OVERFLOW_BIT: usize = 31;
+
+/// Mask value of a freed id.
+const FREE: u32 = 0;
+
+/// The key index. Sources are addressed by a dense index (`usize`), assigned by
+/// the owner of the index.
+#[derive(Debug, Default, Clone)]
+pub struct KeyIndex {
+    hashes: Vec<u64>,
+    masks: Vec<u32>,
+    table: HashTable<u32>,
+    free: Vec<u32>,
+    bitmaps: Vec<RoaringBitmap>,
+    dropped: u64,
+}
+
+/// The sources holding a key, in ascending index order.
+#[derive(Debug, Clone, Copy)]
+pub struct Holders<'a> {
+    mask: u32,
+    id: u32,
+    index: &'a KeyIndex,
+}
+
+impl Holders<'_> {
+    /// Whether no source holds the key.
+    pub fn is_empty(&self) -> bool {
+        self.mask == 0
+    }
+
+    /// Whether source `source` holds the key.
+    pub fn contains(&self, source: usize) -> bool {
+        if source < OVERFLOW_BIT {
+            self.mask & (1 << source) != 0
+        } else {
+            self.mask & (1 << OVERFLOW_BIT) != 0
+                && self
+                    .index
+                    .bitmaps
+                    .get(source)
+                    .is_some_and(|b| b.contains(self.id))
+        }
+    }
+
+    /// The holding sources.
+    pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        let low = (0..OVERFLOW_BIT).filter(|&s| self.mask & (1 << s) != 0);
+        let high_count = if self.mask & (1 << OVERFLOW_BIT) != 0 {
+            self.index.bitmaps.len()
+        } else {
+            OVERFLOW_BIT
+        };
+        low.chain((OVERFLOW_BIT..high_count).filter(|&s| self.contains(s)))
+    }
+}
+
+impl KeyIndex {
+    /// An empty index.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn find(&self, hash: u64) -> Option<u32> {
+        let hashes = &self.hashes;
+        self.table
+            .find(hash, |&id| hashes[id as usize] == hash)
+            .copied()
+    }
+
+    fn bitmap_mut(&mut self, source: usize) -> &mut RoaringBitmap {
+        if self.bitmaps.len() <= source {
+            self.bitmaps.resize_with(source + 1, RoaringBitmap::new);
+        }
+        &mut self.bitmaps[source]
+    }
+
+    fn allocate(&mut self, hash: u64) -> Option<u32> {
+        let id = match self.free.pop() {
+            Some(id) => {
+                self.hashes[id as usize] = hash;
+                id
+            }
+            None => {
+                let id = u32::try_from(self.hashes.len()).ok()?;
+                self.hashes.push(hash);
+                self.masks.push(FREE);
+                id
+            }
+        };
+        let hashes = &self.hashes;
+        self.table
+            .insert_unique(hash, id, |&id| hashes[id as usize]);
+        Some(id)
+    }
+
+    /// Records that `source` holds the key with `hash`. Returns whether that is
+    /// new. A key beyond the 2^32 distinct ids is counted in [`KeyIndex::dropped`].
+    pub fn insert(&mut self, source: usize, hash: u64) -> bool {
+        let id = match self.find(hash) {
+            Some(id) => id,
+            None => match self.allocate(hash) {
+                Some(id) => id,
+                None => {
+                    self.dropped += 1;
+                    return false;
+                }
+            },
+        };
+        if !self.bitmap_mut(source).insert(id) {
+            return false;
+        }
+        self.masks[id as usize] |= 1 << source.min(OVERFLOW_BIT);
+        true
+    }
+
+    /// Records that `source` no longer holds the key with `hash`. Returns whether
+    /// it held it.
+    pub fn remove(&mut self, source: usize, hash: u64) -> bool {
+        let Some(id) = self.find(hash) else {
+            return false;
+        };
+        if !self.bitmaps.get_mut(source).is_some_and(|b| b.remove(id)) {
+            return false;
+        }
+        self.clear_bit(source, id);
+        true
+    }
+
+    fn clear_bit(&mut self, source: usize, id: u32) {
+        let mask = &mut self.masks[id as usize];
+        if source < OVERFLOW_BIT {
+            *mask &= !(1 << source);
+        } else if !self.bitmaps[OVERFLOW_BIT..].iter().any(|b| b.contains(id)) {
+            *mask &= !(1 << OVERFLOW_BIT);
+        }
+        if *mask == FREE {
+            let hash = self.hashes[id as usize];
+            if let Ok(entry) = self.table.find_entry(hash, |&other| other == id) {
+                entry.remove();
+            }
+            self.free.push(id);
+        }
+    }
+
+    /// Forgets everything `source` holds (before re-reading its stream).
+    pub fn clear_source(&mut self, source: usize) {
+        let Some(bitmap) = self.bitmaps.get_mut(source) else {
+            return;
+        };
+        let ids = std::mem::take(bitmap);
+        for id in &ids {
+            self.clear_bit(source, id);
+        }
+    }
+
+    /// The sources holding the key with `hash`.
+    pub fn holders(&self, hash: u64) -> Holders<'_> {
+        let (id, mask) = self
+            .find(hash)
+            .map_or((0, 0), |id| (id, self.masks[id as usize]));
+        Holders {
+            mask,
+            id,
+            index: self,
+        }
+    }
+
+    /// Distinct keys held by at least one source.
+    pub fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Whether no key is held.
+    pub fn is_empty(&self) -> bool {
+        self.table.is_empty()
+    }
+
+    /// Keys held by `source`.
+    pub fn source_len(&self, source: usize) -> u64 {
+        self.bitmaps.get(source).map_or(0, RoaringBitmap::len)
+    }
+
+    /// The ids held by `source` (for set algebra and bloom filters).
+    pub fn source_ids(&self, source: usize) -> Option<&RoaringBitmap> {
+        self.bitmaps.get(source)
+    }
+
+    /// The key hash of an id.
+    pub fn hash_of(&self, id: u32) -> Option<u64> {
+        self.hashes.get(id as usize).copied()
+    }
+
+    /// Keys refused because the id space was exhausted.
+    pub fn dropped(&self) -> u64 {
+        self.dropped
+    }
+
+    /// Bytes the index occupies on the heap (vector capacities, the hash table's
+    /// allocation, the bitmaps' serialized size as an estimate of theirs).
+    pub fn memory_bytes(&self) -> usize {
+        self.hashes.capacity() * 8
+            + self.masks.capacity() * 4
+            + self.free.capacity() * 4
+            + self.table.allocation_size()
+            + self
+                .bitmaps
+                .iter()
+                .map(RoaringBitmap::serialized_size)
+                .sum::<usize>()
+    }
+
+    /// Returns unused capacity to the allocator.
+    pub fn shrink_to_fit(&mut self) {
+        self.hashes.shrink_to_fit();
+        self.masks.shrink_to_fit();
+        self.free.shrink_to_fit();
+        let hashes = &self.hashes;
+        self.table.shrink_to_fit(|&id| hashes[id as usize]);
+    }
+
+    /// The raw parts, for checkpoints: hashes, masks, free ids, bitmaps.
+    pub(crate) fn parts(&self) -> (&[u64], &[u32], &[u32], &[RoaringBitmap]) {
+        (&self.hashes, &self.masks, &self.free, &self.bitmaps)
+    }
+
+    /// Rebuilds an index from checkpointed parts. Fails when they are
+    /// inconsistent (lengths differ, an id out of range, a mask without its bits).
+    pub(crate) fn from_parts(
+        hashes: Vec<u64>,
+        masks: Vec<u32>,
+        free: Vec<u32>,
+        bitmaps: Vec<RoaringBitmap>,
+    ) -> Result<Self, String> {
+        if hashes.len() != masks.len() {
+            return Err("hash and mask counts differ".to_owned());
+        }
+        let ids = hashes.len() as u64;
+        if bitmaps
+            .iter()
+            .any(|b| b.max().is_some_and(|m| u64::from(m) >= ids))
+            || free.iter().any(|&id| u64::from(id) >= ids)
+        {
+            return Err("an id is out of range".to_owned());
+        }
+        let live = masks.iter().filter(|&&m| m != FREE).count();
+        let mut table = HashTable::with_capacity(live);
+        for (id, (&hash, &mask)) in hashes.iter().zip(&masks).enumerate() {
+            if mask != FREE {
+                table.insert_unique(hash, id as u32, |&id| hashes[id as usize]);
+            }
+        }
+        let index = Self {
+            hashes,
+            masks,
+            table,
+            free,
+            bitmaps,
+            dropped: 0,
+        };
+        for (source, bitmap) in index.bitmaps.iter().enumerate() {
+            let bit = 1 << source.min(OVERFLOW_BIT);
+            if bitmap.iter().any(|id| index.masks[id as usize] & bit == 0) {
+                return Err(format!("source {source} holds ids its mask bit lacks"));
+            }
+        }
+        Ok(index)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tracks_holders_and_frees_ids() {
+        let mut index = KeyIndex::new();
+        assert!(index.insert(0, 10));
+        assert!(!index.insert(0, 10));
+        assert!(index.insert(3, 10));
+        assert_eq!(index.holders(10).iter().collect::<Vec<_>>(), vec![0, 3]);
+        assert_eq!(index.len(), 1);
+        assert!(index.remove(0, 10));
+        assert!(!index.remove(0, 10));
+        assert_eq!(index.holders(10).iter().collect::<Vec<_>>(), vec![3]);
+        assert!(index.remove(3, 10));
+        assert!(index.holders(10).is_empty());
+        assert!(index.is_empty());
+        // The freed id is reused.
+        assert!(index.insert(1, 11));
+        assert_eq!(index.parts().0.len(), 1);
+    }
+
+    #[test]
+    fn sources_past_the_mask_use_bitmaps() {
+        let mut index = KeyIndex::new();
+        index.insert(40, 7);
+        index.insert(33, 7);
+        index.insert(2, 7);
+        assert_eq!(index.holders(7).iter().collect::<Vec<_>>(), vec![2, 33, 40]);
+        index.remove(40, 7);
+        assert!(index.holders(7).contains(33));
+        index.remove(33, 7);
+        assert_eq!(index.holders(7).iter().collect::<Vec<_>>(), vec![2]);
+        index.clear_source(2);
+        assert!(index.is_empty());
+    }
+
+    #[test]
+    fn clearing_a_source_keeps_the_others() {
+        let mut index = KeyIndex::new();
+        for hash in 0..100 {
+            index.insert(0, hash);
+            if hash % 2 == 0 {
+                index.insert(1, hash);
+            }
+        }
+        index.clear_source(0);
+        assert_eq!(index.len(), 50);
+        assert_eq!(index.source_len(0), 0);
+        assert_eq!(index.source_len(1), 50);
+        let (hashes, masks, free, bitmaps) = index.parts();
+        let rebuilt = KeyIndex::from_parts(
+            hashes.to_vec(),
+            masks.to_vec(),
+            free.to_vec(),
+            bitmaps.to_vec(),
+        )
+        .unwrap();
+        assert_eq!(rebuilt.len(), 50);
+        assert!(rebuilt.holders(4).contains(1));
+        assert!(rebuilt.holders(5).is_empty());
+    }
+}

@@ -1,0 +1,259 @@
+//! The projection: every source sub-cluster's position in its stream, its segments,
+//! and the shared [`KeyIndex`]. [`Projection::apply`] is the pure fold of one event;
+//! [`Projection::apply_message`] decodes one stream message and folds its events.
+
+use std::collections::BTreeMap;
+
+use hkvm_events::rpc::global::BloomFilter;
+use hkvm_events::{decode_message, key_hash, KvEvent, Limits, NodeId, SegmentId, SubclusterId};
+
+use crate::error::{ProjectorError, ProjectorErrorKind};
+use crate::index::KeyIndex;
+
+/// What the projection knows about one source sub-cluster.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SourceState {
+    /// The sub-cluster.
+    pub subcluster: Option<SubclusterId>,
+    /// The stream it is read from.
+    pub stream: String,
+    /// The last stream sequence folded in (0: nothing yet).
+    pub applied_seq: u64,
+    /// When that message was stored, Unix milliseconds.
+    pub applied_unix_ms: u64,
+    /// Mounted segments: owner and size.
+    pub segments: BTreeMap<SegmentId, (NodeId, u64)>,
+    /// The newest `Snapshot` marker seen: (covered sequence, object name).
+    pub snapshot: Option<(u64, String)>,
+    /// Events folded in since the last reset.
+    pub events_applied: u64,
+    /// Events that did not decode and were skipped (unknown kinds, bad bodies).
+    pub events_skipped: u64,
+}
+
+impl SourceState {
+    /// Bytes mounted in the sub-cluster.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.segments.values().map(|(_, size)| size).sum()
+    }
+}
+
+/// What folding one message did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// Events folded in.
+    pub events: usize,
+    /// Events skipped (unknown kind or bad body; the rest of the message was used).
+    pub skipped: usize,
+}
+
+/// The projection of every source.
+#[derive(Debug, Clone, Default)]
+pub struct Projection {
+    pub(crate) sources: Vec<SourceState>,
+    pub(crate) index: KeyIndex,
+    pub(crate) limits: Limits,
+}
+
+impl Projection {
+    /// An empty projection.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The index of the source for `subcluster`, adding it (at `applied_seq` 0) if
+    /// it is new.
+    pub fn source_index(&mut self, subcluster: &SubclusterId, stream: &str) -> usize {
+        if let Some(found) = self.find_source(subcluster) {
+            return found;
+        }
+        self.sources.push(SourceState {
+            subcluster: Some(subcluster.clone()),
+            stream: stream.to_owned(),
+            ..SourceState::default()
+        });
+        self.sources.len() - 1
+    }
+
+    /// The index of `subcluster`'s source, if known.
+    pub fn find_source(&self, subcluster: &SubclusterId) -> Option<usize> {
+        self.sources
+            .iter()
+            .position(|s| s.subcluster.as_ref() == Some(subcluster))
+    }
+
+    /// Every source, by index.
+    pub fn sources(&self) -> &[SourceState] {
+        &self.sources
+    }
+
+    /// One source.
+    pub fn source(&self, source: usize) -> Option<&SourceState> {
+        self.sources.get(source)
+    }
+
+    /// The key index.
+    pub fn index(&self) -> &KeyIndex {
+        &self.index
+    }
+
+    fn source_mut(&mut self, source: usize) -> &mut SourceState {
+        if self.sources.len() <= source {
+            self.sources.resize_with(source + 1, SourceState::default);
+        }
+        &mut self.sources[source]
+    }
+
+    /// Folds one event of `source` into the projection. Pure: no I/O, no clock.
+    pub fn apply(&mut self, source: usize, event: &KvEvent) {
+        match event {
+            KvEvent::PutCommitted(put) => {
+                self.index.insert(source, put.key_hash);
+            }
+            KvEvent::Evicted(hkvm_events::Evicted { keys })
+            | KvEvent::Removed(hkvm_events::Removed { keys }) => {
+                for key in keys {
+                    self.index.remove(source, key_hash(key));
+                }
+            }
+            KvEvent::SegmentMounted(mounted) => {
+                self.source_mut(source).segments.insert(
+                    mounted.segment.clone(),
+                    (mounted.node.clone(), mounted.size),
+                );
+            }
+            KvEvent::SegmentUnmounted(unmounted) => {
+                self.source_mut(source).segments.remove(&unmounted.segment);
+            }
+            KvEvent::NodeLost(lost) => {
+                self.source_mut(source)
+                    .segments
+                    .retain(|_, (node, _)| *node != lost.node);
+            }
+            KvEvent::Snapshot(snapshot) => {
+                self.source_mut(source).snapshot =
+                    Some((snapshot.covers_seq, snapshot.object.clone()));
+            }
+        }
+        self.source_mut(source).events_applied += 1;
+    }
+
+    /// Decodes the message stored at `seq` of `source`'s stream and folds its
+    /// events. Messages at or below the applied sequence are ignored (replayed
+    /// after a checkpoint restore). Events that do not decode are skipped and
+    /// counted; a message that does not decode at all changes nothing.
+    ///
+    /// # Errors
+    /// [`ProjectorErrorKind::OutOfOrder`] when `seq` skips ahead of the next
+    /// expected sequence, [`ProjectorErrorKind::Undecodable`] when the envelope or
+    /// an event frame is broken (the caller resynchronizes).
+    pub fn apply_message(
+        &mut self,
+        source: usize,
+        seq: u64,
+        unix_ms: u64,
+        payload: &[u8],
+    ) -> Result<Applied, ProjectorError> {
+        let applied_seq = self.source_mut(source).applied_seq;
+        if seq <= applied_seq {
+            return Ok(Applied::default());
+        }
+        if seq != applied_seq + 1 && applied_seq != 0 {
+            return Err(ProjectorError::new(ProjectorErrorKind::OutOfOrder {
+                expected: applied_seq + 1,
+                found: seq,
+            }));
+        }
+        let undecodable =
+            |reason: String| ProjectorError::new(ProjectorErrorKind::Undecodable { seq, reason });
+        let message =
+            decode_message(payload, &self.limits).map_err(|e| undecodable(e.to_string()))?;
+        // Decode everything before applying, so a broken frame leaves no half-applied
+        // message behind.
+        let mut events = Vec::with_capacity(message.events.remaining());
+        let mut outcome = Applied::default();
+        for event in message.events {
+            match event {
+                Ok(event) => events.push(event),
+                Err(error) if error.is_skippable() => {
+                    tracing::warn!(seq, %error, "skipping an event that does not decode");
+                    outcome.skipped += 1;
+                }
+                Err(error) => return Err(undecodable(error.to_string())),
+            }
+        }
+        for event in &events {
+            self.apply(source, event);
+        }
+        outcome.events = events.len();
+        let state = self.source_mut(source);
+        state.applied_seq = seq;
+        state.applied_unix_ms = unix_ms;
+        state.events_skipped += outcome.skipped as u64;
+        Ok(outcome)
+    }
+
+    /// Marks `source` as positioned at `seq` without folding anything (used when a
+    /// stream starts past 1 and nothing earlier can be read).
+    pub fn set_applied_seq(&mut self, source: usize, seq: u64) {
+        self.source_mut(source).applied_seq = seq;
+    }
+
+    /// Forgets everything known about `source` (its keys, segments and position),
+    /// before re-reading its stream from the start.
+    pub fn reset_source(&mut self, source: usize) {
+        self.index.clear_source(source);
+        let state = self.source_mut(source);
+        *state = SourceState {
+            subcluster: state.subcluster.take(),
+            stream: std::mem::take(&mut state.stream),
+            ..SourceState::default()
+        };
+    }
+
+    /// A bloom filter of the keys `source` holds, versioned by its applied sequence.
+    pub fn bloom(&self, source: usize) -> BloomFilter {
+        let covers_seq = self.sources.get(source).map_or(0, |s| s.applied_seq);
+        let Some(ids) = self.index.source_ids(source) else {
+            return BloomFilter::with_capacity(0, covers_seq);
+        };
+        let mut bloom = BloomFilter::with_capacity(ids.len() as usize, covers_seq);
+        for id in ids {
+            if let Some(hash) = self.index.hash_of(id) {
+                bloom.insert(hash);
+            }
+        }
+        bloom
+    }
+
+    /// Index memory per distinct key, in bytes (0 when empty).
+    pub fn bytes_per_key(&self) -> f64 {
+        if self.index.is_empty() {
+            return 0.0;
+        }
+        self.index.memory_bytes() as f64 / self.index.len() as f64
+    }
+
+    /// The logical content, for comparing projections built in different ways:
+    /// per source its sub-cluster, applied sequence, segments and sorted key hashes.
+    pub fn content(&self) -> Vec<(Option<SubclusterId>, u64, Vec<SegmentId>, Vec<u64>)> {
+        self.sources
+            .iter()
+            .enumerate()
+            .map(|(source, state)| {
+                let mut hashes: Vec<u64> = self
+                    .index
+                    .source_ids(source)
+                    .map(|ids| ids.iter().filter_map(|id| self.index.hash_of(id)).collect())
+                    .unwrap_or_default();
+                hashes.sort_unstable();
+                (
+                    state.subcluster.clone(),
+                    state.applied_seq,
+                    state.segments.keys().cloned().collect(),
+                    hashes,
+                )
+            })
+            .collect()
+    }
+}
