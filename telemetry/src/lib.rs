@@ -107,8 +107,9 @@ mod tests {
         let server = MetricsServer::start("127.0.0.1:0".parse().unwrap(), Arc::new(registry))
             .await
             .unwrap();
+        let addr = server.addr();
         let get = |path: &'static str| async move {
-            let mut stream = TcpStream::connect(server.addr()).await.unwrap();
+            let mut stream = TcpStream::connect(addr).await.unwrap();
             stream
                 .write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
                 .await
