@@ -1,2 +1,19 @@
 //! KV data movement between nodes: a TCP backend that is always available and an
-//! RDMA verbs backend (through `rdma-sys`) behind the `rdma` cargo feature.
+//! RDMA verbs backend (through `rdma-sys`) behind the `rdma` cargo feature, both
+//! behind the [`Transport`] trait; plus the WAN mode of inter-datacenter copies
+//! (Reed–Solomon FEC and pacing) in [`wan`].
+//!
+//! A node allocates a [`Segment`], registers it with a transport and serves it; a
+//! client writes and reads ranges of a peer's segments in batches by endpoint,
+//! region id and offset.
+
+pub mod error;
+pub mod frame;
+pub mod region;
+pub mod tcp;
+pub mod transport;
+
+pub use error::{ErrorKind, TransferError};
+pub use region::{RegionId, RegionTable, Segment};
+pub use tcp::{ServerHandle, TcpConfig, TcpTransport};
+pub use transport::{ReadInto, ReadOp, Transport, WriteOp};

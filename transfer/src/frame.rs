@@ -1,0 +1,338 @@
+//! The TCP protocol's frames: a fixed little-endian request header (operation,
+//! request id, offset, length, xxh3-64 of the payload, region id) and a fixed response
+//! header (status, request id, length, xxh3-64 of the payload), each closed by a
+//! 32-bit check of its own bytes so that a corrupted header is refused *before* it
+//! is acted on (a flipped offset must never redirect a write).
+//!
+//! ```text
+//! request:  magic u16 | version u8 | op u8 | id u64 | offset u64 | len u64
+//!           | payload xxh3 u64 | region len u8 | 0 0 0 | region | check u32
+//!           then `len` payload bytes for a write
+//! response: magic u16 | version u8 | status u8 | id u64 | len u64
+//!           | payload xxh3 u64 | check u32
+//!           then `len` bytes: the data of a read, or the error message
+//! ```
+
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::error::{ErrorKind, TransferError};
+use crate::region::MAX_REGION_ID_LEN;
+
+/// First two bytes of every frame ("HK").
+pub const MAGIC: u16 = 0x4b48;
+/// The protocol version this build speaks.
+pub const VERSION: u8 = 1;
+/// Bytes of a request header before the region id.
+pub const REQUEST_FIXED_LEN: usize = 40;
+/// The longest request header (fixed part, longest region id, check).
+pub const REQUEST_MAX_LEN: usize = REQUEST_FIXED_LEN + MAX_REGION_ID_LEN + 4;
+/// Bytes of a response header.
+pub const RESPONSE_LEN: usize = 32;
+/// The longest error message a response carries.
+pub const MAX_ERROR_MESSAGE: u64 = 4096;
+/// The response status of success.
+pub const STATUS_OK: u8 = 0;
+
+/// What a request asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// Write the payload that follows into the region.
+    Write,
+    /// Send back `len` bytes of the region.
+    Read,
+}
+
+impl Op {
+    fn code(self) -> u8 {
+        match self {
+            Self::Write => 1,
+            Self::Read => 2,
+        }
+    }
+
+    fn from_code(code: u8) -> Result<Self, TransferError> {
+        match code {
+            1 => Ok(Self::Write),
+            2 => Ok(Self::Read),
+            other => Err(TransferError::Protocol(format!(
+                "unknown operation {other}"
+            ))),
+        }
+    }
+}
+
+/// A decoded request header; the region id borrows the receive buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Request<'a> {
+    /// The operation.
+    pub op: Op,
+    /// The request id, echoed in the response.
+    pub id: u64,
+    /// The region.
+    pub region: &'a str,
+    /// Start of the range.
+    pub offset: u64,
+    /// Length of the range.
+    pub len: u64,
+    /// xxh3-64 of the payload (writes), zero for reads.
+    pub checksum: u64,
+}
+
+fn check32(bytes: &[u8]) -> u32 {
+    // The low half of xxh3-64 is as good a check as any 32-bit hash.
+    xxh3_64(bytes) as u32
+}
+
+fn u64_at(buf: &[u8], at: usize) -> u64 {
+    let mut raw = [0u8; 8];
+    raw.copy_from_slice(&buf[at..at + 8]);
+    u64::from_le_bytes(raw)
+}
+
+fn check_magic(buf: &[u8]) -> Result<(), TransferError> {
+    let magic = u16::from_le_bytes([buf[0], buf[1]]);
+    if magic != MAGIC {
+        return Err(TransferError::Protocol(format!("bad magic {magic:#06x}")));
+    }
+    if buf[2] != VERSION {
+        return Err(TransferError::Protocol(format!(
+            "frame version {} (this build speaks {VERSION})",
+            buf[2]
+        )));
+    }
+    Ok(())
+}
+
+impl Request<'_> {
+    /// Appends the encoded header to `out`.
+    ///
+    /// # Errors
+    /// [`TransferError::Invalid`] when the region id is longer than allowed.
+    pub fn encode(&self, out: &mut Vec<u8>) -> Result<(), TransferError> {
+        let region = self.region.as_bytes();
+        let region_len = u8::try_from(region.len())
+            .map_err(|_| TransferError::Invalid("region id longer than 255 bytes".into()))?;
+        let start = out.len();
+        out.extend_from_slice(&MAGIC.to_le_bytes());
+        out.push(VERSION);
+        out.push(self.op.code());
+        out.extend_from_slice(&self.id.to_le_bytes());
+        out.extend_from_slice(&self.offset.to_le_bytes());
+        out.extend_from_slice(&self.len.to_le_bytes());
+        out.extend_from_slice(&self.checksum.to_le_bytes());
+        out.extend_from_slice(&[region_len, 0, 0, 0]);
+        out.extend_from_slice(region);
+        let check = check32(&out[start..]);
+        out.extend_from_slice(&check.to_le_bytes());
+        Ok(())
+    }
+}
+
+/// How many bytes follow the fixed part of a request header (region id and check),
+/// read from the fixed part.
+///
+/// # Errors
+/// [`TransferError::Protocol`] for a wrong magic or version.
+pub fn request_rest_len(fixed: &[u8; REQUEST_FIXED_LEN]) -> Result<usize, TransferError> {
+    check_magic(fixed)?;
+    Ok(usize::from(fixed[36]) + 4)
+}
+
+/// Decodes a whole request header (fixed part, region id, check).
+///
+/// # Errors
+/// [`TransferError::Corrupt`] when the check fails, [`TransferError::Protocol`] when
+/// the fields do not make sense.
+pub fn decode_request(buf: &[u8]) -> Result<Request<'_>, TransferError> {
+    if buf.len() < REQUEST_FIXED_LEN + 4 {
+        return Err(TransferError::Protocol("truncated request header".into()));
+    }
+    check_magic(buf)?;
+    let region_len = usize::from(buf[36]);
+    let end = REQUEST_FIXED_LEN + region_len;
+    if buf.len() != end + 4 {
+        return Err(TransferError::Protocol(
+            "request header length mismatch".into(),
+        ));
+    }
+    let check = u32::from_le_bytes([buf[end], buf[end + 1], buf[end + 2], buf[end + 3]]);
+    if check != check32(&buf[..end]) {
+        return Err(TransferError::Corrupt {
+            what: "request header",
+        });
+    }
+    if buf[37..40] != [0, 0, 0] {
+        return Err(TransferError::Protocol(
+            "reserved request bytes are set".into(),
+        ));
+    }
+    let region = std::str::from_utf8(&buf[REQUEST_FIXED_LEN..end])
+        .map_err(|_| TransferError::Protocol("region id is not UTF-8".into()))?;
+    Ok(Request {
+        op: Op::from_code(buf[3])?,
+        id: u64_at(buf, 4),
+        region,
+        offset: u64_at(buf, 12),
+        len: u64_at(buf, 20),
+        checksum: u64_at(buf, 28),
+    })
+}
+
+/// A response header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Response {
+    /// [`STATUS_OK`] or the wire code of an [`ErrorKind`].
+    pub status: u8,
+    /// The request id answered.
+    pub id: u64,
+    /// Bytes that follow: data of a read, or an error message.
+    pub len: u64,
+    /// xxh3-64 of those bytes.
+    pub checksum: u64,
+}
+
+impl Response {
+    /// A success header for `len` payload bytes with `checksum`.
+    pub fn ok(id: u64, len: u64, checksum: u64) -> Self {
+        Self {
+            status: STATUS_OK,
+            id,
+            len,
+            checksum,
+        }
+    }
+
+    /// A failure header followed by `message` (the caller sends those bytes).
+    pub fn error(id: u64, kind: ErrorKind, message: &[u8]) -> Self {
+        Self {
+            status: kind.code(),
+            id,
+            len: message.len() as u64,
+            checksum: xxh3_64(message),
+        }
+    }
+
+    /// The encoded header.
+    pub fn encode(&self) -> [u8; RESPONSE_LEN] {
+        let mut out = [0u8; RESPONSE_LEN];
+        out[0..2].copy_from_slice(&MAGIC.to_le_bytes());
+        out[2] = VERSION;
+        out[3] = self.status;
+        out[4..12].copy_from_slice(&self.id.to_le_bytes());
+        out[12..20].copy_from_slice(&self.len.to_le_bytes());
+        out[20..28].copy_from_slice(&self.checksum.to_le_bytes());
+        let check = check32(&out[..28]);
+        out[28..32].copy_from_slice(&check.to_le_bytes());
+        out
+    }
+
+    /// Decodes a response header.
+    ///
+    /// # Errors
+    /// [`TransferError::Corrupt`] when the check fails, [`TransferError::Protocol`]
+    /// for a wrong magic or version.
+    pub fn decode(buf: &[u8; RESPONSE_LEN]) -> Result<Self, TransferError> {
+        check_magic(buf)?;
+        let check = u32::from_le_bytes([buf[28], buf[29], buf[30], buf[31]]);
+        if check != check32(&buf[..28]) {
+            return Err(TransferError::Corrupt {
+                what: "response header",
+            });
+        }
+        Ok(Self {
+            status: buf[3],
+            id: u64_at(buf, 4),
+            len: u64_at(buf, 12),
+            checksum: u64_at(buf, 20),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn sample() -> Vec<u8> {
+        let mut out = Vec::new();
+        Request {
+            op: Op::Write,
+            id: 42,
+            region: "node-1-seg-0",
+            offset: 1 << 40,
+            len: 65536,
+            checksum: 0xdead_beef,
+        }
+        .encode(&mut out)
+        .unwrap();
+        out
+    }
+
+    #[test]
+    fn request_round_trips() {
+        let bytes = sample();
+        let mut fixed = [0u8; REQUEST_FIXED_LEN];
+        fixed.copy_from_slice(&bytes[..REQUEST_FIXED_LEN]);
+        assert_eq!(
+            request_rest_len(&fixed).unwrap() + REQUEST_FIXED_LEN,
+            bytes.len()
+        );
+        let request = decode_request(&bytes).unwrap();
+        assert_eq!(request.op, Op::Write);
+        assert_eq!(request.id, 42);
+        assert_eq!(request.region, "node-1-seg-0");
+        assert_eq!(request.offset, 1 << 40);
+        assert_eq!(request.len, 65536);
+        assert_eq!(request.checksum, 0xdead_beef);
+    }
+
+    #[test]
+    fn every_flipped_bit_of_a_request_header_is_refused() {
+        let bytes = sample();
+        for byte in 0..bytes.len() {
+            for bit in 0..8 {
+                let mut bad = bytes.clone();
+                bad[byte] ^= 1 << bit;
+                assert!(decode_request(&bad).is_err(), "byte {byte} bit {bit}");
+            }
+        }
+    }
+
+    #[test]
+    fn response_round_trips_and_detects_corruption() {
+        let response = Response::error(7, ErrorKind::OutOfBounds, b"too far");
+        let bytes = response.encode();
+        assert_eq!(Response::decode(&bytes).unwrap(), response);
+        for byte in 0..RESPONSE_LEN {
+            let mut bad = bytes;
+            bad[byte] ^= 0x10;
+            assert!(Response::decode(&bad).is_err(), "byte {byte}");
+        }
+        let mut foreign = bytes;
+        foreign[0] = b'G';
+        assert_eq!(
+            Response::decode(&foreign).unwrap_err().kind(),
+            ErrorKind::Protocol
+        );
+    }
+
+    #[test]
+    fn unknown_operations_and_long_ids_are_errors() {
+        let mut out = Vec::new();
+        let long = "x".repeat(300);
+        let request = Request {
+            op: Op::Read,
+            id: 1,
+            region: &long,
+            offset: 0,
+            len: 1,
+            checksum: 0,
+        };
+        assert_eq!(
+            request.encode(&mut out).unwrap_err().kind(),
+            ErrorKind::Invalid
+        );
+        assert_eq!(Op::from_code(9).unwrap_err().kind(), ErrorKind::Protocol);
+        assert!(decode_request(&[0u8; 10]).is_err());
+    }
+}

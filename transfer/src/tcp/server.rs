@@ -1,0 +1,285 @@
+//! The server side of the TCP backend: accepts connections and executes their
+//! requests against the registered regions, in order, one connection per task.
+//! Writes are received straight into the region and reads are sent straight from
+//! it; a response leaves as soon as no further request is already buffered, so a
+//! pipelined burst of small operations is answered in one system call.
+
+use std::net::SocketAddr;
+
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, BufReader, BufWriter};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::{JoinHandle, JoinSet};
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::client::CONNECTION_ERROR_ID;
+use crate::error::{ErrorKind, TransferError};
+use crate::frame::{self, Op, Response, REQUEST_FIXED_LEN, REQUEST_MAX_LEN};
+use crate::region::RegionTable;
+
+const BUFFER: usize = 256 * 1024;
+
+/// A running server; dropping it (or [`ServerHandle::shutdown`]) stops accepting and
+/// closes every connection.
+#[derive(Debug)]
+pub struct ServerHandle {
+    local_addr: SocketAddr,
+    task: Option<JoinHandle<()>>,
+}
+
+impl ServerHandle {
+    /// The address the server listens on (the endpoint peers dial).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Stops the server and waits until its connections are closed.
+    pub async fn shutdown(mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for ServerHandle {
+    fn drop(&mut self) {
+        if let Some(task) = &self.task {
+            task.abort();
+        }
+    }
+}
+
+/// Starts serving `regions` on `listener`.
+pub(crate) fn spawn(
+    listener: TcpListener,
+    regions: RegionTable,
+    max_op_bytes: u64,
+) -> Result<ServerHandle, TransferError> {
+    let local_addr = listener.local_addr().map_err(|source| TransferError::Io {
+        what: "reading the listener's address",
+        source,
+    })?;
+    let task = tokio::spawn(async move {
+        // Connection tasks live in this set: aborting the accept loop drops the set,
+        // which aborts them all.
+        let mut connections = JoinSet::new();
+        loop {
+            tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, peer)) => {
+                        let regions = regions.clone();
+                        connections.spawn(async move {
+                            if let Err(error) = serve_connection(stream, &regions, max_op_bytes).await {
+                                tracing::debug!(%peer, %error, "transfer connection closed");
+                            }
+                        });
+                    }
+                    Err(error) => {
+                        // Out of file descriptors and the like: back off instead of spinning.
+                        tracing::warn!(%error, "accepting a transfer connection");
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    }
+                },
+                Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            }
+        }
+    });
+    Ok(ServerHandle {
+        local_addr,
+        task: Some(task),
+    })
+}
+
+struct Connection {
+    reader: BufReader<OwnedReadHalf>,
+    writer: BufWriter<OwnedWriteHalf>,
+}
+
+impl Connection {
+    async fn reply(&mut self, response: Response, body: &[u8]) -> std::io::Result<()> {
+        self.writer.write_all(&response.encode()).await?;
+        self.writer.write_all(body).await
+    }
+
+    async fn reply_error(&mut self, id: u64, error: &TransferError) -> std::io::Result<()> {
+        let message = error.to_string();
+        let mut message = message.as_bytes();
+        message = &message[..message.len().min(frame::MAX_ERROR_MESSAGE as usize)];
+        self.reply(Response::error(id, error.kind(), message), message)
+            .await
+    }
+
+    /// Reads and drops `len` payload bytes of a refused write, keeping the stream in
+    /// step.
+    async fn skip(&mut self, len: u64) -> std::io::Result<()> {
+        let copied =
+            tokio::io::copy(&mut (&mut self.reader).take(len), &mut tokio::io::sink()).await?;
+        if copied < len {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        Ok(())
+    }
+}
+
+async fn serve_connection(
+    stream: TcpStream,
+    regions: &RegionTable,
+    max_op_bytes: u64,
+) -> Result<(), TransferError> {
+    let io = |source| TransferError::Io {
+        what: "serving a transfer connection",
+        source,
+    };
+    stream.set_nodelay(true).map_err(io)?;
+    let (read_half, write_half) = stream.into_split();
+    let mut conn = Connection {
+        reader: BufReader::with_capacity(BUFFER, read_half),
+        writer: BufWriter::with_capacity(BUFFER, write_half),
+    };
+    let mut header = [0u8; REQUEST_MAX_LEN];
+    loop {
+        if conn.reader.buffer().is_empty() {
+            conn.writer.flush().await.map_err(io)?;
+        }
+        let mut fixed = [0u8; REQUEST_FIXED_LEN];
+        match conn.reader.read_exact(&mut fixed).await {
+            Ok(_) => {}
+            Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(error) => return Err(io(error)),
+        }
+        let rest = match frame::request_rest_len(&fixed) {
+            Ok(rest) => rest,
+            Err(error) => return refuse_connection(&mut conn, error).await,
+        };
+        header[..REQUEST_FIXED_LEN].copy_from_slice(&fixed);
+        let total = REQUEST_FIXED_LEN + rest;
+        conn.reader
+            .read_exact(&mut header[REQUEST_FIXED_LEN..total])
+            .await
+            .map_err(io)?;
+        let request = match frame::decode_request(&header[..total]) {
+            Ok(request) => request,
+            Err(error) => return refuse_connection(&mut conn, error).await,
+        };
+        match request.op {
+            Op::Write => {
+                if request.len > max_op_bytes {
+                    let error = too_large(request.len, max_op_bytes);
+                    conn.reply_error(request.id, &error).await.map_err(io)?;
+                    // Skipping gigabytes is pointless: the client is broken or hostile.
+                    conn.writer.flush().await.map_err(io)?;
+                    return Err(error);
+                }
+                if let Err(error) = serve_write(
+                    &mut conn,
+                    regions,
+                    request.region,
+                    request.offset,
+                    request.len,
+                    request.checksum,
+                )
+                .await
+                {
+                    if error.kind() == ErrorKind::Io {
+                        return Err(error);
+                    }
+                    conn.reply_error(request.id, &error).await.map_err(io)?;
+                    continue;
+                }
+                conn.reply(Response::ok(request.id, 0, 0), &[])
+                    .await
+                    .map_err(io)?;
+            }
+            Op::Read => {
+                let id = request.id;
+                if let Err(error) = serve_read(&mut conn, regions, &request, max_op_bytes).await {
+                    if error.kind() == ErrorKind::Io {
+                        return Err(error);
+                    }
+                    conn.reply_error(id, &error).await.map_err(io)?;
+                }
+            }
+        }
+    }
+}
+
+fn too_large(len: u64, max: u64) -> TransferError {
+    TransferError::TooLarge {
+        what: "operation",
+        len,
+        max,
+    }
+}
+
+/// Tells the peer why its connection is being closed (a header that cannot be
+/// trusted cannot be skipped), then closes it.
+async fn refuse_connection(
+    conn: &mut Connection,
+    error: TransferError,
+) -> Result<(), TransferError> {
+    let _ = conn.reply_error(CONNECTION_ERROR_ID, &error).await;
+    let _ = conn.writer.flush().await;
+    Err(error)
+}
+
+/// Receives a write's payload into its region. Refusals (unknown region, out of
+/// bounds, bad checksum) come back as errors of those kinds with the stream in
+/// step; a socket failure comes back as `Io`.
+async fn serve_write(
+    conn: &mut Connection,
+    regions: &RegionTable,
+    region: &str,
+    offset: u64,
+    len: u64,
+    checksum: u64,
+) -> Result<(), TransferError> {
+    let io = |source| TransferError::Io {
+        what: "receiving a write",
+        source,
+    };
+    let segment = match regions
+        .get(region)
+        .and_then(|segment| segment.check(offset, len).map(|_| segment))
+    {
+        Ok(segment) => segment,
+        Err(error) => {
+            conn.skip(len).await.map_err(io)?;
+            return Err(error);
+        }
+    };
+    // SAFETY: the range was checked above; that no other operation touches an
+    // overlapping range meanwhile is the placement protocol's guarantee (see the
+    // region module).
+    let dest = unsafe { segment.range_mut(offset, len)? };
+    conn.reader.read_exact(dest).await.map_err(io)?;
+    if xxh3_64(dest) != checksum {
+        return Err(TransferError::Corrupt {
+            what: "write payload",
+        });
+    }
+    Ok(())
+}
+
+async fn serve_read(
+    conn: &mut Connection,
+    regions: &RegionTable,
+    request: &frame::Request<'_>,
+    max_op_bytes: u64,
+) -> Result<(), TransferError> {
+    if request.len > max_op_bytes {
+        return Err(too_large(request.len, max_op_bytes));
+    }
+    let segment = regions.get(request.region)?;
+    // SAFETY: checked by `range`; no concurrent writer of an overlapping range, as
+    // for writes above.
+    let source = unsafe { segment.range(request.offset, request.len)? };
+    let response = Response::ok(request.id, request.len, xxh3_64(source));
+    // Larger than the buffer: `BufWriter` hands the slice to the socket directly.
+    conn.reply(response, source)
+        .await
+        .map_err(|source| TransferError::Io {
+            what: "sending a read",
+            source,
+        })
+}

@@ -1,0 +1,586 @@
+#![allow(clippy::unwrap_used)]
+//! The TCP backend end to end: an in-process server on 127.0.0.1:0 and a client.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use hkvm_transfer::frame::{self, Op, Request, Response, RESPONSE_LEN};
+use hkvm_transfer::{
+    ErrorKind, ReadInto, ReadOp, RegionId, Segment, ServerHandle, TcpConfig, TcpTransport,
+    TransferError, Transport, WriteOp,
+};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpListener;
+use xxhash_rust::xxh3::xxh3_64;
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
+/// A node serving one segment of `size` bytes named `seg`.
+async fn node(size: u64, config: TcpConfig) -> (TcpTransport, ServerHandle, String) {
+    let transport = TcpTransport::new(config);
+    transport
+        .register(Segment::allocate(RegionId::new("seg").unwrap(), size).unwrap())
+        .unwrap();
+    let server = transport.bind("127.0.0.1:0").await.unwrap();
+    let endpoint = server.local_addr().to_string();
+    (transport, server, endpoint)
+}
+
+#[tokio::test]
+async fn round_trips_are_byte_exact_from_one_byte_to_64_mib() {
+    let (_node, _server, endpoint) = node(160 << 20, TcpConfig::default()).await;
+    let client = TcpTransport::default();
+    let sizes = [
+        1usize,
+        2,
+        1000,
+        4096,
+        65_535,
+        65_536,
+        1 << 20,
+        16 << 20,
+        64 << 20,
+    ];
+    let mut offset = 3u64;
+    for (i, &size) in sizes.iter().enumerate() {
+        let value = pattern(size, i as u64);
+        client
+            .write_batch(
+                &endpoint,
+                &[WriteOp {
+                    region: "seg",
+                    offset,
+                    data: &value,
+                }],
+            )
+            .await
+            .unwrap();
+        let read = client
+            .read_batch(
+                &endpoint,
+                &[ReadOp {
+                    region: "seg",
+                    offset,
+                    len: size as u64,
+                }],
+            )
+            .await
+            .unwrap();
+        assert_eq!(read.len(), 1);
+        assert!(read[0] == value, "size {size} differs");
+        let mut into = vec![0u8; size];
+        client
+            .read_batch_into(
+                &endpoint,
+                &mut [ReadInto {
+                    region: "seg",
+                    offset,
+                    buf: &mut into,
+                }],
+            )
+            .await
+            .unwrap();
+        assert!(into == value, "size {size} differs when read into a buffer");
+        offset += size as u64 + 1;
+    }
+}
+
+#[tokio::test]
+async fn many_concurrent_pipelined_operations() {
+    let (_node, _server, endpoint) = node(64 << 20, TcpConfig::default()).await;
+    let client = Arc::new(TcpTransport::new(TcpConfig {
+        max_connections_per_endpoint: 4,
+        ..TcpConfig::default()
+    }));
+    let mut tasks = Vec::new();
+    for task in 0..16u64 {
+        let client = Arc::clone(&client);
+        let endpoint = endpoint.clone();
+        tasks.push(tokio::spawn(async move {
+            // 16 tasks x 500 ops of 1 KiB on 4 connections: every batch has hundreds
+            // of operations outstanding on its connection.
+            let values: Vec<Vec<u8>> = (0..500).map(|i| pattern(1024, task * 1000 + i)).collect();
+            let base = task * 500 * 1024;
+            let ops: Vec<WriteOp<'_>> = values
+                .iter()
+                .enumerate()
+                .map(|(i, v)| WriteOp {
+                    region: "seg",
+                    offset: base + i as u64 * 1024,
+                    data: v,
+                })
+                .collect();
+            client.write_batch(&endpoint, &ops).await.unwrap();
+            let reads: Vec<ReadOp<'_>> = (0..500)
+                .map(|i| ReadOp {
+                    region: "seg",
+                    offset: base + i * 1024,
+                    len: 1024,
+                })
+                .collect();
+            let got = client.read_batch(&endpoint, &reads).await.unwrap();
+            for (value, read) in values.iter().zip(&got) {
+                assert_eq!(&read[..], &value[..]);
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn out_of_bounds_and_unknown_regions_are_typed_errors() {
+    let (_node, _server, endpoint) = node(4096, TcpConfig::default()).await;
+    let client = TcpTransport::default();
+    let data = [1u8; 100];
+    let ops = [
+        WriteOp {
+            region: "seg",
+            offset: 0,
+            data: &data,
+        },
+        WriteOp {
+            region: "seg",
+            offset: 4000,
+            data: &data,
+        },
+    ];
+    match client.write_batch(&endpoint, &ops).await.unwrap_err() {
+        TransferError::Remote { index, kind, .. } => {
+            assert_eq!((index, kind), (1, ErrorKind::OutOfBounds));
+        }
+        other => panic!("unexpected {other}"),
+    }
+    let error = client
+        .read_batch(
+            &endpoint,
+            &[ReadOp {
+                region: "nope",
+                offset: 0,
+                len: 1,
+            }],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::UnknownRegion);
+    let error = client
+        .read_batch(
+            &endpoint,
+            &[ReadOp {
+                region: "seg",
+                offset: u64::MAX,
+                len: 2,
+            }],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::OutOfBounds);
+    // The refusals left the connection in step: the next batch works.
+    let read = client
+        .read_batch(
+            &endpoint,
+            &[ReadOp {
+                region: "seg",
+                offset: 0,
+                len: 100,
+            }],
+        )
+        .await
+        .unwrap();
+    assert_eq!(&read[0][..], &data[..]);
+    // The refused write wrote nothing past the end.
+    let tail = client
+        .read_batch(
+            &endpoint,
+            &[ReadOp {
+                region: "seg",
+                offset: 4000,
+                len: 96,
+            }],
+        )
+        .await
+        .unwrap();
+    assert!(tail[0].iter().all(|&b| b == 0));
+}
+
+#[tokio::test]
+async fn oversized_operations_are_refused() {
+    let (_node, _server, endpoint) = node(
+        1 << 20,
+        TcpConfig {
+            max_op_bytes: 1024,
+            ..TcpConfig::default()
+        },
+    )
+    .await;
+    let small_client = TcpTransport::new(TcpConfig {
+        max_op_bytes: 512,
+        ..TcpConfig::default()
+    });
+    let data = vec![0u8; 600];
+    let error = small_client
+        .write_batch(
+            &endpoint,
+            &[WriteOp {
+                region: "seg",
+                offset: 0,
+                data: &data,
+            }],
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(
+        error,
+        TransferError::TooLarge {
+            len: 600,
+            max: 512,
+            ..
+        }
+    ));
+    let error = small_client
+        .read_batch(
+            &endpoint,
+            &[ReadOp {
+                region: "seg",
+                offset: 0,
+                len: u64::MAX,
+            }],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::TooLarge);
+
+    // The server's own limit, below the client's.
+    let client = TcpTransport::default();
+    let error = client
+        .read_batch(
+            &endpoint,
+            &[ReadOp {
+                region: "seg",
+                offset: 0,
+                len: 2048,
+            }],
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(
+        error,
+        TransferError::Remote {
+            kind: ErrorKind::TooLarge,
+            ..
+        }
+    ));
+    let big = vec![0u8; 2048];
+    let error = client
+        .write_batch(
+            &endpoint,
+            &[WriteOp {
+                region: "seg",
+                offset: 0,
+                data: &big,
+            }],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::TooLarge);
+}
+
+#[tokio::test]
+async fn a_server_that_dies_mid_transfer_is_a_typed_error() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let mut some = vec![0u8; 100_000];
+        socket.read_exact(&mut some).await.unwrap();
+        // Dies with most of the 16 MiB write still to come.
+    });
+    let client = TcpTransport::new(TcpConfig {
+        request_timeout: Duration::from_secs(10),
+        ..TcpConfig::default()
+    });
+    let value = vec![5u8; 16 << 20];
+    let error = client
+        .write_batch(
+            &endpoint,
+            &[WriteOp {
+                region: "seg",
+                offset: 0,
+                data: &value,
+            }],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Disconnected, "{error}");
+}
+
+#[tokio::test]
+async fn a_real_server_shut_down_during_reads_is_a_typed_error() {
+    let (_node, server, endpoint) = node(64 << 20, TcpConfig::default()).await;
+    let client = Arc::new(TcpTransport::default());
+    let reader = {
+        let client = Arc::clone(&client);
+        let endpoint = endpoint.clone();
+        tokio::spawn(async move {
+            loop {
+                let ops: Vec<ReadOp<'_>> = (0..4)
+                    .map(|i| ReadOp {
+                        region: "seg",
+                        offset: i << 24,
+                        len: 16 << 20,
+                    })
+                    .collect();
+                if let Err(error) = client.read_batch(&endpoint, &ops).await {
+                    return error;
+                }
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    server.shutdown().await;
+    let error = reader.await.unwrap();
+    assert!(
+        matches!(error.kind(), ErrorKind::Disconnected | ErrorKind::Connect),
+        "{error}"
+    );
+}
+
+#[tokio::test]
+async fn an_unresponsive_server_times_out() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = listener.local_addr().unwrap().to_string();
+    let _hold = tokio::spawn(async move {
+        let (socket, _) = listener.accept().await.unwrap();
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        drop(socket);
+    });
+    let client = TcpTransport::new(TcpConfig {
+        request_timeout: Duration::from_millis(300),
+        ..TcpConfig::default()
+    });
+    let error = client
+        .read_batch(
+            &endpoint,
+            &[ReadOp {
+                region: "seg",
+                offset: 0,
+                len: 8,
+            }],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Timeout);
+}
+
+#[tokio::test]
+async fn refused_connections_are_connect_errors() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = listener.local_addr().unwrap().to_string();
+    drop(listener);
+    let error = TcpTransport::default()
+        .read_batch(
+            &endpoint,
+            &[ReadOp {
+                region: "seg",
+                offset: 0,
+                len: 8,
+            }],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Connect);
+}
+
+/// A fake node that answers every read with the right length and checksum header
+/// but one flipped payload byte.
+#[tokio::test]
+async fn a_corrupted_read_payload_is_detected() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let mut header = vec![0u8; frame::REQUEST_FIXED_LEN];
+        socket.read_exact(&mut header).await.unwrap();
+        let mut fixed = [0u8; frame::REQUEST_FIXED_LEN];
+        fixed.copy_from_slice(&header);
+        let mut rest = vec![0u8; frame::request_rest_len(&fixed).unwrap()];
+        socket.read_exact(&mut rest).await.unwrap();
+        header.extend_from_slice(&rest);
+        let request = frame::decode_request(&header).unwrap();
+        let mut data = pattern(request.len as usize, 1);
+        let response = Response::ok(request.id, request.len, xxh3_64(&data));
+        data[17] ^= 0x40;
+        socket.write_all(&response.encode()).await.unwrap();
+        socket.write_all(&data).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    });
+    let error = TcpTransport::default()
+        .read_batch(
+            &endpoint,
+            &[ReadOp {
+                region: "seg",
+                offset: 0,
+                len: 4096,
+            }],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Corrupt);
+}
+
+async fn raw_request(
+    socket: &mut tokio::net::TcpStream,
+    request: Request<'_>,
+    payload: &[u8],
+    flip: Option<usize>,
+) -> Response {
+    let mut bytes = Vec::new();
+    request.encode(&mut bytes).unwrap();
+    if let Some(at) = flip {
+        bytes[at] ^= 1;
+    }
+    bytes.extend_from_slice(payload);
+    socket.write_all(&bytes).await.unwrap();
+    let mut raw = [0u8; RESPONSE_LEN];
+    socket.read_exact(&mut raw).await.unwrap();
+    let response = Response::decode(&raw).unwrap();
+    let mut message = vec![0u8; response.len as usize];
+    socket.read_exact(&mut message).await.unwrap();
+    response
+}
+
+#[tokio::test]
+async fn the_server_refuses_corrupted_frames() {
+    let (node, _server, endpoint) = node(1 << 20, TcpConfig::default()).await;
+    let mut socket = tokio::net::TcpStream::connect(&endpoint).await.unwrap();
+    let payload = pattern(1000, 3);
+    // A payload that does not match its checksum is refused, the stream stays usable.
+    let request = Request {
+        op: Op::Write,
+        id: 1,
+        region: "seg",
+        offset: 0,
+        len: 1000,
+        checksum: xxh3_64(&payload) ^ 1,
+    };
+    let response = raw_request(&mut socket, request, &payload, None).await;
+    assert_eq!(
+        (response.id, ErrorKind::from_code(response.status)),
+        (1, ErrorKind::Corrupt)
+    );
+    let request = Request {
+        op: Op::Write,
+        id: 2,
+        region: "seg",
+        offset: 0,
+        len: 1000,
+        checksum: xxh3_64(&payload),
+    };
+    let response = raw_request(&mut socket, request, &payload, None).await;
+    assert_eq!((response.id, response.status), (2, frame::STATUS_OK));
+    // A header with a flipped offset bit is refused before it redirects the write,
+    // and the connection is closed.
+    let request = Request {
+        op: Op::Write,
+        id: 3,
+        region: "seg",
+        offset: 0,
+        len: 1000,
+        checksum: xxh3_64(&payload),
+    };
+    let response = raw_request(&mut socket, request, &[7u8; 1000], Some(12)).await;
+    assert_eq!(ErrorKind::from_code(response.status), ErrorKind::Corrupt);
+    assert_eq!(
+        socket.read(&mut [0u8; 1]).await.unwrap(),
+        0,
+        "connection closed"
+    );
+    let mut check = vec![0u8; 1000];
+    node.regions()
+        .get("seg")
+        .unwrap()
+        .read_at(0, &mut check)
+        .unwrap();
+    assert_eq!(check, payload, "the corrupted request changed nothing");
+    node.regions()
+        .get("seg")
+        .unwrap()
+        .read_at(1 << 12, &mut check)
+        .unwrap();
+    assert!(check.iter().all(|&b| b == 0));
+}
+
+#[tokio::test]
+async fn a_dead_pooled_connection_is_replaced_once() {
+    let (node_a, server, endpoint) = node(1 << 20, TcpConfig::default()).await;
+    let client = TcpTransport::default();
+    client
+        .write_batch(
+            &endpoint,
+            &[WriteOp {
+                region: "seg",
+                offset: 0,
+                data: b"first",
+            }],
+        )
+        .await
+        .unwrap();
+    server.shutdown().await;
+    // The same node comes back on the same port; the pooled connection is stale.
+    let listener = TcpListener::bind(&endpoint).await.unwrap();
+    let _server = node_a.serve(listener).unwrap();
+    let read = client
+        .read_batch(
+            &endpoint,
+            &[ReadOp {
+                region: "seg",
+                offset: 0,
+                len: 5,
+            }],
+        )
+        .await
+        .unwrap();
+    assert_eq!(&read[0][..], b"first");
+}
+
+#[tokio::test]
+async fn unregistered_segments_are_no_longer_served() {
+    let (node, _server, endpoint) = node(4096, TcpConfig::default()).await;
+    let client = TcpTransport::default();
+    client
+        .read_batch(
+            &endpoint,
+            &[ReadOp {
+                region: "seg",
+                offset: 0,
+                len: 1,
+            }],
+        )
+        .await
+        .unwrap();
+    node.unregister(&RegionId::new("seg").unwrap()).unwrap();
+    let error = client
+        .read_batch(
+            &endpoint,
+            &[ReadOp {
+                region: "seg",
+                offset: 0,
+                len: 1,
+            }],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::UnknownRegion);
+    assert!(client.write_batch(&endpoint, &[]).await.is_ok());
+}
