@@ -1,2 +1,191 @@
 //! The global master: a registry of sub-masters plus a projection of all their event
-//! streams, answering cluster-wide `batch_is_exist`, `locate` and routing queries.
+//! streams, answering cluster-wide `batch_is_exist`, `prefix_hit`, `locate` and a
+//! proxied `get_replica_list` over NATS request/reply, in one queue group shared
+//! by every replica.
+//!
+//! A replica starts as `load newest checkpoint → follow every registered stream
+//! from its checkpointed sequence → serve`; until every stream known at start is
+//! caught up it answers `Busy`. [`serve`] runs one replica until a shutdown future
+//! resolves; [`GlobalMaster::start`] gives a handle (tests, `hkvm local`).
+
+pub mod checkpoints;
+pub mod client;
+mod config;
+mod error;
+mod follower;
+pub mod metrics;
+pub mod query;
+mod rpc;
+mod sources;
+mod state;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use async_nats::jetstream;
+use hkvm_events::rpc::global::GlobalStatusReply;
+use hkvm_projector::Projection;
+
+pub use client::GlobalClient;
+pub use config::GlobalMasterConfig;
+pub use error::{GlobalMasterError, GlobalMasterErrorKind};
+pub use rpc::QUEUE_GROUP;
+
+use crate::sources::Sources;
+use crate::state::Shared;
+
+/// A running global-master replica. Dropping it stops every task it started.
+#[derive(Debug)]
+pub struct GlobalMaster {
+    shared: Arc<Shared>,
+    sources: Arc<Sources>,
+    js: jetstream::Context,
+    restored_from: Option<String>,
+    metrics_addr: Option<SocketAddr>,
+}
+
+impl GlobalMaster {
+    /// Loads the newest checkpoint (if configured), starts following every
+    /// registered and static source, and joins the query queue group (answering
+    /// `Busy` until caught up).
+    ///
+    /// # Errors
+    /// When the registry bucket, the object store, the subscription or the metrics
+    /// listener cannot be set up.
+    pub async fn start(
+        config: GlobalMasterConfig,
+        client: async_nats::Client,
+    ) -> Result<Self, GlobalMasterError> {
+        let js = jetstream::new(client.clone());
+        let mut restored_from = None;
+        let mut projection = Projection::new();
+        if config.restore_checkpoint {
+            let store =
+                checkpoints::object_store(&js, &config.cluster, checkpoints::CHECKPOINT_PURPOSE)
+                    .await?;
+            if let Some((name, restored)) = checkpoints::load_newest(&store).await? {
+                tracing::info!(
+                    name,
+                    keys = restored.index().len(),
+                    "restored the projection from a checkpoint"
+                );
+                projection = restored;
+                restored_from = Some(name);
+            }
+        }
+        let metrics_addr = config.metrics_addr;
+        let shared = Arc::new(Shared::new(config, projection));
+        let sources = Arc::new(Sources::new(Arc::clone(&shared), js.clone()));
+        sources.start_initial().await?;
+        sources.spawn_background().await?;
+        let rpc = rpc::serve(Arc::clone(&shared), client).await?;
+        sources.keep(rpc);
+        let metrics_addr = match metrics_addr {
+            Some(addr) => {
+                let (bound, task) = metrics::serve_metrics(addr, shared.metrics.registry())
+                    .await
+                    .map_err(|e| {
+                        GlobalMasterError::new(GlobalMasterErrorKind::Metrics(e.to_string()))
+                    })?;
+                sources.keep(task);
+                tracing::info!(%bound, "serving /metrics");
+                Some(bound)
+            }
+            None => None,
+        };
+        Ok(Self {
+            shared,
+            sources,
+            js,
+            restored_from,
+            metrics_addr,
+        })
+    }
+
+    /// Whether the replica answers queries (not replaying any more).
+    pub fn is_serving(&self) -> bool {
+        !self.shared.is_replaying()
+    }
+
+    /// Waits until the replica serves queries.
+    pub async fn wait_serving(&self) {
+        while self.shared.is_replaying() {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    }
+
+    /// The checkpoint object the replica started from, if any.
+    pub fn restored_from(&self) -> Option<&str> {
+        self.restored_from.as_deref()
+    }
+
+    /// Where `/metrics` is served, if it is.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
+    }
+
+    /// The replica's state, as the status RPC reports it.
+    pub fn status(&self) -> GlobalStatusReply {
+        let projection = self.shared.read();
+        GlobalStatusReply {
+            replica: self.shared.config.replica.clone(),
+            replaying: self.shared.is_replaying(),
+            keys: projection.index().len() as u64,
+            bytes_per_key: projection.bytes_per_key(),
+            sources: self.shared.source_statuses(&projection),
+        }
+    }
+
+    /// Runs `f` over the projection (read-locked), for tests and benchmarks.
+    pub fn with_projection<T>(&self, f: impl FnOnce(&Projection) -> T) -> T {
+        f(&self.shared.read())
+    }
+
+    /// Writes a checkpoint now. Returns its size in bytes.
+    ///
+    /// # Errors
+    /// When the object store fails.
+    pub async fn checkpoint_now(&self) -> Result<usize, GlobalMasterError> {
+        let store = checkpoints::object_store(
+            &self.js,
+            &self.shared.config.cluster,
+            checkpoints::CHECKPOINT_PURPOSE,
+        )
+        .await?;
+        checkpoints::write(&self.shared, &store).await
+    }
+
+    /// Stops every task of the replica.
+    pub fn shutdown(self) {
+        self.sources.stop();
+    }
+}
+
+impl Drop for GlobalMaster {
+    fn drop(&mut self) {
+        self.sources.stop();
+    }
+}
+
+/// Runs one global-master replica until `shutdown` resolves, then writes a final
+/// checkpoint (if checkpoints are enabled) and stops.
+///
+/// # Errors
+/// When the replica cannot start (see [`GlobalMaster::start`]).
+pub async fn serve(
+    config: GlobalMasterConfig,
+    client: async_nats::Client,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), GlobalMasterError> {
+    let checkpoints = config.checkpoint_interval_ms > 0;
+    let master = GlobalMaster::start(config, client).await?;
+    shutdown.await;
+    if checkpoints && master.is_serving() {
+        if let Err(error) = master.checkpoint_now().await {
+            tracing::warn!(%error, "final checkpoint");
+        }
+    }
+    master.shutdown();
+    Ok(())
+}

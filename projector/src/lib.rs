@@ -13,4 +13,4 @@ mod projection;
 
 pub use error::{ProjectorError, ProjectorErrorKind};
 pub use index::{Holders, KeyIndex};
-pub use projection::{Applied, Projection, SourceState};
+pub use projection::{Applied, Projection, SourceContent, SourceState};

@@ -38,6 +38,10 @@ impl SourceState {
     }
 }
 
+/// The logical content of one source: sub-cluster, applied sequence, segments and
+/// sorted key hashes (see [`Projection::content`]).
+pub type SourceContent = (Option<SubclusterId>, u64, Vec<SegmentId>, Vec<u64>);
+
 /// What folding one message did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Applied {
@@ -236,7 +240,7 @@ impl Projection {
 
     /// The logical content, for comparing projections built in different ways:
     /// per source its sub-cluster, applied sequence, segments and sorted key hashes.
-    pub fn content(&self) -> Vec<(Option<SubclusterId>, u64, Vec<SegmentId>, Vec<u64>)> {
+    pub fn content(&self) -> Vec<SourceContent> {
         self.sources
             .iter()
             .enumerate()

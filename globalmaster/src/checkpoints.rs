@@ -1,0 +1,128 @@
+//! Checkpoints in a JetStream object store (`hkvm_<cluster>_checkpoints`), one
+//! object per replica (`projection-<replica>`), and bloom filters in another
+//! (`hkvm_<cluster>_blooms`, one object per sub-cluster). A restart loads the newest
+//! checkpoint that decodes and passes its checksum, from any replica.
+
+use async_nats::jetstream::{self, object_store};
+use futures::StreamExt as _;
+use hkvm_events::subject::bucket_name;
+use hkvm_events::ClusterId;
+use hkvm_projector::{checkpoint, Projection};
+use tokio::io::AsyncReadExt as _;
+
+use crate::state::Shared;
+use crate::GlobalMasterError;
+
+/// The purpose part of the checkpoint bucket name.
+pub const CHECKPOINT_PURPOSE: &str = "checkpoints";
+/// The purpose part of the bloom filter bucket name.
+pub const BLOOM_PURPOSE: &str = "blooms";
+
+/// Opens or creates an object store.
+///
+/// # Errors
+/// When JetStream refuses.
+pub async fn object_store(
+    js: &jetstream::Context,
+    cluster: &ClusterId,
+    purpose: &str,
+) -> Result<object_store::ObjectStore, GlobalMasterError> {
+    let bucket = bucket_name(cluster, purpose);
+    if let Ok(store) = js.get_object_store(&bucket).await {
+        return Ok(store);
+    }
+    js.create_object_store(object_store::Config {
+        bucket,
+        ..Default::default()
+    })
+    .await
+    .map_err(GlobalMasterError::nats)
+}
+
+/// Loads the newest valid checkpoint; `None` when there is none.
+///
+/// # Errors
+/// When the store cannot be listed.
+pub async fn load_newest(
+    store: &object_store::ObjectStore,
+) -> Result<Option<(String, Projection)>, GlobalMasterError> {
+    let mut list = store.list().await.map_err(GlobalMasterError::nats)?;
+    let mut infos = Vec::new();
+    while let Some(info) = list.next().await {
+        let info = info.map_err(GlobalMasterError::nats)?;
+        if !info.deleted {
+            infos.push(info);
+        }
+    }
+    infos.sort_by_key(|info| std::cmp::Reverse(info.modified));
+    for info in infos {
+        let mut object = match store.get(&info.name).await {
+            Ok(object) => object,
+            Err(error) => {
+                tracing::warn!(name = %info.name, %error, "reading a checkpoint");
+                continue;
+            }
+        };
+        let mut bytes = Vec::with_capacity(info.size);
+        if let Err(error) = object.read_to_end(&mut bytes).await {
+            tracing::warn!(name = %info.name, %error, "reading a checkpoint");
+            continue;
+        }
+        match checkpoint::decode(&bytes) {
+            Ok(projection) => return Ok(Some((info.name, projection))),
+            Err(error) => tracing::warn!(name = %info.name, %error, "skipping a checkpoint"),
+        }
+    }
+    Ok(None)
+}
+
+/// Writes this replica's checkpoint of the current projection.
+///
+/// # Errors
+/// When encoding or storing fails.
+pub(crate) async fn write(
+    shared: &Shared,
+    store: &object_store::ObjectStore,
+) -> Result<usize, GlobalMasterError> {
+    let bytes = {
+        let projection = shared.read();
+        checkpoint::encode(&projection).map_err(|e| GlobalMasterError::nats(e.to_string()))?
+    };
+    let name = format!("projection-{}", shared.config.replica);
+    store
+        .put(name.as_str(), &mut bytes.as_slice())
+        .await
+        .map_err(GlobalMasterError::nats)?;
+    shared.metrics.checkpoints.inc();
+    tracing::info!(name, bytes = bytes.len(), "checkpoint written");
+    Ok(bytes.len())
+}
+
+/// Rebuilds and publishes the bloom filter of every named source.
+///
+/// # Errors
+/// When storing fails.
+pub(crate) async fn publish_blooms(
+    shared: &Shared,
+    store: &object_store::ObjectStore,
+) -> Result<(), GlobalMasterError> {
+    let blooms: Vec<(String, Vec<u8>)> = {
+        let projection = shared.read();
+        projection
+            .sources()
+            .iter()
+            .enumerate()
+            .filter_map(|(source, state)| {
+                let subcluster = state.subcluster.as_ref()?;
+                Some((subcluster.to_string(), projection.bloom(source).to_bytes()))
+            })
+            .collect()
+    };
+    for (name, bytes) in blooms {
+        store
+            .put(name.as_str(), &mut bytes.as_slice())
+            .await
+            .map_err(GlobalMasterError::nats)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,83 @@
+//! The global master's configuration: a plain `Default` struct, also readable from
+//! a JSON file (every field optional).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use hkvm_events::rpc::global::LabelFilter;
+use hkvm_events::{ClusterId, SubclusterId};
+use serde::Deserialize;
+
+/// How a global-master replica runs.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GlobalMasterConfig {
+    /// The cluster whose sub-clusters are projected.
+    pub cluster: ClusterId,
+    /// This replica's name (in answers, logs and checkpoint names).
+    pub replica: String,
+    /// Liveness TTL of registry entries, ms.
+    pub registry_ttl_ms: u64,
+    /// Sub-clusters to follow even if not registered (tests, benchmarks, static
+    /// deployments).
+    pub static_sources: Vec<SubclusterId>,
+    /// Most messages per read batch (the backpressure bound).
+    pub read_batch_messages: usize,
+    /// Most bytes per read batch.
+    pub read_batch_bytes: usize,
+    /// Write a checkpoint this often, ms (0: never).
+    pub checkpoint_interval_ms: u64,
+    /// Load the newest checkpoint at start.
+    pub restore_checkpoint: bool,
+    /// Rebuild and publish bloom filters this often, ms (0: never).
+    pub bloom_interval_ms: u64,
+    /// Poll stream bounds (for lag) this often, ms.
+    pub lag_poll_ms: u64,
+    /// What `Busy` replies ask callers to wait, ms.
+    pub busy_retry_ms: u64,
+    /// Labels applied when a query has none.
+    pub default_labels: Option<LabelFilter>,
+    /// How long a proxied sub-master request may take, ms.
+    pub proxy_timeout_ms: u64,
+    /// Where to serve `/metrics` (none: not served).
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+impl Default for GlobalMasterConfig {
+    fn default() -> Self {
+        Self {
+            cluster: ClusterId::new("local").unwrap_or_else(|_| unreachable!("valid id")),
+            replica: format!("global-{}", std::process::id()),
+            registry_ttl_ms: 10_000,
+            static_sources: Vec::new(),
+            read_batch_messages: 256,
+            read_batch_bytes: 16 << 20,
+            checkpoint_interval_ms: 60_000,
+            restore_checkpoint: true,
+            bloom_interval_ms: 30_000,
+            lag_poll_ms: 1_000,
+            busy_retry_ms: 200,
+            default_labels: None,
+            proxy_timeout_ms: 2_000,
+            metrics_addr: None,
+        }
+    }
+}
+
+impl GlobalMasterConfig {
+    /// The registry TTL.
+    pub fn registry_ttl(&self) -> Duration {
+        Duration::from_millis(self.registry_ttl_ms)
+    }
+
+    /// Reads a JSON config file; missing fields take their defaults.
+    ///
+    /// # Errors
+    /// When the file cannot be read or is not valid.
+    pub fn from_file(path: &std::path::Path) -> Result<Self, crate::GlobalMasterError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| crate::GlobalMasterError::config(format!("{}: {e}", path.display())))?;
+        serde_json::from_str(&text)
+            .map_err(|e| crate::GlobalMasterError::config(format!("{}: {e}", path.display())))
+    }
+}

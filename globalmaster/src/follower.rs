@@ -1,0 +1,244 @@
+//! Following one sub-cluster's stream: read bounded batches from the projection's
+//! position on, fold them in, and resynchronize (forget the source and re-read it)
+//! when the stream has a gap, was reset or purged past the position, vanished, or
+//! holds a message that does not decode. Nothing is silently skipped: every resync
+//! is logged and counted, and a message that is still undecodable after a resync
+//! is skipped with an error log and counted as such.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use futures::StreamExt as _;
+use hkvm_events::log::{EventLog, JetStreamLog, LogErrorKind, ReadOptions};
+use hkvm_events::subject::{event_subject, stream_name};
+use hkvm_events::SubclusterId;
+use hkvm_projector::ProjectorErrorKind;
+
+use crate::metrics::source_label;
+use crate::state::Shared;
+
+/// Why a read loop ended.
+enum Outcome {
+    /// Start over from the source's current position (transient failure).
+    Reopen,
+    /// Forget the source and re-read it from the start of the stream.
+    Resync(&'static str),
+}
+
+/// Messages folded under one write lock.
+const CHUNK: usize = 64;
+/// Pause before reopening after a transient failure.
+const RETRY: Duration = Duration::from_millis(500);
+
+struct Follower {
+    shared: Arc<Shared>,
+    log: JetStreamLog,
+    subcluster: SubclusterId,
+    source: usize,
+    /// The sequence of the last undecodable message, to skip it if it is still
+    /// undecodable after a resync.
+    last_corrupt: Option<u64>,
+}
+
+/// Follows `subcluster`'s stream until the task is aborted.
+pub(crate) async fn follow(
+    shared: Arc<Shared>,
+    js: jetstream::Context,
+    subcluster: SubclusterId,
+    source: usize,
+) {
+    let cluster = shared.config.cluster.clone();
+    let log = JetStreamLog::new(
+        js,
+        stream_name(&cluster, &subcluster),
+        event_subject(&cluster, &subcluster),
+    );
+    let mut follower = Follower {
+        shared,
+        log,
+        subcluster,
+        source,
+        last_corrupt: None,
+    };
+    loop {
+        match follower.run_once().await {
+            Outcome::Reopen => tokio::time::sleep(RETRY).await,
+            Outcome::Resync(reason) => follower.resync(reason),
+        }
+    }
+}
+
+impl Follower {
+    fn applied_seq(&self) -> u64 {
+        self.shared
+            .read()
+            .source(self.source)
+            .map_or(0, |s| s.applied_seq)
+    }
+
+    fn resync(&mut self, reason: &'static str) {
+        tracing::warn!(
+            subcluster = %self.subcluster,
+            reason,
+            "re-reading the sub-cluster's stream from its start"
+        );
+        self.shared.write().reset_source(self.source);
+        self.shared
+            .positions()
+            .entry(self.source)
+            .or_default()
+            .resyncs += 1;
+        let mut labels = source_label(self.subcluster.as_str());
+        labels.push(("reason".to_owned(), reason.to_owned()));
+        self.shared.metrics.resyncs.get_or_create(&labels).inc();
+    }
+
+    async fn run_once(&mut self) -> Outcome {
+        let bounds = match self.log.bounds().await {
+            Ok(bounds) => bounds,
+            Err(error) if *error.kind() == LogErrorKind::StreamNotFound => {
+                // Nothing to catch up with; keep what is known until it appears.
+                self.shared.mark_caught_up(self.source);
+                if self.applied_seq() > 0 {
+                    return Outcome::Resync("stream deleted");
+                }
+                tracing::debug!(subcluster = %self.subcluster, "stream not found yet");
+                return Outcome::Reopen;
+            }
+            Err(error) => {
+                tracing::warn!(subcluster = %self.subcluster, %error, "reading stream bounds");
+                return Outcome::Reopen;
+            }
+        };
+        let applied = self.applied_seq();
+        if bounds.last_seq < applied {
+            return Outcome::Resync("stream reset");
+        }
+        if applied + 1 < bounds.first_seq {
+            if applied > 0 {
+                return Outcome::Resync("stream purged past the position");
+            }
+            tracing::warn!(
+                subcluster = %self.subcluster,
+                first_seq = bounds.first_seq,
+                "the stream's history before its first sequence was purged: keys stored \
+                 before it are not projected"
+            );
+        }
+        let target = bounds.last_seq;
+        self.shared
+            .observe_last_seq(self.source, &self.subcluster, target);
+        if applied >= target {
+            self.shared.mark_caught_up(self.source);
+        }
+        let from = (applied + 1).max(bounds.first_seq);
+        let options = ReadOptions {
+            from_seq: from,
+            until_seq: None,
+            follow: true,
+            batch_messages: self.shared.config.read_batch_messages.max(1),
+            batch_bytes: self.shared.config.read_batch_bytes.max(1),
+        };
+        let entries = match self.log.read(options).await {
+            Ok(entries) => entries,
+            Err(error) => {
+                return match error.kind() {
+                    LogErrorKind::Truncated { .. } => Outcome::Resync("stream purged"),
+                    _ => {
+                        tracing::warn!(subcluster = %self.subcluster, %error, "opening a read");
+                        Outcome::Reopen
+                    }
+                }
+            }
+        };
+        let mut chunks = entries.ready_chunks(CHUNK);
+        while let Some(chunk) = chunks.next().await {
+            if let Some(outcome) = self.fold_chunk(chunk, target) {
+                return outcome;
+            }
+        }
+        Outcome::Reopen
+    }
+
+    /// Folds a chunk of read results; `Some` ends the read.
+    fn fold_chunk(
+        &mut self,
+        chunk: Vec<Result<hkvm_events::log::LogEntry, hkvm_events::log::LogError>>,
+        target: u64,
+    ) -> Option<Outcome> {
+        let labels = source_label(self.subcluster.as_str());
+        let mut projection = self.shared.write();
+        let mut events = 0u64;
+        let mut messages = 0u64;
+        let mut end = None;
+        let mut last_seen = 0;
+        for item in chunk {
+            let entry = match item {
+                Ok(entry) => entry,
+                Err(error) => {
+                    end = Some(match error.kind() {
+                        LogErrorKind::Gap { .. } => Outcome::Resync("sequence gap"),
+                        LogErrorKind::Truncated { .. } => Outcome::Resync("stream purged"),
+                        LogErrorKind::StreamNotFound => Outcome::Resync("stream deleted"),
+                        _ => {
+                            tracing::warn!(subcluster = %self.subcluster, %error, "read failed");
+                            Outcome::Reopen
+                        }
+                    });
+                    break;
+                }
+            };
+            last_seen = entry.seq;
+            match projection.apply_message(self.source, entry.seq, entry.unix_ms, &entry.payload) {
+                Ok(applied) => {
+                    events += applied.events as u64;
+                    messages += 1;
+                }
+                Err(error) => match error.kind() {
+                    ProjectorErrorKind::Undecodable { seq, .. }
+                        if self.last_corrupt == Some(*seq) =>
+                    {
+                        tracing::error!(
+                            subcluster = %self.subcluster,
+                            %error,
+                            "message still undecodable after a resync: skipping it"
+                        );
+                        projection.set_applied_seq(self.source, *seq);
+                        let mut skipped = labels.clone();
+                        skipped.push(("reason".to_owned(), "corrupt message skipped".to_owned()));
+                        self.shared.metrics.resyncs.get_or_create(&skipped).inc();
+                    }
+                    ProjectorErrorKind::Undecodable { seq, .. } => {
+                        tracing::warn!(subcluster = %self.subcluster, %error, "undecodable message");
+                        self.last_corrupt = Some(*seq);
+                        end = Some(Outcome::Resync("undecodable message"));
+                        break;
+                    }
+                    _ => {
+                        end = Some(Outcome::Resync("sequence gap"));
+                        break;
+                    }
+                },
+            }
+        }
+        let applied = projection.source(self.source).map_or(0, |s| s.applied_seq);
+        drop(projection);
+        self.shared
+            .metrics
+            .events_applied
+            .get_or_create(&labels)
+            .inc_by(events);
+        self.shared
+            .metrics
+            .messages_applied
+            .get_or_create(&labels)
+            .inc_by(messages);
+        self.shared
+            .observe_last_seq(self.source, &self.subcluster, last_seen);
+        if applied >= target {
+            self.shared.mark_caught_up(self.source);
+        }
+        end
+    }
+}

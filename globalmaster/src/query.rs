@@ -1,0 +1,243 @@
+//! The query logic over a projection and the registry, without I/O: which sources
+//! a label filter allows and how it ranks them, `batch_is_exist`, `prefix_hit`,
+//! `locate`, and routing for the proxied `get_replica_list`.
+
+use std::collections::BTreeMap;
+
+use hkvm_events::registry::Registered;
+use hkvm_events::rpc::global::{
+    BatchIsExistReply, LabelFilter, LabelMode, Owner, PrefixLength, Staleness, MAX_BATCH_KEYS,
+    MAX_PREFIX_KEYS,
+};
+use hkvm_events::rpc::RpcError;
+use hkvm_events::{key_hash, Limits, SubclusterId};
+use hkvm_projector::Projection;
+
+/// How one source looks to a query.
+#[derive(Debug, Clone)]
+pub struct SourceView {
+    /// Its sub-cluster (none for an unnamed slot).
+    pub subcluster: Option<SubclusterId>,
+    /// Whether the filter lets it answer.
+    pub allowed: bool,
+    /// Whether its labels match the filter (ranked first under soft labels).
+    pub preferred: bool,
+}
+
+/// The views of every source under `filter`.
+pub fn views(
+    projection: &Projection,
+    registry: &BTreeMap<SubclusterId, Registered>,
+    filter: Option<&LabelFilter>,
+) -> Vec<SourceView> {
+    projection
+        .sources()
+        .iter()
+        .map(|state| {
+            let labels = state
+                .subcluster
+                .as_ref()
+                .and_then(|sc| registry.get(sc))
+                .map(|r| &r.info.labels);
+            let matches = match (filter, labels) {
+                (None, _) => true,
+                (Some(filter), Some(labels)) => filter.matches(labels),
+                (Some(filter), None) => filter.labels.is_empty(),
+            };
+            let hard = filter.is_some_and(|f| f.mode == LabelMode::Hard);
+            SourceView {
+                subcluster: state.subcluster.clone(),
+                allowed: state.subcluster.is_some() && (matches || !hard),
+                preferred: matches,
+            }
+        })
+        .collect()
+}
+
+/// Checks a batch of keys against the limits.
+///
+/// # Errors
+/// `InvalidRequest` naming the first problem.
+pub fn check_keys(keys: &[String], max: usize) -> Result<(), RpcError> {
+    if keys.len() > max {
+        return Err(RpcError::invalid(format!(
+            "{} keys, more than the limit of {max}",
+            keys.len()
+        )));
+    }
+    let limits = Limits::default();
+    for (index, key) in keys.iter().enumerate() {
+        limits
+            .check_key(key)
+            .map_err(|e| RpcError::invalid(format!("key {index}: {e}")))?;
+    }
+    Ok(())
+}
+
+/// The allowed holders of `hash`, preferred sources first (stable by index).
+pub fn ranked_holders(projection: &Projection, views: &[SourceView], hash: u64) -> Vec<usize> {
+    let holders = projection.index().holders(hash);
+    let mut out: Vec<usize> = holders
+        .iter()
+        .filter(|&s| views.get(s).is_some_and(|v| v.allowed))
+        .collect();
+    out.sort_by_key(|&s| !views[s].preferred);
+    out
+}
+
+/// `batch_is_exist`: per key, the sources holding it.
+///
+/// # Errors
+/// `InvalidRequest` for too many keys or a bad key.
+pub fn batch_is_exist(
+    projection: &Projection,
+    views: &[SourceView],
+    keys: &[String],
+    staleness: Staleness,
+) -> Result<BatchIsExistReply, RpcError> {
+    check_keys(keys, MAX_BATCH_KEYS)?;
+    // The reply names only the sources allowed to answer; `slot` maps a source
+    // index to its position in that list.
+    let mut subclusters = Vec::new();
+    let mut slot = vec![None; views.len()];
+    for (source, view) in views.iter().enumerate() {
+        if let (true, Some(subcluster)) = (view.allowed, &view.subcluster) {
+            slot[source] = u16::try_from(subclusters.len()).ok();
+            subclusters.push(subcluster.clone());
+        }
+    }
+    let holders = keys
+        .iter()
+        .map(|key| {
+            ranked_holders(projection, views, key_hash(key))
+                .into_iter()
+                .filter_map(|s| slot[s])
+                .collect()
+        })
+        .collect();
+    Ok(BatchIsExistReply {
+        subclusters,
+        holders,
+        staleness,
+    })
+}
+
+/// `prefix_hit`: per allowed source, how many leading keys it holds; sources with
+/// none are left out; longest first, preferred first among equals.
+///
+/// # Errors
+/// `InvalidRequest` for more than [`MAX_PREFIX_KEYS`] keys or a bad key.
+pub fn prefix_hit(
+    projection: &Projection,
+    views: &[SourceView],
+    keys: &[String],
+) -> Result<Vec<PrefixLength>, RpcError> {
+    check_keys(keys, MAX_PREFIX_KEYS)?;
+    let mut hits = vec![0u32; views.len()];
+    let mut open: Vec<usize> = (0..views.len()).filter(|&s| views[s].allowed).collect();
+    for key in keys {
+        if open.is_empty() {
+            break;
+        }
+        let holders = projection.index().holders(key_hash(key));
+        open.retain(|&s| {
+            let held = holders.contains(s);
+            if held {
+                hits[s] += 1;
+            }
+            held
+        });
+    }
+    let mut prefixes: Vec<(usize, u32)> = hits
+        .iter()
+        .enumerate()
+        .filter(|&(_, &h)| h > 0)
+        .map(|(s, &h)| (s, h))
+        .collect();
+    prefixes.sort_by_key(|&(s, h)| (!views[s].preferred, std::cmp::Reverse(h), s));
+    Ok(prefixes
+        .into_iter()
+        .filter_map(|(s, hits)| {
+            Some(PrefixLength {
+                subcluster: views[s].subcluster.clone()?,
+                hits,
+            })
+        })
+        .collect())
+}
+
+/// The owner record of a source, from the registry.
+pub fn owner(
+    cluster: &hkvm_events::ClusterId,
+    subcluster: &SubclusterId,
+    registry: &BTreeMap<SubclusterId, Registered>,
+) -> Owner {
+    match registry.get(subcluster) {
+        Some(registered) => Owner {
+            subcluster: subcluster.clone(),
+            submaster: Some(registered.info.id.clone()),
+            rpc_prefix: registered.info.rpc_prefix.clone(),
+            labels: registered.info.labels.clone(),
+            alive: registered.alive,
+        },
+        None => Owner {
+            subcluster: subcluster.clone(),
+            submaster: None,
+            rpc_prefix: format!("hkvm.{cluster}.{subcluster}.rpc"),
+            labels: BTreeMap::new(),
+            alive: false,
+        },
+    }
+}
+
+/// `locate`: per key, its owners in rank order.
+///
+/// # Errors
+/// `InvalidRequest` for too many keys or a bad key.
+pub fn locate(
+    cluster: &hkvm_events::ClusterId,
+    projection: &Projection,
+    views: &[SourceView],
+    registry: &BTreeMap<SubclusterId, Registered>,
+    keys: &[String],
+) -> Result<Vec<Vec<Owner>>, RpcError> {
+    check_keys(keys, MAX_BATCH_KEYS)?;
+    Ok(keys
+        .iter()
+        .map(|key| {
+            ranked_holders(projection, views, key_hash(key))
+                .into_iter()
+                .filter_map(|s| views[s].subcluster.as_ref())
+                .map(|sc| owner(cluster, sc, registry))
+                .collect()
+        })
+        .collect())
+}
+
+/// Routing of a proxied `get_replica_list`: per key, the sub-cluster to ask (the
+/// best-ranked holder whose sub-master is alive, else the best-ranked holder).
+///
+/// # Errors
+/// `InvalidRequest` for too many keys or a bad key.
+pub fn route(
+    projection: &Projection,
+    views: &[SourceView],
+    registry: &BTreeMap<SubclusterId, Registered>,
+    keys: &[String],
+) -> Result<Vec<Option<SubclusterId>>, RpcError> {
+    check_keys(keys, MAX_BATCH_KEYS)?;
+    Ok(keys
+        .iter()
+        .map(|key| {
+            let ranked: Vec<&SubclusterId> = ranked_holders(projection, views, key_hash(key))
+                .into_iter()
+                .filter_map(|s| views[s].subcluster.as_ref())
+                .collect();
+            ranked
+                .iter()
+                .find(|sc| registry.get(**sc).is_some_and(|r| r.alive))
+                .or(ranked.first())
+                .map(|sc| (*sc).clone())
+        })
+        .collect())
+}

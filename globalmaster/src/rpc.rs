@@ -1,0 +1,227 @@
+//! The query server: one queue-group subscription on
+//! `hkvm.<cluster>.global.rpc.*` shared by every replica; each request is decoded,
+//! answered from the projection (or forwarded, for `get_replica_list`) and replied
+//! to on its own task. A replica still replaying answers `Busy`; a malformed body
+//! gets `InvalidRequest`, never a panic.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::Message;
+use futures::StreamExt as _;
+use hkvm_events::rpc::global::{
+    BatchIsExist, GlobalOp, GlobalStatusReply, LabelFilter, Locate, LocateReply, PrefixHit,
+    PrefixHitReply, ProxyGetReplicaList, ProxyGetReplicaListReply,
+};
+use hkvm_events::rpc::submaster::{GetReplicaList, GetReplicaListReply, ItemError, ItemResult, Op};
+use hkvm_events::rpc::{decode, encode, RpcError, RpcErrorCode, RpcReply};
+use hkvm_events::subject::{global_rpc_subject, submaster_rpc_subject};
+use hkvm_events::SubclusterId;
+use serde::Serialize;
+
+use crate::metrics::op_label;
+use crate::query;
+use crate::state::Shared;
+use crate::GlobalMasterError;
+
+/// The queue group every replica joins.
+pub const QUEUE_GROUP: &str = "hkvm-global";
+
+/// Subscribes and serves until the task is aborted.
+pub(crate) async fn serve(
+    shared: Arc<Shared>,
+    client: async_nats::Client,
+) -> Result<tokio::task::JoinHandle<()>, GlobalMasterError> {
+    let subject = global_rpc_subject(&shared.config.cluster, "*");
+    let mut requests = client
+        .queue_subscribe(subject, QUEUE_GROUP.to_owned())
+        .await
+        .map_err(GlobalMasterError::nats)?;
+    Ok(tokio::spawn(async move {
+        while let Some(message) = requests.next().await {
+            let shared = Arc::clone(&shared);
+            let client = client.clone();
+            tokio::spawn(async move { handle(shared, client, message).await });
+        }
+    }))
+}
+
+fn reply_bytes<T: Serialize>(reply: Result<T, RpcError>) -> Vec<u8> {
+    encode(&RpcReply::from(reply)).unwrap_or_default()
+}
+
+async fn handle(shared: Arc<Shared>, client: async_nats::Client, message: Message) {
+    let Some(reply_to) = message.reply.clone() else {
+        return;
+    };
+    let started = Instant::now();
+    let name = message.subject.rsplit('.').next().unwrap_or_default();
+    let op = GlobalOp::from_name(name);
+    let label = op_label(op.map_or("unknown", GlobalOp::name));
+    let body = match op {
+        None => reply_bytes::<()>(Err(RpcError::invalid(format!("unknown operation {name}")))),
+        Some(op) if op != GlobalOp::Status && shared.is_replaying() => {
+            shared.metrics.busy.get_or_create(&label).inc();
+            reply_bytes::<()>(Err(RpcError::busy(
+                shared.config.busy_retry_ms,
+                "replaying the event streams",
+            )))
+        }
+        Some(GlobalOp::BatchIsExist) => reply_bytes(batch_is_exist(&shared, &message.payload)),
+        Some(GlobalOp::PrefixHit) => reply_bytes(prefix_hit(&shared, &message.payload)),
+        Some(GlobalOp::Locate) => reply_bytes(locate(&shared, &message.payload)),
+        Some(GlobalOp::Status) => reply_bytes(Ok::<_, RpcError>(status(&shared))),
+        Some(GlobalOp::GetReplicaList) => {
+            reply_bytes(proxy(&shared, &client, &message.payload).await)
+        }
+    };
+    if let Err(error) = client.publish(reply_to, body.into()).await {
+        tracing::debug!(%error, "replying");
+    }
+    shared
+        .metrics
+        .query_seconds
+        .get_or_create(&label)
+        .observe(started.elapsed().as_secs_f64());
+}
+
+fn filter<'a>(shared: &'a Shared, asked: &'a Option<LabelFilter>) -> Option<&'a LabelFilter> {
+    asked.as_ref().or(shared.config.default_labels.as_ref())
+}
+
+fn batch_is_exist(
+    shared: &Shared,
+    body: &[u8],
+) -> Result<hkvm_events::rpc::global::BatchIsExistReply, RpcError> {
+    let request: BatchIsExist = decode(body)?;
+    let projection = shared.read();
+    let views = query::views(
+        &projection,
+        &shared.registry(),
+        filter(shared, &request.labels),
+    );
+    let staleness = shared.staleness(&projection);
+    query::batch_is_exist(&projection, &views, &request.keys, staleness)
+}
+
+fn prefix_hit(shared: &Shared, body: &[u8]) -> Result<PrefixHitReply, RpcError> {
+    let request: PrefixHit = decode(body)?;
+    let projection = shared.read();
+    let views = query::views(
+        &projection,
+        &shared.registry(),
+        filter(shared, &request.labels),
+    );
+    Ok(PrefixHitReply {
+        prefixes: query::prefix_hit(&projection, &views, &request.keys)?,
+        staleness: shared.staleness(&projection),
+    })
+}
+
+fn locate(shared: &Shared, body: &[u8]) -> Result<LocateReply, RpcError> {
+    let request: Locate = decode(body)?;
+    let projection = shared.read();
+    let registry = shared.registry();
+    let views = query::views(&projection, &registry, filter(shared, &request.labels));
+    Ok(LocateReply {
+        owners: query::locate(
+            &shared.config.cluster,
+            &projection,
+            &views,
+            &registry,
+            &request.keys,
+        )?,
+        staleness: shared.staleness(&projection),
+    })
+}
+
+fn status(shared: &Shared) -> GlobalStatusReply {
+    let projection = shared.read();
+    GlobalStatusReply {
+        replica: shared.config.replica.clone(),
+        replaying: shared.is_replaying(),
+        keys: projection.index().len() as u64,
+        bytes_per_key: projection.bytes_per_key(),
+        sources: shared.source_statuses(&projection),
+    }
+}
+
+/// Forwards each key to its owning sub-master (one request per sub-cluster) and
+/// puts the answers back in request order. A key held nowhere is `NotFound`
+/// without asking anyone; a sub-master that fails or does not answer fails the
+/// whole request (the caller retries).
+async fn proxy(
+    shared: &Shared,
+    client: &async_nats::Client,
+    body: &[u8],
+) -> Result<ProxyGetReplicaListReply, RpcError> {
+    let request: ProxyGetReplicaList = decode(body)?;
+    let (routes, staleness) = {
+        let projection = shared.read();
+        let registry = shared.registry();
+        let views = query::views(&projection, &registry, filter(shared, &request.labels));
+        let routes = query::route(&projection, &views, &registry, &request.keys)?;
+        (routes, shared.staleness(&projection))
+    };
+    let mut groups: BTreeMap<SubclusterId, Vec<usize>> = BTreeMap::new();
+    for (index, route) in routes.iter().enumerate() {
+        if let Some(subcluster) = route {
+            groups.entry(subcluster.clone()).or_default().push(index);
+        }
+    }
+    let mut items: GetReplicaListReply = (0..request.keys.len())
+        .map(|_| ItemResult::Err(ItemError::NotFound))
+        .collect();
+    let timeout = Duration::from_millis(shared.config.proxy_timeout_ms.max(1));
+    let asks = groups.into_iter().map(|(subcluster, indexes)| {
+        let keys: Vec<String> = indexes.iter().map(|&i| request.keys[i].clone()).collect();
+        let subject = submaster_rpc_subject(
+            &shared.config.cluster,
+            &subcluster,
+            Op::GetReplicaList.name(),
+        );
+        async move {
+            let payload = encode(&GetReplicaList { keys })?;
+            let answer = tokio::time::timeout(timeout, client.request(subject, payload.into()))
+                .await
+                .map_err(|_| unanswered(&subcluster, "timed out"))?
+                .map_err(|e| unanswered(&subcluster, &e.to_string()))?;
+            let reply: RpcReply<GetReplicaListReply> = decode(&answer.payload)?;
+            let reply = reply.into_result()?;
+            if reply.len() != indexes.len() {
+                return Err(RpcError::new(
+                    RpcErrorCode::Internal,
+                    format!("sub-cluster {subcluster} answered {} items", reply.len()),
+                ));
+            }
+            Ok::<_, RpcError>((indexes, reply))
+        }
+    });
+    for answer in futures::future::join_all(asks).await {
+        let (indexes, reply) = answer?;
+        for (index, item) in indexes.into_iter().zip(reply) {
+            items[index] = item;
+        }
+    }
+    let from = routes
+        .into_iter()
+        .zip(&items)
+        .map(|(route, item)| match item {
+            ItemResult::Ok(_) => route,
+            ItemResult::Err(_) => None,
+        })
+        .collect();
+    Ok(ProxyGetReplicaListReply {
+        from,
+        items,
+        staleness,
+    })
+}
+
+fn unanswered(subcluster: &SubclusterId, why: &str) -> RpcError {
+    RpcError::busy(
+        200,
+        format!("sub-master of {subcluster} did not answer: {why}"),
+    )
+}

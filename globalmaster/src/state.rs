@@ -1,0 +1,172 @@
+//! The state one replica shares between its tasks: the projection, the registry as
+//! last seen, each source's stream position, and whether it is still replaying.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use hkvm_events::registry::{now_unix_ms, Registered};
+use hkvm_events::rpc::global::{SourceLag, SourceStatus, Staleness};
+use hkvm_events::SubclusterId;
+use hkvm_projector::Projection;
+
+use crate::config::GlobalMasterConfig;
+use crate::metrics::{source_label, Metrics};
+
+/// What a follower knows about its stream beyond the projection.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Position {
+    /// The stream's last sequence when last looked at.
+    pub last_seq: u64,
+    /// Times the source was re-read from scratch.
+    pub resyncs: u64,
+    /// Whether the follower reached the end seen when it started.
+    pub caught_up: bool,
+    /// Whether the source must be caught up before the replica serves.
+    pub gates_serving: bool,
+}
+
+/// Shared by the followers, the query server and the background tasks.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub config: GlobalMasterConfig,
+    pub projection: RwLock<Projection>,
+    pub registry: RwLock<BTreeMap<SubclusterId, Registered>>,
+    pub positions: Mutex<BTreeMap<usize, Position>>,
+    pub replaying: AtomicBool,
+    pub metrics: Metrics,
+}
+
+impl Shared {
+    pub fn new(config: GlobalMasterConfig, projection: Projection) -> Self {
+        Self {
+            config,
+            projection: RwLock::new(projection),
+            registry: RwLock::new(BTreeMap::new()),
+            positions: Mutex::new(BTreeMap::new()),
+            replaying: AtomicBool::new(true),
+            metrics: Metrics::new(),
+        }
+    }
+
+    // A panic while holding a lock leaves the projection usable: every update of it
+    // is one message's events, applied after decoding them all.
+    pub fn read(&self) -> RwLockReadGuard<'_, Projection> {
+        self.projection.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn write(&self) -> RwLockWriteGuard<'_, Projection> {
+        self.projection.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn registry(&self) -> RwLockReadGuard<'_, BTreeMap<SubclusterId, Registered>> {
+        self.registry.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn positions(&self) -> MutexGuard<'_, BTreeMap<usize, Position>> {
+        self.positions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn is_replaying(&self) -> bool {
+        self.replaying.load(Ordering::Acquire)
+    }
+
+    /// Updates a source's known stream end (and its lag gauge).
+    pub fn observe_last_seq(&self, source: usize, subcluster: &SubclusterId, last_seq: u64) {
+        let applied = self.read().source(source).map_or(0, |s| s.applied_seq);
+        let mut positions = self.positions();
+        let position = positions.entry(source).or_default();
+        position.last_seq = position.last_seq.max(last_seq);
+        let lag = position.last_seq.saturating_sub(applied);
+        drop(positions);
+        self.metrics
+            .lag_events
+            .get_or_create(&source_label(subcluster.as_str()))
+            .set(i64::try_from(lag).unwrap_or(i64::MAX));
+    }
+
+    /// Marks a source caught up, and the replica serving once every gating source
+    /// is.
+    pub fn mark_caught_up(&self, source: usize) {
+        self.positions().entry(source).or_default().caught_up = true;
+        self.open_gate_if_ready();
+    }
+
+    /// Starts serving once every gating source has caught up.
+    pub fn open_gate_if_ready(&self) {
+        let all = self
+            .positions()
+            .values()
+            .all(|p| p.caught_up || !p.gates_serving);
+        if all && self.replaying.swap(false, Ordering::AcqRel) {
+            tracing::info!(replica = %self.config.replica, "caught up: serving queries");
+        }
+    }
+
+    /// Per source: position and lag, as answers carry them.
+    pub fn staleness(&self, projection: &Projection) -> Staleness {
+        let positions = self.positions();
+        let now = now_unix_ms();
+        let sources = projection
+            .sources()
+            .iter()
+            .enumerate()
+            .filter_map(|(index, state)| {
+                let subcluster = state.subcluster.clone()?;
+                let last_seq = positions
+                    .get(&index)
+                    .map_or(0, |p| p.last_seq)
+                    .max(state.applied_seq);
+                let lag_events = last_seq - state.applied_seq;
+                let lag_ms = if lag_events > 0 && state.applied_unix_ms > 0 {
+                    now.saturating_sub(state.applied_unix_ms)
+                } else {
+                    0
+                };
+                Some(SourceLag {
+                    subcluster,
+                    applied_seq: state.applied_seq,
+                    last_seq,
+                    lag_events,
+                    lag_ms,
+                })
+            })
+            .collect();
+        Staleness {
+            replica: self.config.replica.clone(),
+            sources,
+        }
+    }
+
+    /// Per source: status for `hkvm status` and the status RPC.
+    pub fn source_statuses(&self, projection: &Projection) -> Vec<SourceStatus> {
+        let staleness = self.staleness(projection);
+        let positions = self.positions();
+        staleness
+            .sources
+            .into_iter()
+            .filter_map(|lag| {
+                let index = projection.find_source(&lag.subcluster)?;
+                let state = projection.source(index)?;
+                Some(SourceStatus {
+                    stream: state.stream.clone(),
+                    keys: projection.index().source_len(index),
+                    resyncs: positions.get(&index).map_or(0, |p| p.resyncs),
+                    lag,
+                })
+            })
+            .collect()
+    }
+
+    /// Refreshes the key-count and memory gauges.
+    pub fn update_index_gauges(&self) {
+        let projection = self.read();
+        let index = projection.index();
+        self.metrics
+            .keys
+            .set(i64::try_from(index.len()).unwrap_or(i64::MAX));
+        self.metrics
+            .index_bytes
+            .set(i64::try_from(index.memory_bytes()).unwrap_or(i64::MAX));
+    }
+}
