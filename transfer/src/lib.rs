@@ -12,6 +12,7 @@ pub mod frame;
 pub mod region;
 pub mod tcp;
 pub mod transport;
+pub mod wan;
 
 pub use error::{ErrorKind, TransferError};
 pub use region::{RegionId, RegionTable, Segment};
