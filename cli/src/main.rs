@@ -4,7 +4,10 @@
 mod bench;
 mod local;
 mod logging;
+mod meta;
 mod replay;
+mod signals;
+mod submaster;
 mod target;
 
 use clap::{Parser, Subcommand};
@@ -29,6 +32,14 @@ enum Command {
     Replay(replay::ReplayArgs),
     /// Run a benchmark; every figure comes with a baseline measured in the same run.
     Bench(bench::BenchArgs),
+    /// Run the sub-master of one sub-cluster (leader, or hot standby if one leads).
+    Submaster(submaster::SubmasterArgs),
+    /// Whether keys exist in a sub-cluster.
+    Exist(meta::ExistArgs),
+    /// Remove keys (or all) from a sub-cluster.
+    Rm(meta::RmArgs),
+    /// A sub-master's summary, or where keys are.
+    Stat(meta::StatArgs),
 }
 
 /// Counts allocations so that benchmarks can report allocations per event.
@@ -43,5 +54,9 @@ async fn main() -> anyhow::Result<()> {
         Command::Local(args) => local::run(args).await,
         Command::Replay(args) => replay::run(args).await,
         Command::Bench(args) => bench::run(args).await,
+        Command::Submaster(args) => submaster::run(args).await,
+        Command::Exist(args) => meta::exist(args).await,
+        Command::Rm(args) => meta::rm(args).await,
+        Command::Stat(args) => meta::stat(args).await,
     }
 }

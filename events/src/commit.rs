@@ -130,19 +130,51 @@ impl GroupCommitter {
     /// # Errors
     /// [`CommitError`] when they were rejected or their append failed.
     pub async fn commit(&self, events: Vec<KvEvent>) -> Result<Committed, CommitError> {
+        self.submit(events).await?.await
+    }
+
+    /// Queues `events` (waiting only for queue space) and returns a future that
+    /// resolves when they are durable. Submissions enter the log in the order their
+    /// `submit` calls completed, so a single caller that submits sequentially gets
+    /// its events into the log in that order.
+    ///
+    /// # Errors
+    /// [`CommitError::Stopped`] when the commit task has ended.
+    pub async fn submit(&self, events: Vec<KvEvent>) -> Result<PendingCommit, CommitError> {
         let (reply, answer) = oneshot::channel();
-        let stopped =
-            || CommitError::Stopped(LogError::other("committer", "the commit task has ended"));
         self.submissions
             .send(Submission { events, reply })
             .await
-            .map_err(|_| stopped())?;
-        answer.await.map_err(|_| stopped())?
+            .map_err(|_| task_ended())?;
+        Ok(PendingCommit { answer })
     }
 
     /// The last sequence known durable, updated as acknowledgements arrive.
     pub fn durable_seq(&self) -> u64 {
         *self.last_seq.borrow()
+    }
+}
+
+fn task_ended() -> CommitError {
+    CommitError::Stopped(LogError::other("committer", "the commit task has ended"))
+}
+
+/// Resolves when a submitted batch is durable (or failed).
+#[derive(Debug)]
+pub struct PendingCommit {
+    answer: oneshot::Receiver<Result<Committed, CommitError>>,
+}
+
+impl std::future::Future for PendingCommit {
+    type Output = Result<Committed, CommitError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        std::pin::Pin::new(&mut self.answer)
+            .poll(cx)
+            .map(|answer| answer.unwrap_or_else(|_| Err(task_ended())))
     }
 }
 

@@ -61,6 +61,12 @@ pub fn message_id(producer: &ProducerId, epoch: u64, counter: u64) -> String {
     format!("{producer}-{epoch}-{counter}")
 }
 
+/// The `Nats-Msg-Id` of the empty message a new leader appends to open its epoch
+/// (which fences any older leader still trying to write).
+pub fn epoch_marker_id(producer: &ProducerId, epoch: u64) -> String {
+    format!("{producer}-{epoch}-start")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

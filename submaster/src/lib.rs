@@ -9,5 +9,15 @@
 
 pub mod allocator;
 pub mod command;
+pub mod config;
+pub mod election;
+pub mod error;
+pub mod metrics;
 pub mod placement;
+pub mod server;
+pub mod snapshot;
 pub mod state;
+
+pub use config::SubmasterConfig;
+pub use error::{SubmasterError, SubmasterErrorKind};
+pub use server::{run, SubmasterHandle};

@@ -1,0 +1,131 @@
+//! `hkvm submaster`: runs the sub-master of one sub-cluster (leader or hot standby;
+//! start two for failover). Settings come from flags, then an optional TOML file
+//! (`--config`), then defaults.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use hkvm_events::{ProducerId, SubclusterId};
+use hkvm_submaster::placement::PlacementStrategy;
+use hkvm_submaster::SubmasterConfig;
+use serde::Deserialize;
+
+use crate::target::Target;
+
+/// Options of `hkvm submaster`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SubmasterArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// The sub-cluster to serve.
+    #[arg(long, env = "HKVM_SUBCLUSTER")]
+    pub subcluster: SubclusterId,
+    /// This instance's id (default: `<subcluster>-<pid>`).
+    #[arg(long)]
+    pub id: Option<ProducerId>,
+    /// Labels for the registry, `k=v,k=v`.
+    #[arg(long, value_delimiter = ',', value_parser = parse_label)]
+    pub labels: Vec<(String, String)>,
+    /// A TOML file with further settings (see docs/operations.md).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Serve Prometheus metrics on this address (e.g. `127.0.0.1:9101`).
+    #[arg(long)]
+    pub metrics: Option<SocketAddr>,
+    /// Stream and bucket replicas (3 in a NATS cluster).
+    #[arg(long)]
+    pub replicas: Option<usize>,
+}
+
+fn parse_label(text: &str) -> Result<(String, String), String> {
+    let (key, value) = text
+        .split_once('=')
+        .ok_or_else(|| format!("label {text:?} is not k=v"))?;
+    Ok((key.trim().to_owned(), value.trim().to_owned()))
+}
+
+/// Tunables a TOML file may set; every field is optional.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    labels: Option<BTreeMap<String, String>>,
+    replicas: Option<usize>,
+    metrics: Option<SocketAddr>,
+    lease_ttl_ms: Option<u64>,
+    put_timeout_ms: Option<u64>,
+    node_timeout_ms: Option<u64>,
+    high_watermark: Option<f64>,
+    evict_ratio: Option<f64>,
+    placement: Option<PlacementStrategy>,
+    max_key_len: Option<usize>,
+    leader_lease_ttl_ms: Option<u64>,
+    snapshot_every_events: Option<u64>,
+    snapshot_interval_ms: Option<u64>,
+    request_queue: Option<usize>,
+}
+
+/// Builds the sub-master configuration from flags, file and defaults.
+///
+/// # Errors
+/// When the file cannot be read or parsed.
+pub fn config(args: &SubmasterArgs) -> anyhow::Result<SubmasterConfig> {
+    let file: FileConfig = match &args.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?
+        }
+        None => FileConfig::default(),
+    };
+    let producer = match &args.id {
+        Some(id) => id.clone(),
+        None => ProducerId::new(format!("{}-{}", args.subcluster, std::process::id()))?,
+    };
+    let mut config = SubmasterConfig::new(
+        args.target.cluster.clone(),
+        args.subcluster.clone(),
+        producer,
+    );
+    config.labels = file.labels.unwrap_or_default();
+    config.labels.extend(args.labels.iter().cloned());
+    config.stream.replicas = args.replicas.or(file.replicas).unwrap_or(1);
+    config.metrics_addr = args.metrics.or(file.metrics);
+    let policy = &mut config.policy;
+    policy.lease_ttl_ms = file.lease_ttl_ms.unwrap_or(policy.lease_ttl_ms);
+    policy.put_timeout_ms = file.put_timeout_ms.unwrap_or(policy.put_timeout_ms);
+    policy.node_timeout_ms = file.node_timeout_ms.unwrap_or(policy.node_timeout_ms);
+    policy.high_watermark = file.high_watermark.unwrap_or(policy.high_watermark);
+    policy.evict_ratio = file.evict_ratio.unwrap_or(policy.evict_ratio);
+    policy.strategy = file.placement.unwrap_or(policy.strategy);
+    policy.limits.max_key_len = file.max_key_len.unwrap_or(policy.limits.max_key_len);
+    if let Some(ms) = file.leader_lease_ttl_ms {
+        config.leader_lease_ttl = Duration::from_millis(ms);
+    }
+    if let Some(ms) = file.snapshot_interval_ms {
+        config.snapshot_interval = Duration::from_millis(ms);
+    }
+    config.snapshot_every_events = file
+        .snapshot_every_events
+        .unwrap_or(config.snapshot_every_events);
+    config.request_queue = file.request_queue.unwrap_or(config.request_queue);
+    Ok(config)
+}
+
+/// Runs the sub-master until Ctrl-C or SIGTERM.
+///
+/// # Errors
+/// When NATS is unreachable or setup fails.
+pub async fn run(args: SubmasterArgs) -> anyhow::Result<()> {
+    let config = config(&args)?;
+    let client = args.target.connect().await?;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        crate::signals::terminated().await;
+        let _ = stop.send(true);
+    });
+    hkvm_submaster::run(client, config, stopped).await?;
+    Ok(())
+}

@@ -1,0 +1,69 @@
+//! Configuration of a sub-master process.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use hkvm_events::commit::CommitConfig;
+use hkvm_events::stream::StreamSettings;
+use hkvm_events::{ClusterId, ProducerId, SubclusterId};
+
+use crate::command::Policy;
+
+/// Everything a sub-master needs to run. Build with `..SubmasterConfig::new(..)`.
+#[derive(Debug, Clone)]
+pub struct SubmasterConfig {
+    /// The cluster.
+    pub cluster: ClusterId,
+    /// The sub-cluster this master is authoritative for.
+    pub subcluster: SubclusterId,
+    /// This instance's id (unique among the sub-cluster's leader and standbys).
+    pub producer: ProducerId,
+    /// Labels published in the registry (e.g. `dc=a,pool=prefill`).
+    pub labels: BTreeMap<String, String>,
+    /// Command rules (leases, timeouts, eviction, placement, limits).
+    pub policy: Policy,
+    /// Event stream settings (replicas: 1 locally, 3 in a NATS cluster).
+    pub stream: StreamSettings,
+    /// Group-commit tuning.
+    pub commit: CommitConfig,
+    /// Leader lease lifetime: a dead leader is replaced about this long after it died.
+    pub leader_lease_ttl: Duration,
+    /// Write a snapshot after this many applied events...
+    pub snapshot_every_events: u64,
+    /// ...or this long after the last one, whichever comes first (if anything changed).
+    pub snapshot_interval: Duration,
+    /// How often upkeep runs (liveness, put timeouts, eviction).
+    pub maintenance_interval: Duration,
+    /// Requests queued for the state machine before new ones get `Busy`.
+    pub request_queue: usize,
+    /// The `retry_after` given with `Busy`.
+    pub busy_retry_after: Duration,
+    /// Registry entry lifetime (heartbeats come every third of it).
+    pub registry_ttl: Duration,
+    /// Serve Prometheus metrics here.
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+impl SubmasterConfig {
+    /// Defaults for `subcluster` of `cluster`, run by `producer`.
+    pub fn new(cluster: ClusterId, subcluster: SubclusterId, producer: ProducerId) -> Self {
+        Self {
+            cluster,
+            subcluster,
+            producer,
+            labels: BTreeMap::new(),
+            policy: Policy::default(),
+            stream: StreamSettings::default(),
+            commit: CommitConfig::default(),
+            leader_lease_ttl: Duration::from_secs(3),
+            snapshot_every_events: 200_000,
+            snapshot_interval: Duration::from_secs(60),
+            maintenance_interval: Duration::from_millis(500),
+            request_queue: 16_384,
+            busy_retry_after: Duration::from_millis(100),
+            registry_ttl: Duration::from_secs(10),
+            metrics_addr: None,
+        }
+    }
+}

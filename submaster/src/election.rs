@@ -1,0 +1,132 @@
+//! Leadership of a sub-cluster: a lease in a JetStream KV bucket whose entries expire
+//! after the lease TTL (`max_age`). The holder renews it with a revision
+//! compare-and-set; a standby takes it with a create that succeeds only when no live
+//! entry exists. The lease only decides who *tries* to lead: the event log's
+//! expected-last-sequence fencing is what keeps a deposed leader from writing.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, kv};
+use hkvm_events::subject::bucket_name;
+use hkvm_events::{ClusterId, ProducerId, SubclusterId};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{SubmasterError, SubmasterErrorKind};
+
+/// The lease record (wire type).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseHolder {
+    /// Who holds it.
+    pub producer: ProducerId,
+    /// The epoch it leads in.
+    pub epoch: u64,
+}
+
+/// Access to the leader lease of one sub-cluster.
+#[derive(Debug, Clone)]
+pub struct LeaderLease {
+    store: kv::Store,
+    key: String,
+}
+
+fn lease_error(what: &str, error: impl std::fmt::Display) -> SubmasterError {
+    SubmasterError::new(SubmasterErrorKind::Lease, format!("{what}: {error}"))
+}
+
+impl LeaderLease {
+    /// Opens (creating if needed) the lease bucket of `cluster` with entries living
+    /// `ttl`, and addresses the key of `subcluster`.
+    ///
+    /// # Errors
+    /// When JetStream refuses the bucket.
+    pub async fn open(
+        js: &jetstream::Context,
+        cluster: &ClusterId,
+        subcluster: &SubclusterId,
+        ttl: Duration,
+        replicas: usize,
+    ) -> Result<Self, SubmasterError> {
+        let bucket = bucket_name(cluster, "leader");
+        let store = match js.get_key_value(&bucket).await {
+            Ok(store) => store,
+            Err(_) => js
+                .create_key_value(kv::Config {
+                    bucket: bucket.clone(),
+                    description: "HKVM sub-master leader leases".to_owned(),
+                    history: 1,
+                    max_age: ttl,
+                    num_replicas: replicas,
+                    storage: jetstream::stream::StorageType::File,
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| lease_error("creating the lease bucket", e))?,
+        };
+        Ok(Self {
+            store,
+            key: subcluster.to_string(),
+        })
+    }
+
+    /// The current holder, if a live lease exists.
+    ///
+    /// # Errors
+    /// When the bucket cannot be read.
+    pub async fn holder(&self) -> Result<Option<(LeaseHolder, u64)>, SubmasterError> {
+        let entry = self
+            .store
+            .entry(&self.key)
+            .await
+            .map_err(|e| lease_error("reading the lease", e))?;
+        Ok(entry.and_then(|entry| {
+            if entry.operation != kv::Operation::Put {
+                return None;
+            }
+            let holder = rmp_serde::from_slice(&entry.value).ok()?;
+            Some((holder, entry.revision))
+        }))
+    }
+
+    /// Tries to take the lease; `Some(revision)` when we hold it now.
+    ///
+    /// # Errors
+    /// When the bucket cannot be written for another reason than a live holder.
+    pub async fn try_acquire(&self, holder: &LeaseHolder) -> Result<Option<u64>, SubmasterError> {
+        let value = rmp_serde::to_vec_named(holder).map_err(|e| lease_error("encoding", e))?;
+        match self.store.create(&self.key, value.into()).await {
+            Ok(revision) => Ok(Some(revision)),
+            Err(error) if error.kind() == kv::CreateErrorKind::AlreadyExists => Ok(None),
+            Err(error) => Err(lease_error("taking the lease", error)),
+        }
+    }
+
+    /// Renews a held lease; `None` when it was lost (another holder, or expired).
+    ///
+    /// # Errors
+    /// Never for a lost lease; only for encoding problems.
+    pub async fn renew(
+        &self,
+        holder: &LeaseHolder,
+        revision: u64,
+    ) -> Result<Option<u64>, SubmasterError> {
+        let value = rmp_serde::to_vec_named(holder).map_err(|e| lease_error("encoding", e))?;
+        match self.store.update(&self.key, value.into(), revision).await {
+            Ok(revision) => Ok(Some(revision)),
+            Err(error) => {
+                tracing::warn!(%error, "leader lease renewal failed");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Gives a held lease up (graceful shutdown) so a standby takes over at once.
+    pub async fn release(&self, revision: u64) {
+        if let Err(error) = self
+            .store
+            .delete_expect_revision(&self.key, Some(revision))
+            .await
+        {
+            tracing::debug!(%error, "releasing the lease");
+        }
+    }
+}

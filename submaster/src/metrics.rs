@@ -1,0 +1,149 @@
+//! The sub-master's Prometheus metrics.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// Labels of per-operation metrics.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OpLabels {
+    /// The operation (subject token).
+    pub op: &'static str,
+    /// `ok`, `error` or `busy`.
+    pub result: &'static str,
+}
+
+/// Every metric the sub-master exports.
+#[derive(Debug, Clone)]
+pub struct SubmasterMetrics {
+    /// Requests handled, by operation and result.
+    pub requests: Family<OpLabels, Counter>,
+    /// Request latency (receipt to reply), by operation.
+    pub latency: Family<OpLabels, Histogram>,
+    /// Events appended.
+    pub events_appended: Counter,
+    /// Events per commit submission.
+    pub commit_events: Histogram,
+    /// Complete objects.
+    pub objects: Gauge,
+    /// Pending puts.
+    pub pending_puts: Gauge,
+    /// Bytes allocated.
+    pub used_bytes: Gauge,
+    /// Bytes mounted.
+    pub capacity_bytes: Gauge,
+    /// Objects evicted.
+    pub evicted: Counter,
+    /// Nodes declared lost.
+    pub nodes_lost: Counter,
+    /// 0 standby, 1 recovering (answering Busy), 2 leader.
+    pub role: Gauge,
+    /// Last applied stream sequence.
+    pub applied_seq: Gauge,
+    /// Events the standby is behind the stream end.
+    pub standby_lag: Gauge,
+    /// Snapshots written.
+    pub snapshots: Counter,
+    /// Messages or events in the stream that did not decode (skipped).
+    pub undecodable: Counter,
+    /// Leaderships taken.
+    pub takeovers: Counter,
+}
+
+fn latency_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.000_05, 2.0, 16))
+}
+
+impl SubmasterMetrics {
+    /// Creates the metrics and registers them under `hkvm_submaster_`.
+    pub fn register(registry: &mut Registry) -> Self {
+        let metrics = Self {
+            requests: Family::default(),
+            latency: Family::new_with_constructor(latency_histogram),
+            events_appended: Counter::default(),
+            commit_events: Histogram::new(exponential_buckets(1.0, 2.0, 14)),
+            objects: Gauge::default(),
+            pending_puts: Gauge::default(),
+            used_bytes: Gauge::default(),
+            capacity_bytes: Gauge::default(),
+            evicted: Counter::default(),
+            nodes_lost: Counter::default(),
+            role: Gauge::default(),
+            applied_seq: Gauge::default(),
+            standby_lag: Gauge::default(),
+            snapshots: Counter::default(),
+            undecodable: Counter::default(),
+            takeovers: Counter::default(),
+        };
+        let sub = registry.sub_registry_with_prefix("hkvm_submaster");
+        sub.register("requests", "Requests handled", metrics.requests.clone());
+        sub.register(
+            "request_seconds",
+            "Request latency",
+            metrics.latency.clone(),
+        );
+        sub.register(
+            "events_appended",
+            "Events appended to the stream",
+            metrics.events_appended.clone(),
+        );
+        sub.register(
+            "commit_events",
+            "Events per commit",
+            metrics.commit_events.clone(),
+        );
+        sub.register("objects", "Complete objects", metrics.objects.clone());
+        sub.register("pending_puts", "Pending puts", metrics.pending_puts.clone());
+        sub.register("used_bytes", "Bytes allocated", metrics.used_bytes.clone());
+        sub.register(
+            "capacity_bytes",
+            "Bytes mounted",
+            metrics.capacity_bytes.clone(),
+        );
+        sub.register("evicted", "Objects evicted", metrics.evicted.clone());
+        sub.register(
+            "nodes_lost",
+            "Nodes declared lost",
+            metrics.nodes_lost.clone(),
+        );
+        sub.register(
+            "role",
+            "0 standby, 1 recovering, 2 leader",
+            metrics.role.clone(),
+        );
+        sub.register(
+            "applied_seq",
+            "Last applied stream sequence",
+            metrics.applied_seq.clone(),
+        );
+        sub.register(
+            "standby_lag",
+            "Events behind the stream end",
+            metrics.standby_lag.clone(),
+        );
+        sub.register("snapshots", "Snapshots written", metrics.snapshots.clone());
+        sub.register(
+            "undecodable",
+            "Stream messages or events skipped as undecodable",
+            metrics.undecodable.clone(),
+        );
+        sub.register("takeovers", "Leaderships taken", metrics.takeovers.clone());
+        metrics
+    }
+
+    /// Records one handled request.
+    pub fn request(&self, op: &'static str, result: &'static str, seconds: f64) {
+        self.requests.get_or_create(&OpLabels { op, result }).inc();
+        self.latency
+            .get_or_create(&OpLabels { op, result })
+            .observe(seconds);
+    }
+}
+
+/// Gauge value from an unsigned count.
+pub fn gauge_value(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}

@@ -1,0 +1,125 @@
+//! Rebuilding and following the state from the event stream: restore the newest
+//! snapshot, replay the tail, and (as a hot standby) keep applying new messages.
+
+use futures::StreamExt as _;
+use hkvm_events::log::{EventLog, JetStreamLog, LogEntry, ReadOptions};
+use hkvm_events::{decode_message, Limits};
+use tokio::time::Instant;
+
+use crate::error::SubmasterError;
+use crate::metrics::{gauge_value, SubmasterMetrics};
+use crate::snapshot::SnapshotStore;
+use crate::state::State;
+
+/// Applies one stored message. Undecodable messages or events are skipped with an
+/// error log and a metric: only a foreign publisher writes them, and stopping the
+/// whole sub-cluster for them would be worse.
+pub(crate) fn apply_entry(
+    state: &mut State,
+    entry: &LogEntry,
+    limits: &Limits,
+    metrics: &SubmasterMetrics,
+) {
+    match decode_message(&entry.payload, limits) {
+        Ok(message) => {
+            let epoch = message.header.epoch;
+            let mut events = Vec::new();
+            for event in message.events {
+                match event {
+                    Ok(event) => events.push(event),
+                    Err(error) => {
+                        metrics.undecodable.inc();
+                        tracing::error!(seq = entry.seq, %error, "skipping an undecodable event");
+                    }
+                }
+            }
+            state.apply_message(entry.seq, epoch, &events);
+        }
+        Err(error) => {
+            metrics.undecodable.inc();
+            tracing::error!(seq = entry.seq, %error, "skipping an undecodable message");
+            state.applied_seq = entry.seq;
+        }
+    }
+    metrics.applied_seq.set(gauge_value(state.applied_seq));
+}
+
+/// Applies everything after `state.applied_seq` up to the current end of the log.
+///
+/// # Errors
+/// When the log cannot be read (vanished, truncated past the state, gap).
+pub(crate) async fn catch_up(
+    log: &JetStreamLog,
+    state: &mut State,
+    metrics: &SubmasterMetrics,
+) -> Result<u64, SubmasterError> {
+    let started = Instant::now();
+    let end = log.bounds().await?.last_seq;
+    let from = state.applied_seq + 1;
+    if from > end {
+        return Ok(0);
+    }
+    let total = end + 1 - from;
+    let mut entries = log
+        .read(ReadOptions {
+            until_seq: Some(end),
+            ..ReadOptions::from(from)
+        })
+        .await?;
+    let limits = Limits::default();
+    let mut applied = 0u64;
+    let mut last_report = Instant::now();
+    while let Some(entry) = entries.next().await {
+        apply_entry(state, &entry?, &limits, metrics);
+        applied += 1;
+        metrics
+            .standby_lag
+            .set(gauge_value(end.saturating_sub(state.applied_seq)));
+        if last_report.elapsed().as_secs() >= 1 {
+            last_report = Instant::now();
+            tracing::info!(
+                applied,
+                total,
+                objects = state.object_count(),
+                "replaying the event stream"
+            );
+        }
+    }
+    tracing::info!(
+        messages = applied,
+        applied_seq = state.applied_seq,
+        objects = state.object_count(),
+        ms = started.elapsed().as_millis() as u64,
+        "caught up with the event stream"
+    );
+    Ok(applied)
+}
+
+/// Rebuilds the state: the newest valid snapshot (if any) plus the tail of the log.
+///
+/// # Errors
+/// When the log cannot be read, or was purged past what the snapshot covers.
+pub(crate) async fn restore(
+    log: &JetStreamLog,
+    snapshots: &SnapshotStore,
+    metrics: &SubmasterMetrics,
+) -> Result<State, SubmasterError> {
+    let started = Instant::now();
+    let mut state = match snapshots.load_newest().await {
+        Ok(Some(state)) => state,
+        Ok(None) => State::new(),
+        Err(error) => {
+            tracing::warn!(%error, "snapshots unavailable; replaying the whole stream");
+            State::new()
+        }
+    };
+    let from_snapshot = state.applied_seq;
+    catch_up(log, &mut state, metrics).await?;
+    tracing::info!(
+        from_snapshot,
+        applied_seq = state.applied_seq,
+        ms = started.elapsed().as_millis() as u64,
+        "state restored"
+    );
+    Ok(state)
+}

@@ -1,0 +1,236 @@
+//! The sub-master process: rebuild the state from the newest snapshot and the log,
+//! follow the stream as a hot standby while another instance leads, take the leader
+//! lease when it frees up, lead until the lease is lost or an append is fenced, and
+//! start over from the log. Shutdown hands the lease over at once.
+
+mod follower;
+mod leader;
+mod rpc;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, kv};
+use futures::StreamExt as _;
+use hkvm_events::log::{EventLog, JetStreamLog, ReadOptions};
+use hkvm_events::stream::ensure_stream;
+use hkvm_events::subject::{event_subject, stream_name};
+use hkvm_events::{registry, Limits};
+use hkvm_telemetry::MetricsServer;
+use prometheus_client::registry::Registry;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+pub use rpc::QUEUE_GROUP;
+
+use crate::config::SubmasterConfig;
+use crate::election::{LeaderLease, LeaseHolder};
+use crate::error::{SubmasterError, SubmasterErrorKind};
+use crate::metrics::{gauge_value, SubmasterMetrics};
+use crate::snapshot::SnapshotStore;
+use crate::state::State;
+use leader::LeadEnd;
+
+/// What every phase of a sub-master uses.
+pub(crate) struct Context {
+    client: async_nats::Client,
+    config: SubmasterConfig,
+    log: JetStreamLog,
+    lease: LeaderLease,
+    snapshots: SnapshotStore,
+    registry: Option<kv::Store>,
+    metrics: SubmasterMetrics,
+}
+
+fn setup_error(what: &str, error: impl std::fmt::Display) -> SubmasterError {
+    SubmasterError::new(SubmasterErrorKind::Setup, format!("{what}: {error}"))
+}
+
+impl Context {
+    async fn new(
+        client: async_nats::Client,
+        config: SubmasterConfig,
+        metrics: SubmasterMetrics,
+    ) -> Result<Self, SubmasterError> {
+        let js = jetstream::new(client.clone());
+        ensure_stream(&js, &config.cluster, &config.subcluster, &config.stream).await?;
+        let log = JetStreamLog::new(
+            js.clone(),
+            stream_name(&config.cluster, &config.subcluster),
+            event_subject(&config.cluster, &config.subcluster),
+        );
+        let replicas = config.stream.replicas;
+        let lease = LeaderLease::open(
+            &js,
+            &config.cluster,
+            &config.subcluster,
+            config.leader_lease_ttl,
+            replicas,
+        )
+        .await?;
+        let snapshots =
+            SnapshotStore::open(&js, &config.cluster, &config.subcluster, replicas).await?;
+        let registry = match registry::ensure_registry_bucket(
+            &js,
+            &config.cluster,
+            config.registry_ttl,
+        )
+        .await
+        {
+            Ok(store) => Some(store),
+            Err(error) => {
+                tracing::warn!(%error, "no registry: the global master will not see this sub-master");
+                None
+            }
+        };
+        Ok(Self {
+            client,
+            config,
+            log,
+            lease,
+            snapshots,
+            registry,
+            metrics,
+        })
+    }
+}
+
+/// Follows the stream, applying every message, until this instance takes the leader
+/// lease (`Some(revision)`) or shutdown is asked (`None`).
+async fn stand_by(
+    ctx: &Context,
+    state: &mut State,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Result<Option<u64>, SubmasterError> {
+    ctx.metrics.role.set(0);
+    let mut entries = ctx
+        .log
+        .read(ReadOptions {
+            follow: true,
+            ..ReadOptions::from(state.applied_seq + 1)
+        })
+        .await?;
+    let limits = Limits::default();
+    let mut poll = tokio::time::interval(ctx.config.leader_lease_ttl / 4);
+    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let holder = LeaseHolder {
+        producer: ctx.config.producer.clone(),
+        epoch: state.max_epoch + 1,
+    };
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => return Ok(None),
+            entry = entries.next() => match entry {
+                Some(entry) => follower::apply_entry(state, &entry?, &limits, &ctx.metrics),
+                None => return Err(SubmasterError::new(SubmasterErrorKind::Log, "the event stream ended")),
+            },
+            _ = poll.tick() => {
+                if let Ok(bounds) = ctx.log.bounds().await {
+                    ctx.metrics.standby_lag.set(gauge_value(bounds.last_seq.saturating_sub(state.applied_seq)));
+                }
+                if ctx.lease.holder().await?.is_none() {
+                    if let Some(revision) = ctx.lease.try_acquire(&holder).await? {
+                        return Ok(Some(revision));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Runs a sub-master until `shutdown` turns true.
+///
+/// # Errors
+/// When setup fails (NATS, stream, buckets, metrics port). Failures after setup
+/// (a lost lease, a fenced append, a broken stream) are handled by rebuilding the
+/// state and standing by again.
+pub async fn run(
+    client: async_nats::Client,
+    config: SubmasterConfig,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<(), SubmasterError> {
+    let mut registry = Registry::default();
+    let metrics = SubmasterMetrics::register(&mut registry);
+    let _metrics_server = match config.metrics_addr {
+        Some(addr) => Some(
+            MetricsServer::start(addr, Arc::new(registry))
+                .await
+                .map_err(|e| setup_error("metrics endpoint", e))?,
+        ),
+        None => None,
+    };
+    let ctx = Context::new(client, config, metrics).await?;
+    tracing::info!(
+        subcluster = %ctx.config.subcluster,
+        producer = %ctx.config.producer,
+        stream = ctx.log.stream_name(),
+        "sub-master starting"
+    );
+    while !*shutdown.borrow() {
+        let mut state = match follower::restore(&ctx.log, &ctx.snapshots, &ctx.metrics).await {
+            Ok(state) => state,
+            Err(error) => {
+                tracing::error!(%error, "cannot rebuild the state; retrying");
+                pause(&mut shutdown, Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        let revision = match stand_by(&ctx, &mut state, &mut shutdown).await {
+            Ok(Some(revision)) => revision,
+            Ok(None) => break,
+            Err(error) => {
+                tracing::error!(%error, "standby failed; rebuilding");
+                pause(&mut shutdown, Duration::from_millis(500)).await;
+                continue;
+            }
+        };
+        match leader::lead(&ctx, &mut state, revision, &mut shutdown).await {
+            Ok(LeadEnd::Shutdown) => break,
+            Ok(LeadEnd::SteppedDown(reason)) => {
+                tracing::warn!(reason, "stepped down; rebuilding the state from the log")
+            }
+            Err(error) => {
+                tracing::error!(%error, "takeover failed; standing by again");
+                pause(&mut shutdown, Duration::from_millis(500)).await;
+            }
+        }
+    }
+    tracing::info!("sub-master stopped");
+    Ok(())
+}
+
+async fn pause(shutdown: &mut watch::Receiver<bool>, delay: Duration) {
+    let _ = tokio::time::timeout(delay, shutdown.changed()).await;
+}
+
+/// A sub-master running in this process (tests, `hkvm local`).
+#[derive(Debug)]
+pub struct SubmasterHandle {
+    shutdown: watch::Sender<bool>,
+    task: JoinHandle<Result<(), SubmasterError>>,
+}
+
+impl SubmasterHandle {
+    /// Starts a sub-master task.
+    pub fn spawn(client: async_nats::Client, config: SubmasterConfig) -> Self {
+        let (shutdown, watch) = watch::channel(false);
+        let task = tokio::spawn(run(client, config, watch));
+        Self { shutdown, task }
+    }
+
+    /// Stops gracefully (hands the lease over) and waits.
+    ///
+    /// # Errors
+    /// The sub-master's own error, if it failed.
+    pub async fn shutdown(self) -> Result<(), SubmasterError> {
+        let _ = self.shutdown.send(true);
+        self.task
+            .await
+            .map_err(|e| SubmasterError::new(SubmasterErrorKind::Setup, e.to_string()))?
+    }
+
+    /// Stops abruptly, as a crash would: no lease hand-over, in-flight work dropped.
+    pub fn abort(self) {
+        self.task.abort();
+    }
+}

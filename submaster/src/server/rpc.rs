@@ -1,0 +1,180 @@
+//! The RPC front: one queue-group subscription per operation subject, decoding
+//! requests into [`Request`]s for the state machine. It never queues without bound:
+//! while the leader recovers, or when the state machine's queue is full, requests
+//! get `Busy { retry_after }` at once.
+
+use std::time::Duration;
+
+use async_nats::{Client, Subject};
+use futures::StreamExt as _;
+use hkvm_events::rpc::submaster::Op;
+use hkvm_events::rpc::{self, RpcError, RpcErrorCode, RpcReply};
+use hkvm_events::subject::submaster_rpc_subject;
+use hkvm_events::{ClusterId, SubclusterId};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::command::{Reply, Request};
+use crate::error::{SubmasterError, SubmasterErrorKind};
+use crate::metrics::SubmasterMetrics;
+
+/// The queue group every sub-master instance of a sub-cluster joins.
+pub const QUEUE_GROUP: &str = "hkvm-submaster";
+
+/// Who asked, and when: what a reply needs.
+#[derive(Debug)]
+pub(crate) struct Requester {
+    pub(crate) op: Op,
+    pub(crate) reply_to: Subject,
+    pub(crate) received: Instant,
+}
+
+/// A request on its way to the state machine.
+#[derive(Debug)]
+pub(crate) struct Job {
+    pub(crate) requester: Requester,
+    pub(crate) request: Request,
+}
+
+/// The running subscriptions; dropping it unsubscribes.
+pub(crate) struct RpcFront {
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for RpcFront {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+fn decode_request(op: Op, body: &[u8]) -> Result<Request, RpcError> {
+    Ok(match op {
+        Op::MountSegment => Request::Mount(rpc::decode(body)?),
+        Op::UnmountSegment => Request::Unmount(rpc::decode(body)?),
+        Op::Remount => Request::Remount(rpc::decode(body)?),
+        Op::Ping => Request::Ping(rpc::decode(body)?),
+        Op::PutStart => Request::PutStart(rpc::decode(body)?),
+        Op::PutEnd => Request::PutEnd(rpc::decode(body)?),
+        Op::PutRevoke => Request::PutRevoke(rpc::decode(body)?),
+        Op::GetReplicaList => Request::GetReplicaList(rpc::decode(body)?),
+        Op::Exist => Request::Exist(rpc::decode(body)?),
+        Op::Remove => Request::Remove(rpc::decode(body)?),
+        Op::RemoveAll => Request::RemoveAll(rpc::decode(body)?),
+        Op::Status => Request::Status(rpc::decode(body)?),
+    })
+}
+
+/// Encodes a typed reply as its `RpcReply::Ok`.
+pub(crate) fn encode_reply(reply: Reply) -> Vec<u8> {
+    let encoded = match reply {
+        Reply::Done => rpc::encode(&RpcReply::Ok(())),
+        Reply::Ping(r) => rpc::encode(&RpcReply::Ok(r)),
+        Reply::PutStart(r) => rpc::encode(&RpcReply::Ok(r)),
+        Reply::PutEnd(r) => rpc::encode(&RpcReply::Ok(r)),
+        Reply::PutRevoke(r) => rpc::encode(&RpcReply::Ok(r)),
+        Reply::GetReplicaList(r) => rpc::encode(&RpcReply::Ok(r)),
+        Reply::Exist(r) => rpc::encode(&RpcReply::Ok(r)),
+        Reply::Remove(r) => rpc::encode(&RpcReply::Ok(r)),
+        Reply::RemoveAll(r) => rpc::encode(&RpcReply::Ok(r)),
+        Reply::Status(r) => rpc::encode(&RpcReply::Ok(r)),
+    };
+    encoded.unwrap_or_else(|error| encode_error(&error))
+}
+
+/// Encodes an error reply.
+pub(crate) fn encode_error(error: &RpcError) -> Vec<u8> {
+    // An error reply always encodes; fall back to an empty body only in theory.
+    rpc::encode(&RpcReply::<()>::Err(error.clone())).unwrap_or_default()
+}
+
+/// Sends a reply; a vanished requester is not an error worth more than a debug line.
+pub(crate) async fn send(client: &Client, reply_to: Subject, body: Vec<u8>) {
+    if let Err(error) = client.publish(reply_to, body.into()).await {
+        tracing::debug!(%error, "reply not sent");
+    }
+}
+
+/// Subscribes to every operation subject of the sub-cluster in the queue group.
+///
+/// # Errors
+/// When a subscription fails.
+pub(crate) async fn subscribe(
+    client: &Client,
+    cluster: &ClusterId,
+    subcluster: &SubclusterId,
+    jobs: mpsc::Sender<Job>,
+    ready: watch::Receiver<bool>,
+    busy_retry_after: Duration,
+    metrics: SubmasterMetrics,
+) -> Result<RpcFront, SubmasterError> {
+    let mut tasks = Vec::new();
+    for op in Op::ALL {
+        let subject = submaster_rpc_subject(cluster, subcluster, op.name());
+        let mut subscription = client
+            .queue_subscribe(subject.clone(), QUEUE_GROUP.to_owned())
+            .await
+            .map_err(|e| {
+                SubmasterError::new(
+                    SubmasterErrorKind::Rpc,
+                    format!("subscribing {subject}: {e}"),
+                )
+            })?;
+        let (client, jobs, ready, metrics) =
+            (client.clone(), jobs.clone(), ready.clone(), metrics.clone());
+        tasks.push(tokio::spawn(async move {
+            let retry_after_ms = busy_retry_after.as_millis() as u64;
+            while let Some(message) = subscription.next().await {
+                let Some(reply_to) = message.reply else {
+                    continue;
+                };
+                let received = Instant::now();
+                let refuse = |error: RpcError, result: &'static str| {
+                    metrics.request(op.name(), result, received.elapsed().as_secs_f64());
+                    encode_error(&error)
+                };
+                if !*ready.borrow() {
+                    let body = refuse(
+                        RpcError::busy(retry_after_ms, "recovering the sub-cluster state"),
+                        "busy",
+                    );
+                    send(&client, reply_to, body).await;
+                    continue;
+                }
+                let request = match decode_request(op, &message.payload) {
+                    Ok(request) => request,
+                    Err(error) => {
+                        send(&client, reply_to, refuse(error, "error")).await;
+                        continue;
+                    }
+                };
+                let job = Job {
+                    requester: Requester {
+                        op,
+                        reply_to,
+                        received,
+                    },
+                    request,
+                };
+                match jobs.try_send(job) {
+                    Ok(()) => {}
+                    Err(mpsc::error::TrySendError::Full(job)) => {
+                        let body =
+                            refuse(RpcError::busy(retry_after_ms, "request queue full"), "busy");
+                        send(&client, job.requester.reply_to, body).await;
+                    }
+                    Err(mpsc::error::TrySendError::Closed(job)) => {
+                        let body = refuse(
+                            RpcError::new(RpcErrorCode::NotLeader, "stepping down"),
+                            "error",
+                        );
+                        send(&client, job.requester.reply_to, body).await;
+                    }
+                }
+            }
+        }));
+    }
+    Ok(RpcFront { tasks })
+}
