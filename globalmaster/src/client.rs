@@ -17,6 +17,9 @@ pub struct GlobalClient {
     cluster: ClusterId,
     /// How long to keep retrying `Busy` answers before giving up.
     pub busy_budget: Duration,
+    /// How long one attempt may take before it is retried (queries are read-only,
+    /// so a request lost with a replica that stopped is simply asked again).
+    pub attempt_timeout: Duration,
 }
 
 impl GlobalClient {
@@ -26,6 +29,7 @@ impl GlobalClient {
             client,
             cluster,
             busy_budget: Duration::from_secs(30),
+            attempt_timeout: Duration::from_secs(2),
         }
     }
 
@@ -48,8 +52,9 @@ impl GlobalClient {
         reply.into_result()
     }
 
-    /// Sends `request`, retrying `Busy` answers (and "no responders", while no
-    /// replica is up yet) until [`GlobalClient::busy_budget`] is spent.
+    /// Sends `request`, retrying `Busy` answers, attempts without an answer in
+    /// [`GlobalClient::attempt_timeout`], and "no responders" (while no replica is
+    /// up yet) until [`GlobalClient::busy_budget`] is spent.
     ///
     /// # Errors
     /// The last error when the budget is spent, or any other error at once.
@@ -61,7 +66,10 @@ impl GlobalClient {
         let started = tokio::time::Instant::now();
         let mut attempt: u64 = 0;
         loop {
-            let retry_after = match self.call_once(op, request).await {
+            let answer = tokio::time::timeout(self.attempt_timeout, self.call_once(op, request))
+                .await
+                .unwrap_or_else(|_| Err(RpcError::busy(0, "no answer in time")));
+            let retry_after = match answer {
                 Err(RpcError {
                     code: RpcErrorCode::Busy { retry_after_ms },
                     ..

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use futures::StreamExt as _;
-use hkvm_events::log::{EventLog, JetStreamLog, LogErrorKind, ReadOptions};
+use hkvm_events::log::{EventLog, JetStreamLog, LogBounds, LogError, LogErrorKind, ReadOptions};
 use hkvm_events::subject::{event_subject, stream_name};
 use hkvm_events::SubclusterId;
 use hkvm_projector::ProjectorErrorKind;
@@ -28,11 +28,14 @@ enum Outcome {
 
 /// Messages folded under one write lock.
 const CHUNK: usize = 64;
+/// How long a read may be idle before the stream's identity is checked again.
+const IDLE_CHECK: Duration = Duration::from_secs(1);
 /// Pause before reopening after a transient failure.
 const RETRY: Duration = Duration::from_millis(500);
 
 struct Follower {
     shared: Arc<Shared>,
+    js: jetstream::Context,
     log: JetStreamLog,
     subcluster: SubclusterId,
     source: usize,
@@ -50,12 +53,13 @@ pub(crate) async fn follow(
 ) {
     let cluster = shared.config.cluster.clone();
     let log = JetStreamLog::new(
-        js,
+        js.clone(),
         stream_name(&cluster, &subcluster),
         event_subject(&cluster, &subcluster),
     );
     let mut follower = Follower {
         shared,
+        js,
         log,
         subcluster,
         source,
@@ -94,9 +98,23 @@ impl Follower {
         self.shared.metrics.resyncs.get_or_create(&labels).inc();
     }
 
+    /// The stream's bounds and identity (creation time, Unix ns).
+    async fn stream_state(&self) -> Result<(LogBounds, u64), LogError> {
+        let bounds = self.log.bounds().await?;
+        let name = self.log.stream_name();
+        let mut stream = self
+            .js
+            .get_stream(name)
+            .await
+            .map_err(|e| LogError::other(name, e))?;
+        let info = stream.info().await.map_err(|e| LogError::other(name, e))?;
+        let epoch = u64::try_from(info.created.unix_timestamp_nanos()).unwrap_or_default();
+        Ok((bounds, epoch))
+    }
+
     async fn run_once(&mut self) -> Outcome {
-        let bounds = match self.log.bounds().await {
-            Ok(bounds) => bounds,
+        let (bounds, epoch) = match self.stream_state().await {
+            Ok(state) => state,
             Err(error) if *error.kind() == LogErrorKind::StreamNotFound => {
                 // Nothing to catch up with; keep what is known until it appears.
                 self.shared.mark_caught_up(self.source);
@@ -111,9 +129,19 @@ impl Follower {
                 return Outcome::Reopen;
             }
         };
-        let applied = self.applied_seq();
-        if bounds.last_seq < applied {
+        let (applied, known_epoch) = {
+            let projection = self.shared.read();
+            let state = projection.source(self.source);
+            (
+                state.map_or(0, |s| s.applied_seq),
+                state.map_or(0, |s| s.stream_epoch),
+            )
+        };
+        if bounds.last_seq < applied || (known_epoch != 0 && known_epoch != epoch) {
             return Outcome::Resync("stream reset");
+        }
+        if known_epoch != epoch {
+            self.shared.write().set_stream_epoch(self.source, epoch);
         }
         if applied + 1 < bounds.first_seq {
             if applied > 0 {
@@ -153,12 +181,26 @@ impl Follower {
             }
         };
         let mut chunks = entries.ready_chunks(CHUNK);
-        while let Some(chunk) = chunks.next().await {
-            if let Some(outcome) = self.fold_chunk(chunk, target) {
-                return outcome;
+        loop {
+            match tokio::time::timeout(IDLE_CHECK, chunks.next()).await {
+                Ok(Some(chunk)) => {
+                    if let Some(outcome) = self.fold_chunk(chunk, target) {
+                        return outcome;
+                    }
+                }
+                Ok(None) => return Outcome::Reopen,
+                // Idle: a stream deleted or re-created meanwhile would only show
+                // up as a missed heartbeat much later, so look now.
+                Err(_) => match self.stream_state().await {
+                    Ok((now, same)) if same == epoch && now.last_seq >= self.applied_seq() => {}
+                    Ok(_) => return Outcome::Reopen,
+                    Err(error) if *error.kind() == LogErrorKind::StreamNotFound => {
+                        return Outcome::Reopen
+                    }
+                    Err(_) => {}
+                },
             }
         }
-        Outcome::Reopen
     }
 
     /// Folds a chunk of read results; `Some` ends the read.

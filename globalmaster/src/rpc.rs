@@ -225,3 +225,50 @@ fn unanswered(subcluster: &SubclusterId, why: &str) -> RpcError {
         format!("sub-master of {subcluster} did not answer: {why}"),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use hkvm_events::rpc::global::{BatchIsExistReply, GlobalStatus};
+    use hkvm_projector::Projection;
+
+    use super::*;
+    use crate::{GlobalClient, GlobalMasterConfig};
+
+    #[tokio::test]
+    async fn a_replaying_replica_answers_busy_except_status() {
+        let server = hkvm_testkit::NatsServer::start().await.unwrap();
+        let client = server.connect().await.unwrap();
+        let config = GlobalMasterConfig {
+            busy_retry_ms: 321,
+            ..GlobalMasterConfig::default()
+        };
+        let cluster = config.cluster.clone();
+        let shared = Arc::new(Shared::new(config, Projection::new()));
+        assert!(shared.is_replaying());
+        let task = serve(Arc::clone(&shared), client.clone()).await.unwrap();
+        client.flush().await.unwrap();
+        let global = GlobalClient::new(client, cluster);
+        let busy = global
+            .call_once::<_, BatchIsExistReply>(
+                GlobalOp::BatchIsExist,
+                &BatchIsExist {
+                    keys: vec!["k".into()],
+                    labels: None,
+                },
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(
+            busy.code,
+            RpcErrorCode::Busy {
+                retry_after_ms: 321
+            }
+        );
+        let status: GlobalStatusReply = global
+            .call_once(GlobalOp::Status, &GlobalStatus {})
+            .await
+            .unwrap();
+        assert!(status.replaying);
+        task.abort();
+    }
+}

@@ -30,6 +30,8 @@ struct SourceRecord {
     stream: String,
     applied_seq: u64,
     applied_unix_ms: u64,
+    #[serde(default)]
+    stream_epoch: u64,
     segments: Vec<(SegmentId, NodeId, u64)>,
     snapshot: Option<(u64, String)>,
 }
@@ -70,6 +72,7 @@ pub fn encode(projection: &Projection) -> Result<Vec<u8>, ProjectorError> {
                 stream: s.stream.clone(),
                 applied_seq: s.applied_seq,
                 applied_unix_ms: s.applied_unix_ms,
+                stream_epoch: s.stream_epoch,
                 segments: s
                     .segments
                     .iter()
@@ -222,6 +225,7 @@ pub fn decode(bytes: &[u8]) -> Result<Projection, ProjectorError> {
             stream: s.stream,
             applied_seq: s.applied_seq,
             applied_unix_ms: s.applied_unix_ms,
+            stream_epoch: s.stream_epoch,
             segments: s
                 .segments
                 .into_iter()

@@ -21,6 +21,10 @@ pub struct SourceState {
     pub applied_seq: u64,
     /// When that message was stored, Unix milliseconds.
     pub applied_unix_ms: u64,
+    /// The identity of the stream instance read (its creation time, Unix ns): a
+    /// stream deleted and created again under the same name has a new one, and
+    /// everything read from the old one must be forgotten.
+    pub stream_epoch: u64,
     /// Mounted segments: owner and size.
     pub segments: BTreeMap<SegmentId, (NodeId, u64)>,
     /// The newest `Snapshot` marker seen: (covered sequence, object name).
@@ -197,10 +201,15 @@ impl Projection {
         Ok(outcome)
     }
 
-    /// Marks `source` as positioned at `seq` without folding anything (used when a
-    /// stream starts past 1 and nothing earlier can be read).
+    /// Marks `source` as positioned at `seq` without folding anything (skipping a
+    /// message that cannot be decoded even after a resync).
     pub fn set_applied_seq(&mut self, source: usize, seq: u64) {
         self.source_mut(source).applied_seq = seq;
+    }
+
+    /// Records the identity of the stream instance `source` is read from.
+    pub fn set_stream_epoch(&mut self, source: usize, epoch: u64) {
+        self.source_mut(source).stream_epoch = epoch;
     }
 
     /// Forgets everything known about `source` (its keys, segments and position),

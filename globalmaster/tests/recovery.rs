@@ -1,0 +1,202 @@
+//! Recovery against a real nats-server: checkpoint restore plus tail, streams that
+//! were reset, purged or hold a corrupt message, and two replicas serving alike.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use hkvm_events::commit::{CommitConfig, GroupCommitter};
+use hkvm_events::rpc::global::GlobalStatusReply;
+use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp, GlobalStatus};
+use hkvm_events::stream::{ensure_stream, StreamSettings};
+use hkvm_events::subject::event_subject;
+use hkvm_events::ProducerId;
+use hkvm_projector::{Projection, SourceContent};
+
+use common::{keys, put, removed, wait_applied, Fixture};
+
+fn sorted_content(projection: &Projection) -> Vec<SourceContent> {
+    let mut content = projection.content();
+    content.sort_by(|a, b| a.0.cmp(&b.0));
+    content
+}
+
+async fn exists(fixture: &Fixture, names: &[&str]) -> Vec<Vec<String>> {
+    let reply: BatchIsExistReply = fixture
+        .global()
+        .call(
+            GlobalOp::BatchIsExist,
+            &BatchIsExist {
+                keys: keys(names),
+                labels: None,
+            },
+        )
+        .await
+        .unwrap();
+    (0..names.len())
+        .map(|i| {
+            reply
+                .holders_of(i)
+                .into_iter()
+                .map(ToString::to_string)
+                .collect()
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_restart_loads_the_checkpoint_and_folds_only_the_tail() {
+    let fixture = Fixture::new().await;
+    let a = fixture.subcluster("sc-a", &[]).await;
+    let b = fixture.subcluster("sc-b", &[]).await;
+    a.commit(vec![put("a1"), put("both")]).await;
+    b.commit(vec![put("both")]).await;
+    let first = fixture.start("g1").await;
+    assert!(first.restored_from().is_none());
+    assert!(first.checkpoint_now().await.unwrap() > 0);
+    drop(first);
+
+    let tail = a.commit(vec![removed(&["both"]), put("a2")]).await;
+    let mut config = fixture.config("g2");
+    config.restore_checkpoint = true;
+    let restored = fixture.start_with(config).await;
+    assert_eq!(restored.restored_from(), Some("projection-g1"));
+    wait_applied(&restored, &a.id, tail).await;
+
+    let mut config = fixture.config("g3");
+    config.restore_checkpoint = false;
+    let scratch = fixture.start_with(config).await;
+    wait_applied(&scratch, &a.id, tail).await;
+    assert_eq!(
+        restored.with_projection(sorted_content),
+        scratch.with_projection(sorted_content)
+    );
+    assert_eq!(
+        exists(&fixture, &["a1", "a2", "both"]).await,
+        vec![vec!["sc-a"], vec!["sc-a"], vec!["sc-b"]]
+    );
+}
+
+#[tokio::test]
+async fn a_recreated_stream_is_read_again_from_scratch() {
+    let fixture = Fixture::new().await;
+    let a = fixture.subcluster("sc-a", &[]).await;
+    a.commit(vec![put("old-1")]).await;
+    a.commit(vec![put("old-2")]).await;
+    let master = fixture.start("g1").await;
+
+    fixture.js.delete_stream(a.log.stream_name()).await.unwrap();
+    ensure_stream(
+        &fixture.js,
+        &fixture.cluster,
+        &a.id,
+        &StreamSettings::default(),
+    )
+    .await
+    .unwrap();
+    let committer = GroupCommitter::spawn(
+        a.log.clone(),
+        ProducerId::new("sm-new").unwrap(),
+        2,
+        0,
+        CommitConfig::default(),
+    );
+    // As many messages as before, so only the stream's identity tells them apart.
+    committer.commit(vec![put("new-1")]).await.unwrap();
+    committer.commit(vec![put("new-2")]).await.unwrap();
+
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while exists(&fixture, &["old-1", "new-2"]).await != vec![vec![], vec!["sc-a"]] {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the projection forgets the old stream");
+    let status = master.status();
+    assert!(status.sources[0].resyncs >= 1, "{status:?}");
+    assert_eq!(
+        exists(&fixture, &["old-2", "new-1"]).await,
+        vec![vec![], vec!["sc-a"]]
+    );
+}
+
+#[tokio::test]
+async fn a_corrupt_message_triggers_a_resync_then_is_skipped_and_counted() {
+    let fixture = Fixture::new().await;
+    let a = fixture.subcluster("sc-a", &[]).await;
+    a.commit(vec![put("before")]).await;
+    fixture
+        .js
+        .publish(event_subject(&fixture.cluster, &a.id), "not msgpack".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let committer = GroupCommitter::spawn(
+        a.log.clone(),
+        ProducerId::new("sm-2").unwrap(),
+        2,
+        2,
+        CommitConfig::default(),
+    );
+    let last = committer.commit(vec![put("after")]).await.unwrap().seq;
+    let master = fixture.start("g1").await;
+    wait_applied(&master, &a.id, last).await;
+    assert_eq!(
+        exists(&fixture, &["before", "after"]).await,
+        vec![vec!["sc-a"], vec!["sc-a"]]
+    );
+    assert_eq!(master.status().sources[0].resyncs, 1);
+}
+
+#[tokio::test]
+async fn history_purged_past_the_checkpoint_forces_a_resync() {
+    let fixture = Fixture::new().await;
+    let a = fixture.subcluster("sc-a", &[]).await;
+    a.commit(vec![put("k1")]).await;
+    let first = fixture.start("g1").await;
+    first.checkpoint_now().await.unwrap();
+    drop(first);
+    a.commit(vec![put("k2")]).await;
+    a.commit(vec![put("k3")]).await;
+    let last = a.commit(vec![put("k4")]).await;
+    // Purge everything before sequence 3: the checkpoint (at 1) cannot be continued.
+    let stream = fixture.js.get_stream(a.log.stream_name()).await.unwrap();
+    stream.purge().sequence(3).await.unwrap();
+
+    let restored = fixture.start("g2").await;
+    wait_applied(&restored, &a.id, last).await;
+    assert_eq!(
+        exists(&fixture, &["k1", "k2", "k3", "k4"]).await,
+        vec![vec![], vec![], vec!["sc-a"], vec!["sc-a"]]
+    );
+    assert_eq!(restored.status().sources[0].resyncs, 1);
+}
+
+#[tokio::test]
+async fn two_replicas_share_the_queue_group_and_answer_alike() {
+    let fixture = Fixture::new().await;
+    let a = fixture.subcluster("sc-a", &[]).await;
+    a.commit(vec![put("k")]).await;
+    let one = fixture.start("g1").await;
+    let two = fixture.start("g2").await;
+    let mut seen = BTreeSet::new();
+    for _ in 0..64 {
+        let status: GlobalStatusReply = fixture
+            .global()
+            .call(GlobalOp::Status, &GlobalStatus {})
+            .await
+            .unwrap();
+        seen.insert(status.replica);
+        assert_eq!(exists(&fixture, &["k"]).await, vec![vec!["sc-a"]]);
+    }
+    assert_eq!(seen, BTreeSet::from(["g1".to_owned(), "g2".to_owned()]));
+    // Losing one replica loses no service.
+    drop(one);
+    for _ in 0..8 {
+        assert_eq!(exists(&fixture, &["k"]).await, vec![vec!["sc-a"]]);
+    }
+    drop(two);
+}
