@@ -8,9 +8,9 @@ pub mod error;
 pub mod event;
 pub mod id;
 pub mod limits;
-pub mod rpc;
 pub mod log;
 pub mod registry;
+pub mod rpc;
 pub mod stream;
 pub mod subject;
 

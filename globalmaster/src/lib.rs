@@ -42,7 +42,7 @@ pub struct GlobalMaster {
     sources: Arc<Sources>,
     js: jetstream::Context,
     restored_from: Option<String>,
-    metrics_addr: Option<SocketAddr>,
+    metrics_server: Option<hkvm_telemetry::MetricsServer>,
 }
 
 impl GlobalMaster {
@@ -81,17 +81,14 @@ impl GlobalMaster {
         sources.spawn_background().await?;
         let rpc = rpc::serve(Arc::clone(&shared), client).await?;
         sources.keep(rpc);
-        let metrics_addr = match metrics_addr {
-            Some(addr) => {
-                let (bound, task) = metrics::serve_metrics(addr, shared.metrics.registry())
+        let metrics_server = match metrics_addr {
+            Some(addr) => Some(
+                hkvm_telemetry::MetricsServer::start(addr, shared.metrics.registry())
                     .await
                     .map_err(|e| {
                         GlobalMasterError::new(GlobalMasterErrorKind::Metrics(e.to_string()))
-                    })?;
-                sources.keep(task);
-                tracing::info!(%bound, "serving /metrics");
-                Some(bound)
-            }
+                    })?,
+            ),
             None => None,
         };
         Ok(Self {
@@ -99,7 +96,7 @@ impl GlobalMaster {
             sources,
             js,
             restored_from,
-            metrics_addr,
+            metrics_server,
         })
     }
 
@@ -122,7 +119,9 @@ impl GlobalMaster {
 
     /// Where `/metrics` is served, if it is.
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
-        self.metrics_addr
+        self.metrics_server
+            .as_ref()
+            .map(hkvm_telemetry::MetricsServer::addr)
     }
 
     /// The replica's state, as the status RPC reports it.

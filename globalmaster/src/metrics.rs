@@ -1,18 +1,13 @@
-//! Prometheus metrics of a global master, and a minimal `/metrics` HTTP exporter
-//! (one tokio listener, no web framework) that any HKVM service can reuse with its
-//! own [`Registry`].
+//! Prometheus metrics of a global master (served on `/metrics` by the shared
+//! `hkvm-telemetry` endpoint).
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
-use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::net::TcpListener;
 
 /// Label set of per-source and per-operation metrics.
 type Labels = Vec<(String, String)>;
@@ -127,58 +122,8 @@ impl Metrics {
         }
     }
 
-    /// The registry, for [`serve_metrics`].
+    /// The registry, to serve on `/metrics`.
     pub fn registry(&self) -> Arc<Registry> {
         Arc::clone(&self.registry)
     }
-}
-
-/// Renders `registry` in the Prometheus text format.
-pub fn render(registry: &Registry) -> String {
-    let mut text = String::new();
-    if let Err(error) = encode(&mut text, registry) {
-        tracing::warn!(%error, "encoding metrics");
-    }
-    text
-}
-
-/// Binds `addr` and serves `GET /metrics` from `registry` until the task is
-/// aborted. Returns the bound address (useful with port 0) and the task.
-///
-/// # Errors
-/// When the address cannot be bound.
-pub async fn serve_metrics(
-    addr: SocketAddr,
-    registry: Arc<Registry>,
-) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
-    let listener = TcpListener::bind(addr).await?;
-    let bound = listener.local_addr()?;
-    let task = tokio::spawn(async move {
-        loop {
-            let Ok((mut socket, _)) = listener.accept().await else {
-                continue;
-            };
-            let registry = Arc::clone(&registry);
-            tokio::spawn(async move {
-                // One small request per connection: read the request head, answer,
-                // close. Anything but `GET /metrics` gets a 404.
-                let mut buf = vec![0u8; 2048];
-                let read = socket.read(&mut buf).await.unwrap_or(0);
-                let head = String::from_utf8_lossy(&buf[..read]);
-                let response = if head.starts_with("GET /metrics") {
-                    let body = render(&registry);
-                    format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                        body.len()
-                    )
-                } else {
-                    "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-                        .to_owned()
-                };
-                let _ = socket.write_all(response.as_bytes()).await;
-                let _ = socket.shutdown().await;
-            });
-        }
-    });
-    Ok((bound, task))
 }
