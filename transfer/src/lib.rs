@@ -9,6 +9,7 @@
 
 pub mod error;
 pub mod frame;
+pub mod rdma;
 pub mod region;
 pub mod tcp;
 pub mod transport;

@@ -3,7 +3,7 @@
 //! through a pool of pipelined connections.
 
 mod client;
-mod server;
+pub(crate) mod server;
 
 use std::sync::Arc;
 use std::time::Duration;

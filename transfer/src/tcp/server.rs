@@ -4,6 +4,7 @@
 //! it; a response leaves as soon as no further request is already buffered, so a
 //! pipelined burst of small operations is answered in one system call.
 
+use std::future::Future;
 use std::net::SocketAddr;
 
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, BufReader, BufWriter};
@@ -50,17 +51,34 @@ impl Drop for ServerHandle {
     }
 }
 
+impl ServerHandle {
+    /// Runs `serve` (an accept loop) on `listener` in a task this handle owns.
+    ///
+    /// # Errors
+    /// [`TransferError::Io`] when the listener has no local address.
+    pub(crate) fn spawn_with<F, Fut>(listener: TcpListener, serve: F) -> Result<Self, TransferError>
+    where
+        F: FnOnce(TcpListener) -> Fut,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let local_addr = listener.local_addr().map_err(|source| TransferError::Io {
+            what: "reading the listener's address",
+            source,
+        })?;
+        Ok(Self {
+            local_addr,
+            task: Some(tokio::spawn(serve(listener))),
+        })
+    }
+}
+
 /// Starts serving `regions` on `listener`.
 pub(crate) fn spawn(
     listener: TcpListener,
     regions: RegionTable,
     max_op_bytes: u64,
 ) -> Result<ServerHandle, TransferError> {
-    let local_addr = listener.local_addr().map_err(|source| TransferError::Io {
-        what: "reading the listener's address",
-        source,
-    })?;
-    let task = tokio::spawn(async move {
+    ServerHandle::spawn_with(listener, move |listener| async move {
         // Connection tasks live in this set: aborting the accept loop drops the set,
         // which aborts them all.
         let mut connections = JoinSet::new();
@@ -75,20 +93,18 @@ pub(crate) fn spawn(
                             }
                         });
                     }
-                    Err(error) => {
-                        // Out of file descriptors and the like: back off instead of spinning.
-                        tracing::warn!(%error, "accepting a transfer connection");
-                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                    }
+                    Err(error) => accept_failed(&error).await,
                 },
                 Some(_) = connections.join_next(), if !connections.is_empty() => {}
             }
         }
-    });
-    Ok(ServerHandle {
-        local_addr,
-        task: Some(task),
     })
+}
+
+/// Out of file descriptors and the like: back off instead of spinning.
+pub(crate) async fn accept_failed(error: &std::io::Error) {
+    tracing::warn!(%error, "accepting a transfer connection");
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
 }
 
 struct Connection {

@@ -1,0 +1,229 @@
+//! Turning a batch of reads or writes into RDMA work requests, without a device:
+//! every operation is checked against the peer's advertised regions, cut into
+//! messages no larger than the port's maximum and the staging buffer, and grouped
+//! into rounds that fit the staging buffer and the send queue. Only the last request
+//! of a round is signaled: an RC queue pair completes in order, so its completion
+//! means the whole round is done.
+
+use crate::error::TransferError;
+use crate::region::check_range;
+
+use super::exchange::RemoteRegion;
+
+/// One operation as the planner sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanOp<'a> {
+    /// The peer's region.
+    pub region: &'a str,
+    /// Where in the region.
+    pub offset: u64,
+    /// How many bytes.
+    pub len: u64,
+}
+
+/// The limits a plan respects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanLimits {
+    /// The largest message of the port (`max_msg_sz`).
+    pub max_message: u32,
+    /// The size of the registered staging buffer.
+    pub staging_bytes: u64,
+    /// Work requests in flight at once (at most the send queue depth).
+    pub max_outstanding: usize,
+}
+
+/// One RDMA READ or WRITE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkRequest {
+    /// Its id (position in the batch's plan).
+    pub wr_id: u64,
+    /// The operation it belongs to.
+    pub op: usize,
+    /// Where its bytes start inside that operation.
+    pub op_offset: u64,
+    /// The remote virtual address.
+    pub remote_addr: u64,
+    /// The remote key.
+    pub rkey: u32,
+    /// Where its bytes sit in the staging buffer.
+    pub staging_offset: u64,
+    /// Its length.
+    pub len: u32,
+    /// Whether it asks for a completion.
+    pub signaled: bool,
+}
+
+/// Work requests posted together and completed by one signaled completion.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Round {
+    /// The requests, in posting order; the last one is signaled.
+    pub requests: Vec<WorkRequest>,
+    /// Staging bytes the round uses.
+    pub staging_bytes: u64,
+}
+
+/// Plans a batch.
+///
+/// # Errors
+/// [`TransferError::UnknownRegion`] or [`TransferError::OutOfBounds`] for an
+/// operation the peer's regions do not cover; [`TransferError::Invalid`] for
+/// zero limits.
+pub fn plan(
+    ops: &[PlanOp<'_>],
+    remote: &[RemoteRegion],
+    limits: PlanLimits,
+) -> Result<Vec<Round>, TransferError> {
+    if limits.max_message == 0 || limits.staging_bytes == 0 || limits.max_outstanding == 0 {
+        return Err(TransferError::Invalid(
+            "RDMA plan limits must be positive".into(),
+        ));
+    }
+    let chunk = u64::from(limits.max_message).min(limits.staging_bytes);
+    let mut rounds = Vec::new();
+    let mut round = Round::default();
+    let mut next_id = 0u64;
+    for (index, op) in ops.iter().enumerate() {
+        let region = remote
+            .iter()
+            .find(|r| r.id.as_str() == op.region)
+            .ok_or_else(|| TransferError::UnknownRegion {
+                region: op.region.to_owned(),
+            })?;
+        check_range(op.region, region.len, op.offset, op.len)?;
+        let mut done = 0u64;
+        while done < op.len {
+            let len = (op.len - done).min(chunk);
+            if round.staging_bytes + len > limits.staging_bytes
+                || round.requests.len() == limits.max_outstanding
+            {
+                close(&mut round, &mut rounds);
+            }
+            round.requests.push(WorkRequest {
+                wr_id: next_id,
+                op: index,
+                op_offset: done,
+                remote_addr: region.addr + op.offset + done,
+                rkey: region.rkey,
+                staging_offset: round.staging_bytes,
+                // `chunk` is at most `max_message`, a u32.
+                len: len as u32,
+                signaled: false,
+            });
+            next_id += 1;
+            round.staging_bytes += len;
+            done += len;
+        }
+    }
+    close(&mut round, &mut rounds);
+    Ok(rounds)
+}
+
+fn close(round: &mut Round, rounds: &mut Vec<Round>) {
+    if let Some(last) = round.requests.last_mut() {
+        last.signaled = true;
+        rounds.push(std::mem::take(round));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::region::RegionId;
+    use crate::ErrorKind;
+
+    fn regions() -> Vec<RemoteRegion> {
+        vec![RemoteRegion {
+            id: RegionId::new("seg").unwrap(),
+            addr: 0x1000_0000,
+            rkey: 42,
+            len: 1 << 20,
+        }]
+    }
+
+    const LIMITS: PlanLimits = PlanLimits {
+        max_message: 4096,
+        staging_bytes: 16 * 1024,
+        max_outstanding: 3,
+    };
+
+    #[test]
+    fn large_operations_are_cut_and_rounds_fit_the_staging_buffer() {
+        let ops = [
+            PlanOp {
+                region: "seg",
+                offset: 0,
+                len: 10_000,
+            },
+            PlanOp {
+                region: "seg",
+                offset: 1 << 19,
+                len: 100,
+            },
+            PlanOp {
+                region: "seg",
+                offset: 8,
+                len: 20_000,
+            },
+        ];
+        let rounds = plan(&ops, &regions(), LIMITS).unwrap();
+        let all: Vec<&WorkRequest> = rounds.iter().flat_map(|r| &r.requests).collect();
+        // Every byte of every op is covered exactly once, in order.
+        for (index, op) in ops.iter().enumerate() {
+            let parts: Vec<_> = all.iter().filter(|w| w.op == index).collect();
+            let mut covered = 0u64;
+            for part in parts {
+                assert_eq!(part.op_offset, covered);
+                assert_eq!(part.remote_addr, 0x1000_0000 + op.offset + covered);
+                assert!(part.len <= 4096);
+                covered += u64::from(part.len);
+            }
+            assert_eq!(covered, op.len);
+        }
+        for round in &rounds {
+            assert!(round.staging_bytes <= LIMITS.staging_bytes);
+            assert!(round.requests.len() <= LIMITS.max_outstanding);
+            let signaled: Vec<bool> = round.requests.iter().map(|w| w.signaled).collect();
+            assert_eq!(signaled.iter().filter(|&&s| s).count(), 1);
+            assert_eq!(signaled.last(), Some(&true));
+            let mut at = 0;
+            for request in &round.requests {
+                assert_eq!(request.staging_offset, at);
+                at += u64::from(request.len);
+            }
+        }
+        let ids: Vec<u64> = all.iter().map(|w| w.wr_id).collect();
+        assert_eq!(ids, (0..all.len() as u64).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn bad_operations_are_typed_errors_before_anything_is_posted() {
+        let unknown = [PlanOp {
+            region: "other",
+            offset: 0,
+            len: 1,
+        }];
+        assert_eq!(
+            plan(&unknown, &regions(), LIMITS).unwrap_err().kind(),
+            ErrorKind::UnknownRegion
+        );
+        let outside = [PlanOp {
+            region: "seg",
+            offset: (1 << 20) - 1,
+            len: 2,
+        }];
+        assert_eq!(
+            plan(&outside, &regions(), LIMITS).unwrap_err().kind(),
+            ErrorKind::OutOfBounds
+        );
+        let zero = PlanLimits {
+            max_outstanding: 0,
+            ..LIMITS
+        };
+        assert_eq!(
+            plan(&[], &regions(), zero).unwrap_err().kind(),
+            ErrorKind::Invalid
+        );
+        assert!(plan(&[], &regions(), LIMITS).unwrap().is_empty());
+    }
+}
