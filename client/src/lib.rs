@@ -5,4 +5,4 @@ pub mod error;
 pub mod submaster;
 
 pub use error::{ClientError, ClientErrorKind};
-pub use submaster::{ClientConfig, ClientStats, SubmasterClient};
+pub use submaster::{ClientConfig, ClientStats, SubmasterClient, MAX_BATCH};

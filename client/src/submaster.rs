@@ -25,6 +25,9 @@ use tokio::time::Instant;
 
 use crate::error::ClientError;
 
+/// Largest batch sent in one request; longer batches are split transparently.
+pub const MAX_BATCH: usize = 4096;
+
 /// Timeouts and retry policy.
 #[derive(Debug, Clone, Copy)]
 pub struct ClientConfig {
@@ -41,7 +44,7 @@ pub struct ClientConfig {
 impl Default for ClientConfig {
     fn default() -> Self {
         Self {
-            request_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(2),
             retry_deadline: Duration::from_secs(30),
             min_backoff: Duration::from_millis(20),
             max_backoff: Duration::from_secs(1),
@@ -69,11 +72,19 @@ pub struct SubmasterClient {
 }
 
 /// Whether an operation may be sent again after a timeout without changing its
-/// meaning (reads, and writes whose repetition the server detects).
+/// meaning: reads, idempotent mounts, and `put_start` (a reservation made by a leader
+/// that then died is gone with it; one made by a live leader makes the resend answer
+/// `AlreadyExists` and is reclaimed by the put timeout).
 fn safe_to_resend(op: Op) -> bool {
     matches!(
         op,
-        Op::Ping | Op::GetReplicaList | Op::Exist | Op::Status | Op::MountSegment | Op::Remount
+        Op::Ping
+            | Op::GetReplicaList
+            | Op::Exist
+            | Op::Status
+            | Op::MountSegment
+            | Op::Remount
+            | Op::PutStart
     )
 }
 
@@ -194,6 +205,25 @@ impl SubmasterClient {
         }
     }
 
+    /// Calls a batch operation in chunks of at most [`MAX_BATCH`] items (the
+    /// server's default bound), concatenating the per-item replies in order.
+    async fn call_batched<Item: Clone, Req: Serialize, Rep: DeserializeOwned>(
+        &self,
+        op: Op,
+        items: Vec<Item>,
+        request: impl Fn(Vec<Item>) -> Req,
+    ) -> Result<Vec<Rep>, ClientError> {
+        if items.len() <= MAX_BATCH {
+            return self.call(op, &request(items)).await;
+        }
+        let mut replies = Vec::with_capacity(items.len());
+        for chunk in items.chunks(MAX_BATCH) {
+            let part: Vec<Rep> = self.call(op, &request(chunk.to_vec())).await?;
+            replies.extend(part);
+        }
+        Ok(replies)
+    }
+
     /// Mounts a segment.
     ///
     /// # Errors
@@ -231,7 +261,8 @@ impl SubmasterClient {
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`].
     pub async fn put_start(&self, items: Vec<PutStartItem>) -> Result<PutStartReply, ClientError> {
-        self.call(Op::PutStart, &PutStart { items }).await
+        self.call_batched(Op::PutStart, items, |items| PutStart { items })
+            .await
     }
 
     /// Commits written objects (per-item results).
@@ -239,7 +270,8 @@ impl SubmasterClient {
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`].
     pub async fn put_end(&self, items: Vec<PutEndItem>) -> Result<PutEndReply, ClientError> {
-        self.call(Op::PutEnd, &PutEnd { items }).await
+        self.call_batched(Op::PutEnd, items, |items| PutEnd { items })
+            .await
     }
 
     /// Abandons pending puts.
@@ -247,7 +279,8 @@ impl SubmasterClient {
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`].
     pub async fn put_revoke(&self, keys: Vec<String>) -> Result<PutRevokeReply, ClientError> {
-        self.call(Op::PutRevoke, &PutRevoke { keys }).await
+        self.call_batched(Op::PutRevoke, keys, |keys| PutRevoke { keys })
+            .await
     }
 
     /// Where objects are, with read leases.
@@ -267,7 +300,8 @@ impl SubmasterClient {
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`].
     pub async fn exist(&self, keys: Vec<String>) -> Result<ExistReply, ClientError> {
-        self.call(Op::Exist, &Exist { keys }).await
+        self.call_batched(Op::Exist, keys, |keys| Exist { keys })
+            .await
     }
 
     /// Removes objects.
@@ -275,7 +309,8 @@ impl SubmasterClient {
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`].
     pub async fn remove(&self, keys: Vec<String>, force: bool) -> Result<RemoveReply, ClientError> {
-        self.call(Op::Remove, &Remove { keys, force }).await
+        self.call_batched(Op::Remove, keys, |keys| Remove { keys, force })
+            .await
     }
 
     /// Removes every object.

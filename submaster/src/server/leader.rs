@@ -198,6 +198,7 @@ impl Leadership<'_> {
 
     async fn handle(&mut self, state: &mut State, job: Job) -> Result<(), CommitError> {
         let Job { requester, request } = job;
+        tracing::trace!(op = requester.op.name(), "handling");
         let now = self.now_ms();
         let reads = request.reads_objects();
         state.applied_seq = state.applied_seq.max(self.committer.durable_seq());

@@ -199,6 +199,55 @@ pub async fn run(
     Ok(())
 }
 
+/// A state rebuilt from the stream, and where it started.
+#[derive(Debug)]
+pub struct LoadedState {
+    /// The state.
+    pub state: State,
+    /// The sequence the snapshot covered (0: replayed from the start).
+    pub snapshot_seq: u64,
+    /// How many messages were replayed after the snapshot.
+    pub replayed: u64,
+}
+
+/// Rebuilds a sub-cluster's state as a (re)starting sub-master would, from the newest
+/// snapshot plus the tail, or (with `use_snapshot` false) by replaying everything.
+/// For tools, tests and the recovery benchmark.
+///
+/// # Errors
+/// When the stream or snapshot store cannot be read.
+pub async fn load_state(
+    js: &jetstream::Context,
+    config: &SubmasterConfig,
+    use_snapshot: bool,
+) -> Result<LoadedState, SubmasterError> {
+    let log = JetStreamLog::new(
+        js.clone(),
+        stream_name(&config.cluster, &config.subcluster),
+        event_subject(&config.cluster, &config.subcluster),
+    );
+    let metrics = SubmasterMetrics::register(&mut Registry::default());
+    let mut state = if use_snapshot {
+        let snapshots = SnapshotStore::open(
+            js,
+            &config.cluster,
+            &config.subcluster,
+            config.stream.replicas,
+        )
+        .await?;
+        snapshots.load_newest().await?.unwrap_or_default()
+    } else {
+        State::new()
+    };
+    let snapshot_seq = state.applied_seq;
+    let replayed = follower::catch_up(&log, &mut state, &metrics).await?;
+    Ok(LoadedState {
+        state,
+        snapshot_seq,
+        replayed,
+    })
+}
+
 async fn pause(shutdown: &mut watch::Receiver<bool>, delay: Duration) {
     let _ = tokio::time::timeout(delay, shutdown.changed()).await;
 }

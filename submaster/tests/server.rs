@@ -1,0 +1,407 @@
+//! The sub-master against a real nats-server: every operation through the client,
+//! error paths, failover to a hot standby, fencing of a deposed leader, and restore
+//! from snapshot + tail equal to a full replay.
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use async_nats::jetstream;
+use hkvm_client::{ClientConfig, ClientErrorKind, SubmasterClient};
+use hkvm_events::log::{Append, EventLog, JetStreamLog, ReadOptions};
+use hkvm_events::rpc::submaster::{
+    ItemError, ItemResult, MountSegment, Ping, PutEndItem, PutStartItem,
+};
+use hkvm_events::rpc::RpcErrorCode;
+use hkvm_events::subject::{event_subject, stream_name, submaster_rpc_subject};
+use hkvm_events::{
+    decode_message, ClusterId, KvEvent, Limits, NodeId, ProducerId, SegmentId, SubclusterId,
+};
+use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
+use hkvm_testkit::NatsServer;
+
+fn logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
+fn config(producer: &str) -> SubmasterConfig {
+    logs();
+    let mut config = SubmasterConfig::new(
+        ClusterId::new("t").unwrap(),
+        SubclusterId::new("sc").unwrap(),
+        ProducerId::new(producer).unwrap(),
+    );
+    config.leader_lease_ttl = Duration::from_millis(1500);
+    config
+}
+
+async fn client(server: &NatsServer) -> SubmasterClient {
+    SubmasterClient::with_config(
+        server.connect().await.unwrap(),
+        ClusterId::new("t").unwrap(),
+        SubclusterId::new("sc").unwrap(),
+        ClientConfig {
+            retry_deadline: Duration::from_secs(20),
+            ..ClientConfig::default()
+        },
+    )
+}
+
+async fn mount(client: &SubmasterClient, node: &str, size: u64) {
+    client
+        .mount_segment(MountSegment {
+            node: NodeId::new(node).unwrap(),
+            segment: SegmentId::new(format!("{node}-seg")).unwrap(),
+            size,
+            endpoint: format!("127.0.0.1:{}", 7000 + node.len()),
+        })
+        .await
+        .unwrap();
+}
+
+fn start_item(key: &str, size: u64, replicas: u32) -> PutStartItem {
+    PutStartItem {
+        key: key.into(),
+        size,
+        replicas,
+        preferred_segment: None,
+        hard_pin: false,
+    }
+}
+
+async fn put(client: &SubmasterClient, key: &str) -> Result<(), String> {
+    let started = client
+        .put_start(vec![start_item(key, 4096, 2)])
+        .await
+        .map_err(|e| e.to_string())?;
+    if let ItemResult::Err(error) = &started[0] {
+        return Err(error.to_string());
+    }
+    let ended = client
+        .put_end(vec![PutEndItem {
+            key: key.into(),
+            checksum: hkvm_events::value_checksum(key.as_bytes()),
+        }])
+        .await
+        .map_err(|e| e.to_string())?;
+    match &ended[0] {
+        ItemResult::Ok(()) => Ok(()),
+        ItemResult::Err(error) => Err(error.to_string()),
+    }
+}
+
+fn log_of(server_js: jetstream::Context) -> JetStreamLog {
+    let cluster = ClusterId::new("t").unwrap();
+    let sc = SubclusterId::new("sc").unwrap();
+    JetStreamLog::new(
+        server_js,
+        stream_name(&cluster, &sc),
+        event_subject(&cluster, &sc),
+    )
+}
+
+#[tokio::test]
+async fn every_operation_round_trips_and_is_recorded_in_the_stream() {
+    let server = NatsServer::start().await.unwrap();
+    let master = SubmasterHandle::spawn(server.connect().await.unwrap(), config("sm-a"));
+    let client = client(&server).await;
+    mount(&client, "n1", 1 << 20).await;
+    mount(&client, "n2", 1 << 20).await;
+    mount(&client, "n3", 1 << 20).await;
+
+    let ping = client
+        .ping(Ping {
+            node: NodeId::new("n1").unwrap(),
+        })
+        .await
+        .unwrap();
+    assert!(!ping.need_remount);
+    let unknown = client
+        .ping(Ping {
+            node: NodeId::new("ghost").unwrap(),
+        })
+        .await
+        .unwrap();
+    assert!(unknown.need_remount);
+
+    put(&client, "a").await.unwrap();
+    put(&client, "b").await.unwrap();
+    assert_eq!(
+        put(&client, "a").await.unwrap_err(),
+        ItemError::AlreadyExists.to_string()
+    );
+    assert_eq!(
+        client
+            .exist(vec!["a".into(), "b".into(), "c".into()])
+            .await
+            .unwrap(),
+        vec![true, true, false]
+    );
+
+    let lists = client
+        .get_replica_list(vec!["a".into(), "zzz".into()])
+        .await
+        .unwrap();
+    let ItemResult::Ok(list) = &lists[0] else {
+        panic!("{lists:?}")
+    };
+    assert_eq!(list.size, 4096);
+    assert_eq!(list.checksum, hkvm_events::value_checksum(b"a"));
+    assert_eq!(list.replicas.len(), 2);
+    assert_ne!(list.replicas[0].node, list.replicas[1].node);
+    assert_eq!(lists[1], ItemResult::Err(ItemError::NotFound));
+
+    // Leased by the read above: removal needs force.
+    assert_eq!(
+        client.remove(vec!["a".into()], false).await.unwrap(),
+        vec![ItemResult::Err(ItemError::Leased)]
+    );
+    assert_eq!(
+        client.remove(vec!["a".into()], true).await.unwrap(),
+        vec![ItemResult::Ok(())]
+    );
+
+    client
+        .put_start(vec![start_item("revoked", 100, 1)])
+        .await
+        .unwrap();
+    assert_eq!(
+        client.put_revoke(vec!["revoked".into()]).await.unwrap(),
+        vec![ItemResult::Ok(())]
+    );
+    assert_eq!(client.remove_all(true).await.unwrap().removed, 1);
+
+    let status = client.status().await.unwrap();
+    assert_eq!((status.objects, status.nodes, status.segments), (0, 3, 3));
+    assert_eq!(status.producer, "sm-a");
+
+    // The stream holds exactly the durable changes: 3 mounts, 2 puts, 2 removals.
+    let log = log_of(jetstream::new(server.connect().await.unwrap()));
+    let mut kinds = Vec::new();
+    let mut entries = log.read(ReadOptions::from(1)).await.unwrap();
+    while let Some(entry) = futures::StreamExt::next(&mut entries).await {
+        let entry = entry.unwrap();
+        for event in decode_message(&entry.payload, &Limits::default())
+            .unwrap()
+            .events
+        {
+            kinds.push(event.unwrap().kind().name());
+        }
+    }
+    assert_eq!(kinds.iter().filter(|k| **k == "segment_mounted").count(), 3);
+    assert_eq!(kinds.iter().filter(|k| **k == "put").count(), 2);
+    assert_eq!(kinds.iter().filter(|k| **k == "removed").count(), 2);
+    master.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn malformed_and_oversized_requests_get_clean_errors() {
+    let server = NatsServer::start().await.unwrap();
+    let master = SubmasterHandle::spawn(server.connect().await.unwrap(), config("sm-a"));
+    let client = client(&server).await;
+    mount(&client, "n1", 1 << 20).await;
+    mount(&client, "n2", 1 << 20).await;
+    let nats = server.connect().await.unwrap();
+    let cluster = ClusterId::new("t").unwrap();
+    let sc = SubclusterId::new("sc").unwrap();
+    for op in ["put_start", "put_end", "exist", "mount_segment", "remove"] {
+        let subject = submaster_rpc_subject(&cluster, &sc, op);
+        for body in [&b""[..], b"\xff\xff", b"\x81\xa1k\xc0", &[0x92; 64][..]] {
+            let reply = nats
+                .request(subject.clone(), body.to_vec().into())
+                .await
+                .unwrap();
+            let decoded: hkvm_events::rpc::RpcReply<()> =
+                hkvm_events::rpc::decode(&reply.payload).unwrap();
+            let hkvm_events::rpc::RpcReply::Err(error) = decoded else {
+                panic!("{op} accepted garbage")
+            };
+            assert_eq!(error.code, RpcErrorCode::InvalidRequest, "{op}");
+        }
+    }
+    // A key over the limit is refused per item; the sub-master keeps serving.
+    let started = client
+        .put_start(vec![start_item(&"k".repeat(5000), 10, 1)])
+        .await
+        .unwrap();
+    assert!(matches!(started[0], ItemResult::Err(ItemError::Invalid(_))));
+    put(&client, "still-fine").await.unwrap();
+    master.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_hot_standby_takes_over_and_keeps_every_acknowledged_put() {
+    let server = NatsServer::start().await.unwrap();
+    let leader = SubmasterHandle::spawn(server.connect().await.unwrap(), config("sm-a"));
+    let client = client(&server).await;
+    for node in ["n1", "n2", "n3"] {
+        mount(&client, node, 64 << 20).await;
+    }
+    put(&client, "before").await.unwrap();
+    let standby = SubmasterHandle::spawn(server.connect().await.unwrap(), config("sm-b"));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // 16 writers keep putting while the leader dies.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writers: Vec<_> = (0..16)
+        .map(|w| {
+            let (client, stop) = (client.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut acknowledged = Vec::new();
+                let mut i = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let key = format!("w{w}-{i}");
+                    i += 1;
+                    if put(&client, &key).await.is_ok() {
+                        acknowledged.push(key);
+                    }
+                }
+                acknowledged
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    leader.abort();
+    let killed = std::time::Instant::now();
+    put(&client, "after").await.unwrap();
+    println!(
+        "first put served {} ms after the leader died",
+        killed.elapsed().as_millis()
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut acknowledged = vec!["before".to_owned(), "after".to_owned()];
+    for writer in writers {
+        acknowledged.extend(writer.await.unwrap());
+    }
+    assert!(
+        acknowledged.len() > 100,
+        "the writers made progress: {}",
+        acknowledged.len()
+    );
+    let status = client.status().await.unwrap();
+    assert_eq!(status.producer, "sm-b", "the standby leads now");
+    assert!(status.epoch >= 2);
+    let present = client.exist(acknowledged.clone()).await.unwrap();
+    let missing: Vec<&String> = acknowledged
+        .iter()
+        .zip(&present)
+        .filter(|(_, p)| !**p)
+        .map(|(k, _)| k)
+        .collect();
+    assert!(missing.is_empty(), "acknowledged puts lost: {missing:?}");
+    standby.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_deposed_leader_cannot_append_and_recovers_from_the_log() {
+    let server = NatsServer::start().await.unwrap();
+    let master = SubmasterHandle::spawn(server.connect().await.unwrap(), config("sm-a"));
+    let client = client(&server).await;
+    mount(&client, "n1", 1 << 20).await;
+    mount(&client, "n2", 1 << 20).await;
+    put(&client, "one").await.unwrap();
+
+    // Another writer appends behind the leader's back (a split brain).
+    let log = log_of(jetstream::new(server.connect().await.unwrap()));
+    let last = log.bounds().await.unwrap().last_seq;
+    log.append(Append {
+        expected_last_seq: Some(last),
+        msg_id: "intruder-1".into(),
+        payload: bytes::Bytes::from_static(b"\x93\x01\x80\x90"),
+    })
+    .await
+    .unwrap();
+
+    // The leader's next append is fenced: that put is not acknowledged.
+    let fenced = put(&client, "two").await;
+    assert!(fenced.is_err(), "a fenced append must not be acknowledged");
+    // The sub-master rebuilds from the log and serves again; the history is one.
+    put(&client, "three").await.unwrap();
+    let present = client
+        .exist(vec!["one".into(), "two".into(), "three".into()])
+        .await
+        .unwrap();
+    assert_eq!(present, vec![true, false, true]);
+    master.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn requests_during_recovery_get_busy_not_silence() {
+    let server = NatsServer::start().await.unwrap();
+    let nats = server.connect().await.unwrap();
+    // No sub-master yet: a client with a short deadline reports the outage cleanly.
+    let impatient = SubmasterClient::with_config(
+        nats.clone(),
+        ClusterId::new("t").unwrap(),
+        SubclusterId::new("sc").unwrap(),
+        ClientConfig {
+            retry_deadline: Duration::from_millis(300),
+            ..ClientConfig::default()
+        },
+    );
+    let error = impatient.exist(vec!["x".into()]).await.unwrap_err();
+    assert_eq!(error.kind(), ClientErrorKind::Unavailable);
+    assert!(
+        impatient
+            .stats()
+            .leader_waits
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+    );
+    let master = SubmasterHandle::spawn(nats, config("sm-a"));
+    let client = client(&server).await;
+    assert_eq!(client.exist(vec!["x".into()]).await.unwrap(), vec![false]);
+    master.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn restore_from_snapshot_plus_tail_equals_a_full_replay() {
+    let server = NatsServer::start().await.unwrap();
+    let mut cfg = config("sm-a");
+    cfg.snapshot_every_events = 25;
+    let master = SubmasterHandle::spawn(server.connect().await.unwrap(), cfg.clone());
+    let client = client(&server).await;
+    for node in ["n1", "n2"] {
+        mount(&client, node, 16 << 20).await;
+    }
+    for i in 0..120 {
+        put(&client, &format!("k{i}")).await.unwrap();
+        if i % 7 == 0 {
+            client.remove(vec![format!("k{i}")], true).await.unwrap();
+        }
+    }
+    master.shutdown().await.unwrap();
+
+    let js = jetstream::new(server.connect().await.unwrap());
+    let from_snapshot = hkvm_submaster::server::load_state(&js, &cfg, true)
+        .await
+        .unwrap();
+    let full_replay = hkvm_submaster::server::load_state(&js, &cfg, false)
+        .await
+        .unwrap();
+    assert!(
+        from_snapshot.snapshot_seq > 0,
+        "a snapshot was written and used"
+    );
+    assert!(from_snapshot.state.same_durable_state(&full_replay.state));
+    assert_eq!(full_replay.state.object_count(), 120 - 18);
+    // The snapshot marker events are in the stream.
+    let log = log_of(js);
+    let mut markers = 0;
+    let mut entries = log.read(ReadOptions::from(1)).await.unwrap();
+    while let Some(entry) = futures::StreamExt::next(&mut entries).await {
+        let entry = entry.unwrap();
+        for event in decode_message(&entry.payload, &Limits::default())
+            .unwrap()
+            .events
+        {
+            markers += usize::from(matches!(event.unwrap(), KvEvent::Snapshot(_)));
+        }
+    }
+    assert!(markers >= 1);
+}
