@@ -6,6 +6,7 @@
 mod alloc;
 mod events;
 mod report;
+mod transfer;
 
 use std::time::Duration;
 
@@ -36,6 +37,8 @@ pub struct BenchArgs {
 enum Workload {
     /// Event encode/decode, append and replay, against rmp-serde and raw JetStream.
     Events,
+    /// TCP transport GB/s against plain TCP and memcpy; FEC GB/s; WAN goodput vs cap.
+    Transfer,
     /// Every workload.
     All,
 }
@@ -80,12 +83,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let nats = BenchNats::new(args.nats.clone()).await?;
     let mut printer = report::Printer::new(args.json);
     let workloads = match args.workload {
-        Workload::All => vec![Workload::Events],
+        Workload::All => vec![Workload::Events, Workload::Transfer],
         one => vec![one],
     };
     for workload in workloads {
         match workload {
             Workload::Events => events::run(&nats, args.quick, &mut printer).await?,
+            Workload::Transfer => transfer::run(args.quick, &mut printer).await?,
             Workload::All => {}
         }
     }

@@ -1,0 +1,381 @@
+//! The `transfer` workload: TCP transport GB/s for 64 KiB, 1 MiB and 16 MiB values
+//! with 1 and 8 streams against a plain tokio TCP copy of the same bytes (no framing,
+//! no checksums, no responses) and that copy against memcpy; Reed–Solomon encode and
+//! decode GB/s against memcpy; WAN goodput over the in-process lossy link against the
+//! pacing cap. Everything in the same run.
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use hkvm_transfer::wan::{
+    lossy_link, FecConfig, LinkConfig, StripeCodec, WanConfig, WanReceiver, WanSender,
+};
+use hkvm_transfer::{ReadInto, RegionId, Segment, TcpTransport, Transport, WriteOp};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream};
+
+use super::report::{BenchResult, Printer};
+
+const WORKLOAD: &str = "transfer";
+const REGION: &str = "bench";
+
+fn pattern(len: usize) -> Vec<u8> {
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
+fn gbps(bytes: u64, elapsed: Duration) -> f64 {
+    bytes as f64 / elapsed.as_secs_f64().max(1e-9) / 1e9
+}
+
+fn label(size: usize) -> String {
+    match size {
+        s if s >= 1 << 20 => format!("{} MiB", s >> 20),
+        s => format!("{} KiB", s >> 10),
+    }
+}
+
+/// One configuration: `streams` tasks moving `per_stream` values of `value.len()`.
+struct Shape {
+    value: Arc<Vec<u8>>,
+    streams: usize,
+    per_stream: usize,
+}
+
+impl Shape {
+    fn bytes(&self) -> u64 {
+        (self.value.len() * self.streams * self.per_stream) as u64
+    }
+
+    /// Each stream alternates between two slots of its own.
+    fn offset(&self, stream: usize, i: usize) -> u64 {
+        ((stream * 2 + i % 2) * self.value.len()) as u64
+    }
+}
+
+/// Writes (one value per batch, as a put to one replica does), then reads back.
+async fn transport_rates(
+    shape: &Shape,
+    endpoint: &str,
+    client: &Arc<TcpTransport>,
+) -> anyhow::Result<(f64, f64)> {
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for stream in 0..shape.streams {
+        let (client, value, endpoint) = (
+            Arc::clone(client),
+            Arc::clone(&shape.value),
+            endpoint.to_owned(),
+        );
+        let offsets: Vec<u64> = (0..shape.per_stream)
+            .map(|i| shape.offset(stream, i))
+            .collect();
+        tasks.push(tokio::spawn(async move {
+            for offset in offsets {
+                let op = WriteOp {
+                    region: REGION,
+                    offset,
+                    data: &value,
+                };
+                client.write_batch(&endpoint, &[op]).await?;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    let write = gbps(shape.bytes(), started.elapsed());
+
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for stream in 0..shape.streams {
+        let (client, endpoint) = (Arc::clone(client), endpoint.to_owned());
+        let offsets: Vec<u64> = (0..shape.per_stream)
+            .map(|i| shape.offset(stream, i))
+            .collect();
+        let expected = Arc::clone(&shape.value);
+        tasks.push(tokio::spawn(async move {
+            let mut buf = vec![0u8; expected.len()];
+            for offset in offsets {
+                let mut op = [ReadInto {
+                    region: REGION,
+                    offset,
+                    buf: &mut buf,
+                }];
+                client.read_batch_into(&endpoint, &mut op).await?;
+            }
+            anyhow::ensure!(buf == *expected, "read back different bytes");
+            anyhow::Ok(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    Ok((write, gbps(shape.bytes(), started.elapsed())))
+}
+
+/// The same bytes over plain tokio TCP streams: the receiver reads each value into
+/// one buffer and acknowledges the whole stream with one byte at the end.
+async fn plain_tcp_rate(shape: &Shape) -> anyhow::Result<f64> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let (len, count, streams) = (shape.value.len(), shape.per_stream, shape.streams);
+    let server = tokio::spawn(async move {
+        let mut readers = Vec::new();
+        for _ in 0..streams {
+            let (mut socket, _) = listener.accept().await?;
+            readers.push(tokio::spawn(async move {
+                let mut buf = vec![0u8; len];
+                for _ in 0..count {
+                    socket.read_exact(&mut buf).await?;
+                }
+                socket.write_all(&[1]).await?;
+                std::io::Result::Ok(())
+            }));
+        }
+        for reader in readers {
+            reader.await??;
+        }
+        std::io::Result::Ok(())
+    });
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..streams {
+        let value = Arc::clone(&shape.value);
+        tasks.push(tokio::spawn(async move {
+            let mut socket = TcpStream::connect(addr).await?;
+            socket.set_nodelay(true)?;
+            for _ in 0..count {
+                socket.write_all(&value).await?;
+            }
+            let mut ack = [0u8; 1];
+            socket.read_exact(&mut ack).await?;
+            std::io::Result::Ok(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    let rate = gbps(shape.bytes(), started.elapsed());
+    server.await??;
+    Ok(rate)
+}
+
+fn memcpy_rate(value: &[u8], copies: usize) -> f64 {
+    let mut dst = vec![0u8; value.len()];
+    let started = Instant::now();
+    for _ in 0..copies {
+        dst.copy_from_slice(black_box(value));
+        black_box(&mut dst);
+    }
+    gbps((value.len() * copies) as u64, started.elapsed())
+}
+
+async fn tcp(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
+    let sizes: [usize; 3] = if quick {
+        [4 << 10, 64 << 10, 256 << 10]
+    } else {
+        [64 << 10, 1 << 20, 16 << 20]
+    };
+    let total: usize = if quick { 4 << 20 } else { 512 << 20 };
+    let largest = sizes[2];
+    let node = TcpTransport::default();
+    node.register(Segment::allocate(
+        RegionId::new(REGION)?,
+        (8 * 2 * largest) as u64,
+    )?)?;
+    let server = node.bind("127.0.0.1:0").await?;
+    let endpoint = server.local_addr().to_string();
+    let client = Arc::new(TcpTransport::default());
+    for size in sizes {
+        let value = Arc::new(pattern(size));
+        for streams in [1usize, 8] {
+            let shape = Shape {
+                value: Arc::clone(&value),
+                streams,
+                per_stream: (total / size / streams).max(2),
+            };
+            eprintln!(
+                "bench transfer: {} values, {streams} streams, {} MiB",
+                label(size),
+                shape.bytes() >> 20
+            );
+            let plain = plain_tcp_rate(&shape).await.context("plain TCP baseline")?;
+            let (write, read) = transport_rates(&shape, &endpoint, &client).await?;
+            let memcpy = memcpy_rate(&value, streams * shape.per_stream);
+            let what = format!(
+                "{} x{streams} stream{}",
+                label(size),
+                if streams > 1 { "s" } else { "" }
+            );
+            let baseline = "plain tokio TCP, same bytes";
+            for result in [
+                BenchResult::new(
+                    WORKLOAD,
+                    format!("TCP write {what}"),
+                    write,
+                    "GB/s",
+                    baseline,
+                    plain,
+                ),
+                BenchResult::new(
+                    WORKLOAD,
+                    format!("TCP read {what}"),
+                    read,
+                    "GB/s",
+                    baseline,
+                    plain,
+                ),
+                BenchResult::new(
+                    WORKLOAD,
+                    format!("plain tokio TCP {what}"),
+                    plain,
+                    "GB/s",
+                    "memcpy, same bytes",
+                    memcpy,
+                ),
+            ] {
+                printer.print(&result);
+            }
+        }
+    }
+    server.shutdown().await;
+    Ok(())
+}
+
+fn fec(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
+    let config = FecConfig::default();
+    let bytes = if quick { 2 << 20 } else { 64 << 20 };
+    let data = pattern(bytes);
+    let mut codec = StripeCodec::new(config)?;
+    let stripe = config.stripe_bytes();
+    let started = Instant::now();
+    let mut encoded = Vec::new();
+    for chunk in data.chunks(stripe) {
+        encoded.push(codec.encode(chunk)?);
+    }
+    let encode = gbps(bytes as u64, started.elapsed());
+
+    // Worst case for the decoder: the first `parity_shards` originals of every stripe
+    // are lost and rebuilt from every recovery shard.
+    let mut out = vec![0u8; stripe];
+    let started = Instant::now();
+    for (chunk, parity) in data.chunks(stripe).zip(&encoded) {
+        let mut shards: Vec<Option<&[u8]>> = chunk.chunks(config.shard_bytes).map(Some).collect();
+        for lost in shards.iter_mut().take(config.parity_shards) {
+            *lost = None;
+        }
+        shards.extend(parity.iter().map(|p| Some(p.as_slice())));
+        codec.decode(&shards, &mut out[..chunk.len()])?;
+        black_box(&out);
+    }
+    let decode = gbps(bytes as u64, started.elapsed());
+    anyhow::ensure!(out[..] == data[data.len() - stripe..], "decode differs");
+    let memcpy = memcpy_rate(&data, 1);
+    let shape = format!(
+        "{}+{} x {} B",
+        config.data_shards, config.parity_shards, config.shard_bytes
+    );
+    printer.print(&BenchResult::new(
+        WORKLOAD,
+        format!("FEC encode {shape}"),
+        encode,
+        "GB/s",
+        "memcpy, same bytes",
+        memcpy,
+    ));
+    printer.print(&BenchResult::new(
+        WORKLOAD,
+        format!("FEC decode {shape}, {} lost", config.parity_shards),
+        decode,
+        "GB/s",
+        "memcpy, same bytes",
+        memcpy,
+    ));
+    Ok(())
+}
+
+async fn wan(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
+    let cap: u64 = if quick { 50_000_000 } else { 200_000_000 };
+    let value = pattern(if quick { 1 << 20 } else { 64 << 20 });
+    for loss in [0.01, 0.05] {
+        let config = WanConfig {
+            rate_bytes_per_sec: cap,
+            ..WanConfig::default()
+        };
+        let forward = LinkConfig {
+            loss,
+            delay: Duration::from_millis(5),
+            seed: 3,
+            ..LinkConfig::default()
+        };
+        let back = LinkConfig {
+            loss,
+            delay: Duration::from_millis(5),
+            seed: 4,
+            ..LinkConfig::default()
+        };
+        let (data_tx, data_rx) = lossy_link(forward)?;
+        let (feedback_tx, feedback_rx) = lossy_link(back)?;
+        let mut sender = WanSender::new(config, data_tx, feedback_rx)?;
+        let mut receiver = WanReceiver::new(config, data_rx, feedback_tx)?;
+        let started = Instant::now();
+        let (sent, received) = tokio::join!(sender.send(&value), receiver.receive());
+        let elapsed = started.elapsed();
+        let (sent, (bytes, received)) = (sent?, received?);
+        anyhow::ensure!(bytes == value, "WAN copy differs");
+        let goodput = value.len() as f64 / elapsed.as_secs_f64();
+        let what = format!("{}% loss", loss * 100.0);
+        for result in [
+            BenchResult::new(
+                WORKLOAD,
+                format!("WAN goodput, {what}"),
+                goodput / 1e6,
+                "MB/s",
+                "pacing cap",
+                cap as f64 / 1e6,
+            ),
+            BenchResult::new(
+                WORKLOAD,
+                format!("WAN shards repaired by FEC, {what}"),
+                received.fec_recoveries as f64,
+                "shards",
+                "none",
+                0.0,
+            ),
+            BenchResult::new(
+                WORKLOAD,
+                format!("WAN stripes retransmitted, {what}"),
+                sent.stripes_retransmitted as f64,
+                "stripes",
+                "none",
+                0.0,
+            ),
+        ] {
+            printer.print(&result);
+        }
+    }
+    Ok(())
+}
+
+/// Runs the workload.
+///
+/// # Errors
+/// When a transfer fails or returns different bytes (which would be a bug).
+pub async fn run(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
+    tcp(quick, printer).await?;
+    eprintln!("bench transfer: Reed-Solomon encode/decode");
+    fec(quick, printer)?;
+    eprintln!("bench transfer: WAN copies over the lossy link");
+    wan(quick, printer).await
+}
