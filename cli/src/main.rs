@@ -2,11 +2,14 @@
 //! in its own module; this file only parses arguments and dispatches.
 
 mod bench;
+mod globalmaster;
 mod local;
+mod locate;
 mod logging;
 mod meta;
 mod replay;
 mod signals;
+mod status;
 mod submaster;
 mod target;
 
@@ -40,6 +43,12 @@ enum Command {
     Rm(meta::RmArgs),
     /// A sub-master's summary, or where keys are.
     Stat(meta::StatArgs),
+    /// Run a global-master replica: registry + projection + cluster-wide queries.
+    Globalmaster(globalmaster::GlobalMasterArgs),
+    /// Which sub-masters hold keys, cluster-wide (asks the global master).
+    Locate(locate::LocateArgs),
+    /// The registry (sub-masters, labels, liveness, usage) and the global master's lag.
+    Status(status::StatusArgs),
 }
 
 /// Counts allocations so that benchmarks can report allocations per event.
@@ -58,5 +67,8 @@ async fn main() -> anyhow::Result<()> {
         Command::Exist(args) => meta::exist(args).await,
         Command::Rm(args) => meta::rm(args).await,
         Command::Stat(args) => meta::stat(args).await,
+        Command::Globalmaster(args) => globalmaster::run(args).await,
+        Command::Locate(args) => locate::run(args).await,
+        Command::Status(args) => status::run(args).await,
     }
 }

@@ -1,5 +1,5 @@
 //! The global master's configuration: a plain `Default` struct, also readable from
-//! a JSON file (every field optional).
+//! a TOML file (every field optional).
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -70,14 +70,38 @@ impl GlobalMasterConfig {
         Duration::from_millis(self.registry_ttl_ms)
     }
 
-    /// Reads a JSON config file; missing fields take their defaults.
+    /// Reads a TOML config file; missing fields take their defaults.
     ///
     /// # Errors
     /// When the file cannot be read or is not valid.
     pub fn from_file(path: &std::path::Path) -> Result<Self, crate::GlobalMasterError> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| crate::GlobalMasterError::config(format!("{}: {e}", path.display())))?;
-        serde_json::from_str(&text)
+        toml::from_str(&text)
             .map_err(|e| crate::GlobalMasterError::config(format!("{}: {e}", path.display())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_toml_file_overrides_some_fields() {
+        let dir = std::env::temp_dir().join(format!("hkvm-gm-config-{}", std::process::id()));
+        std::fs::write(
+            &dir,
+            "cluster = \"prod\"\nreplica = \"g-1\"\ncheckpoint_interval_ms = 5\n\
+             [default_labels]\nmode = \"hard\"\nlabels = { pool = \"prefill\" }\n",
+        )
+        .unwrap();
+        let config = GlobalMasterConfig::from_file(&dir).unwrap();
+        std::fs::remove_file(&dir).unwrap();
+        assert_eq!(config.cluster.as_str(), "prod");
+        assert_eq!(config.checkpoint_interval_ms, 5);
+        assert_eq!(config.lag_poll_ms, 1_000);
+        let labels = config.default_labels.unwrap();
+        assert_eq!(labels.labels["pool"], "prefill");
+        assert!(GlobalMasterConfig::from_file(std::path::Path::new("/nonexistent")).is_err());
     }
 }
