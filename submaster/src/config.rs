@@ -56,7 +56,7 @@ impl SubmasterConfig {
             policy: Policy::default(),
             stream: StreamSettings::default(),
             commit: CommitConfig::default(),
-            leader_lease_ttl: Duration::from_secs(3),
+            leader_lease_ttl: Duration::from_secs(1),
             snapshot_every_events: 200_000,
             snapshot_interval: Duration::from_secs(60),
             maintenance_interval: Duration::from_millis(500),

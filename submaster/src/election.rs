@@ -119,6 +119,28 @@ impl LeaderLease {
         }
     }
 
+    /// Takes over a lease whose holder stopped renewing it: deletes it only if it is
+    /// still at the `stale_revision` we watched stand still (compare-and-set, so a
+    /// holder that renewed meanwhile keeps it), then tries to take it.
+    ///
+    /// # Errors
+    /// As for [`LeaderLease::try_acquire`].
+    pub async fn take_over_stale(
+        &self,
+        holder: &LeaseHolder,
+        stale_revision: u64,
+    ) -> Result<Option<u64>, SubmasterError> {
+        if self
+            .store
+            .delete_expect_revision(&self.key, Some(stale_revision))
+            .await
+            .is_err()
+        {
+            return Ok(None);
+        }
+        self.try_acquire(holder).await
+    }
+
     /// Gives a held lease up (graceful shutdown) so a standby takes over at once.
     pub async fn release(&self, revision: u64) {
         if let Err(error) = self

@@ -31,6 +31,9 @@ use crate::snapshot::SnapshotStore;
 use crate::state::State;
 use leader::LeadEnd;
 
+/// How often a standby looks at the leader lease.
+const LEASE_POLL: Duration = Duration::from_millis(100);
+
 /// What every phase of a sub-master uses.
 pub(crate) struct Context {
     client: async_nats::Client,
@@ -111,12 +114,15 @@ async fn stand_by(
         })
         .await?;
     let limits = Limits::default();
-    let mut poll = tokio::time::interval(ctx.config.leader_lease_ttl / 4);
+    let mut poll = tokio::time::interval(LEASE_POLL);
     poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let holder = LeaseHolder {
         producer: ctx.config.producer.clone(),
         epoch: state.max_epoch + 1,
     };
+    // The leader renews every third of the TTL; a revision that stood still for a
+    // whole TTL means the leader is gone, without waiting for the entry to expire.
+    let mut watched: Option<(u64, tokio::time::Instant)> = None;
     loop {
         tokio::select! {
             _ = shutdown.changed() => return Ok(None),
@@ -128,10 +134,25 @@ async fn stand_by(
                 if let Ok(bounds) = ctx.log.bounds().await {
                     ctx.metrics.standby_lag.set(gauge_value(bounds.last_seq.saturating_sub(state.applied_seq)));
                 }
-                if ctx.lease.holder().await?.is_none() {
-                    if let Some(revision) = ctx.lease.try_acquire(&holder).await? {
-                        return Ok(Some(revision));
-                    }
+                let taken = match ctx.lease.holder().await? {
+                    None => ctx.lease.try_acquire(&holder).await?,
+                    Some((_, revision)) => match watched {
+                        Some((seen, since)) if seen == revision => {
+                            if since.elapsed() >= ctx.config.leader_lease_ttl {
+                                tracing::warn!(revision, "the leader stopped renewing its lease; taking over");
+                                ctx.lease.take_over_stale(&holder, revision).await?
+                            } else {
+                                None
+                            }
+                        }
+                        _ => {
+                            watched = Some((revision, tokio::time::Instant::now()));
+                            None
+                        }
+                    },
+                };
+                if let Some(revision) = taken {
+                    return Ok(Some(revision));
                 }
             }
         }
