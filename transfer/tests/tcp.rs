@@ -25,6 +25,22 @@ fn pattern(len: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
+fn read_op(offset: u64, len: u64) -> ReadOp<'static> {
+    ReadOp {
+        region: "seg",
+        offset,
+        len,
+    }
+}
+
+fn write_op(offset: u64, data: &[u8]) -> WriteOp<'_> {
+    WriteOp {
+        region: "seg",
+        offset,
+        data,
+    }
+}
+
 /// A node serving one segment of `size` bytes named `seg`.
 async fn node(size: u64, config: TcpConfig) -> (TcpTransport, ServerHandle, String) {
     let transport = TcpTransport::new(config);
@@ -114,20 +130,10 @@ async fn many_concurrent_pipelined_operations() {
             let ops: Vec<WriteOp<'_>> = values
                 .iter()
                 .enumerate()
-                .map(|(i, v)| WriteOp {
-                    region: "seg",
-                    offset: base + i as u64 * 1024,
-                    data: v,
-                })
+                .map(|(i, v)| write_op(base + i as u64 * 1024, v))
                 .collect();
             client.write_batch(&endpoint, &ops).await.unwrap();
-            let reads: Vec<ReadOp<'_>> = (0..500)
-                .map(|i| ReadOp {
-                    region: "seg",
-                    offset: base + i * 1024,
-                    len: 1024,
-                })
-                .collect();
+            let reads: Vec<ReadOp<'_>> = (0..500).map(|i| read_op(base + i * 1024, 1024)).collect();
             let got = client.read_batch(&endpoint, &reads).await.unwrap();
             for (value, read) in values.iter().zip(&got) {
                 assert_eq!(&read[..], &value[..]);
@@ -144,18 +150,7 @@ async fn out_of_bounds_and_unknown_regions_are_typed_errors() {
     let (_node, _server, endpoint) = node(4096, TcpConfig::default()).await;
     let client = TcpTransport::default();
     let data = [1u8; 100];
-    let ops = [
-        WriteOp {
-            region: "seg",
-            offset: 0,
-            data: &data,
-        },
-        WriteOp {
-            region: "seg",
-            offset: 4000,
-            data: &data,
-        },
-    ];
+    let ops = [write_op(0, &data), write_op(4000, &data)];
     match client.write_batch(&endpoint, &ops).await.unwrap_err() {
         TransferError::Remote { index, kind, .. } => {
             assert_eq!((index, kind), (1, ErrorKind::OutOfBounds));
@@ -175,40 +170,19 @@ async fn out_of_bounds_and_unknown_regions_are_typed_errors() {
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::UnknownRegion);
     let error = client
-        .read_batch(
-            &endpoint,
-            &[ReadOp {
-                region: "seg",
-                offset: u64::MAX,
-                len: 2,
-            }],
-        )
+        .read_batch(&endpoint, &[read_op(u64::MAX, 2)])
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::OutOfBounds);
     // The refusals left the connection in step: the next batch works.
     let read = client
-        .read_batch(
-            &endpoint,
-            &[ReadOp {
-                region: "seg",
-                offset: 0,
-                len: 100,
-            }],
-        )
+        .read_batch(&endpoint, &[read_op(0, 100)])
         .await
         .unwrap();
     assert_eq!(&read[0][..], &data[..]);
     // The refused write wrote nothing past the end.
     let tail = client
-        .read_batch(
-            &endpoint,
-            &[ReadOp {
-                region: "seg",
-                offset: 4000,
-                len: 96,
-            }],
-        )
+        .read_batch(&endpoint, &[read_op(4000, 96)])
         .await
         .unwrap();
     assert!(tail[0].iter().all(|&b| b == 0));
@@ -230,14 +204,7 @@ async fn oversized_operations_are_refused() {
     });
     let data = vec![0u8; 600];
     let error = small_client
-        .write_batch(
-            &endpoint,
-            &[WriteOp {
-                region: "seg",
-                offset: 0,
-                data: &data,
-            }],
-        )
+        .write_batch(&endpoint, &[write_op(0, &data)])
         .await
         .unwrap_err();
     assert!(matches!(
@@ -249,14 +216,7 @@ async fn oversized_operations_are_refused() {
         }
     ));
     let error = small_client
-        .read_batch(
-            &endpoint,
-            &[ReadOp {
-                region: "seg",
-                offset: 0,
-                len: u64::MAX,
-            }],
-        )
+        .read_batch(&endpoint, &[read_op(0, u64::MAX)])
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::TooLarge);
@@ -264,14 +224,7 @@ async fn oversized_operations_are_refused() {
     // The server's own limit, below the client's.
     let client = TcpTransport::default();
     let error = client
-        .read_batch(
-            &endpoint,
-            &[ReadOp {
-                region: "seg",
-                offset: 0,
-                len: 2048,
-            }],
-        )
+        .read_batch(&endpoint, &[read_op(0, 2048)])
         .await
         .unwrap_err();
     assert!(matches!(
@@ -283,14 +236,7 @@ async fn oversized_operations_are_refused() {
     ));
     let big = vec![0u8; 2048];
     let error = client
-        .write_batch(
-            &endpoint,
-            &[WriteOp {
-                region: "seg",
-                offset: 0,
-                data: &big,
-            }],
-        )
+        .write_batch(&endpoint, &[write_op(0, &big)])
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::TooLarge);
@@ -312,14 +258,7 @@ async fn a_server_that_dies_mid_transfer_is_a_typed_error() {
     });
     let value = vec![5u8; 16 << 20];
     let error = client
-        .write_batch(
-            &endpoint,
-            &[WriteOp {
-                region: "seg",
-                offset: 0,
-                data: &value,
-            }],
-        )
+        .write_batch(&endpoint, &[write_op(0, &value)])
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Disconnected, "{error}");
@@ -334,13 +273,7 @@ async fn a_real_server_shut_down_during_reads_is_a_typed_error() {
         let endpoint = endpoint.clone();
         tokio::spawn(async move {
             loop {
-                let ops: Vec<ReadOp<'_>> = (0..4)
-                    .map(|i| ReadOp {
-                        region: "seg",
-                        offset: i << 24,
-                        len: 16 << 20,
-                    })
-                    .collect();
+                let ops: Vec<ReadOp<'_>> = (0..4).map(|i| read_op(i << 24, 16 << 20)).collect();
                 if let Err(error) = client.read_batch(&endpoint, &ops).await {
                     return error;
                 }
@@ -370,14 +303,7 @@ async fn an_unresponsive_server_times_out() {
         ..TcpConfig::default()
     });
     let error = client
-        .read_batch(
-            &endpoint,
-            &[ReadOp {
-                region: "seg",
-                offset: 0,
-                len: 8,
-            }],
-        )
+        .read_batch(&endpoint, &[read_op(0, 8)])
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Timeout);
@@ -389,14 +315,7 @@ async fn refused_connections_are_connect_errors() {
     let endpoint = listener.local_addr().unwrap().to_string();
     drop(listener);
     let error = TcpTransport::default()
-        .read_batch(
-            &endpoint,
-            &[ReadOp {
-                region: "seg",
-                offset: 0,
-                len: 8,
-            }],
-        )
+        .read_batch(&endpoint, &[read_op(0, 8)])
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Connect);
@@ -426,14 +345,7 @@ async fn a_corrupted_read_payload_is_detected() {
         tokio::time::sleep(Duration::from_secs(5)).await;
     });
     let error = TcpTransport::default()
-        .read_batch(
-            &endpoint,
-            &[ReadOp {
-                region: "seg",
-                offset: 0,
-                len: 4096,
-            }],
-        )
+        .read_batch(&endpoint, &[read_op(0, 4096)])
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Corrupt);
@@ -526,14 +438,7 @@ async fn a_dead_pooled_connection_is_replaced_once() {
     let (node_a, server, endpoint) = node(1 << 20, TcpConfig::default()).await;
     let client = TcpTransport::default();
     client
-        .write_batch(
-            &endpoint,
-            &[WriteOp {
-                region: "seg",
-                offset: 0,
-                data: b"first",
-            }],
-        )
+        .write_batch(&endpoint, &[write_op(0, b"first")])
         .await
         .unwrap();
     server.shutdown().await;
@@ -541,14 +446,7 @@ async fn a_dead_pooled_connection_is_replaced_once() {
     let listener = TcpListener::bind(&endpoint).await.unwrap();
     let _server = node_a.serve(listener).unwrap();
     let read = client
-        .read_batch(
-            &endpoint,
-            &[ReadOp {
-                region: "seg",
-                offset: 0,
-                len: 5,
-            }],
-        )
+        .read_batch(&endpoint, &[read_op(0, 5)])
         .await
         .unwrap();
     assert_eq!(&read[0][..], b"first");
@@ -559,26 +457,12 @@ async fn unregistered_segments_are_no_longer_served() {
     let (node, _server, endpoint) = node(4096, TcpConfig::default()).await;
     let client = TcpTransport::default();
     client
-        .read_batch(
-            &endpoint,
-            &[ReadOp {
-                region: "seg",
-                offset: 0,
-                len: 1,
-            }],
-        )
+        .read_batch(&endpoint, &[read_op(0, 1)])
         .await
         .unwrap();
     node.unregister(&RegionId::new("seg").unwrap()).unwrap();
     let error = client
-        .read_batch(
-            &endpoint,
-            &[ReadOp {
-                region: "seg",
-                offset: 0,
-                len: 1,
-            }],
-        )
+        .read_batch(&endpoint, &[read_op(0, 1)])
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::UnknownRegion);

@@ -22,14 +22,8 @@ const WORKLOAD: &str = "transfer";
 const REGION: &str = "bench";
 
 fn pattern(len: usize) -> Vec<u8> {
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
+    (0..len as u64)
+        .map(|i| (i.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 29) as u8)
         .collect()
 }
 

@@ -107,14 +107,22 @@ impl Drop for DeviceList {
     }
 }
 
+/// Marks a wrapper of verbs object pointers as shareable between threads.
+macro_rules! verbs_handle {
+    ($name:ident) => {
+        // SAFETY: libibverbs objects may be used from any thread (the library
+        // serializes what needs it internally), and the wrapper only hands out
+        // copies of plain fields or calls verbs functions.
+        unsafe impl Send for $name {}
+        // SAFETY: as above.
+        unsafe impl Sync for $name {}
+    };
+}
+
 /// An open device.
 pub(crate) struct Context(*mut ibv_context);
 
-// SAFETY: libibverbs objects may be used from any thread; the library serializes
-// what needs serializing internally.
-unsafe impl Send for Context {}
-// SAFETY: as above.
-unsafe impl Sync for Context {}
+verbs_handle!(Context);
 
 impl Context {
     /// The attributes of a port.
@@ -154,10 +162,7 @@ pub(crate) struct Pd {
     _context: Arc<Context>,
 }
 
-// SAFETY: see `Context`.
-unsafe impl Send for Pd {}
-// SAFETY: see `Context`.
-unsafe impl Sync for Pd {}
+verbs_handle!(Pd);
 
 impl Pd {
     pub(crate) fn new(context: &Arc<Context>) -> Result<Arc<Self>, TransferError> {
@@ -186,10 +191,7 @@ pub(crate) struct Mr {
     _pd: Arc<Pd>,
 }
 
-// SAFETY: see `Context`.
-unsafe impl Send for Mr {}
-// SAFETY: see `Context`.
-unsafe impl Sync for Mr {}
+verbs_handle!(Mr);
 
 impl Mr {
     /// Registers `len` bytes at `addr` for local writes and remote reads and writes.
@@ -243,10 +245,7 @@ pub(crate) struct Cq {
     _context: Arc<Context>,
 }
 
-// SAFETY: see `Context`.
-unsafe impl Send for Cq {}
-// SAFETY: see `Context`.
-unsafe impl Sync for Cq {}
+verbs_handle!(Cq);
 
 /// One polled completion.
 #[derive(Debug, Clone, Copy)]
@@ -310,10 +309,7 @@ pub(crate) struct Qp {
     _cq: Arc<Cq>,
 }
 
-// SAFETY: see `Context`.
-unsafe impl Send for Qp {}
-// SAFETY: see `Context`.
-unsafe impl Sync for Qp {}
+verbs_handle!(Qp);
 
 /// One RDMA READ or WRITE to post: local staging range and remote range.
 #[derive(Debug, Clone, Copy)]

@@ -246,8 +246,26 @@ impl RdmaTransport {
         }
     }
 
-    /// Posts one round and waits for its signaled completion.
+    /// Posts one round and waits for its signaled completion. On failure the peer's
+    /// queue pair is forgotten (it is in the error state): the next batch reconnects.
     async fn run_round(
+        &self,
+        endpoint: &str,
+        peer: &Peer,
+        staging: &Staging,
+        round: &Round,
+        opcode: u32,
+    ) -> Result<(), TransferError> {
+        let outcome = self
+            .post_and_poll(endpoint, peer, staging, round, opcode)
+            .await;
+        if outcome.is_err() {
+            self.forget(endpoint).await;
+        }
+        outcome
+    }
+
+    async fn post_and_poll(
         &self,
         endpoint: &str,
         peer: &Peer,
@@ -302,8 +320,19 @@ impl RdmaTransport {
         }
     }
 
-    async fn write(&self, endpoint: &str, ops: &[WriteOp<'_>]) -> Result<(), TransferError> {
+    /// Connects (or reuses) the peer and plans the batch against its regions.
+    async fn prepare(
+        &self,
+        endpoint: &str,
+        ops: &[PlanOp<'_>],
+    ) -> Result<(Arc<Peer>, Vec<Round>), TransferError> {
+        self.check_sizes(ops)?;
         let peer = self.peer(endpoint).await?;
+        let rounds = plan(ops, &peer.remote.regions, self.limits())?;
+        Ok((peer, rounds))
+    }
+
+    async fn write(&self, endpoint: &str, ops: &[WriteOp<'_>]) -> Result<(), TransferError> {
         let planned: Vec<PlanOp<'_>> = ops
             .iter()
             .map(|op| PlanOp {
@@ -312,8 +341,7 @@ impl RdmaTransport {
                 len: op.data.len() as u64,
             })
             .collect();
-        self.check_sizes(&planned)?;
-        let rounds = plan(&planned, &peer.remote.regions, self.limits())?;
+        let (peer, rounds) = self.prepare(endpoint, &planned).await?;
         let staging = self.inner.staging.lock().await;
         for round in &rounds {
             for w in &round.requests {
@@ -321,26 +349,14 @@ impl RdmaTransport {
                 let bytes = &ops[w.op].data[start..start + w.len as usize];
                 staging.buffer.write_at(w.staging_offset, bytes)?;
             }
-            let outcome = self
-                .run_round(
-                    endpoint,
-                    &peer,
-                    &staging,
-                    round,
-                    rdma_sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
-                )
-                .await;
-            if let Err(error) = outcome {
-                drop(staging);
-                self.forget(endpoint).await;
-                return Err(error);
-            }
+            let opcode = rdma_sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+            self.run_round(endpoint, &peer, &staging, round, opcode)
+                .await?;
         }
         Ok(())
     }
 
     async fn read(&self, endpoint: &str, ops: &mut [ReadInto<'_>]) -> Result<(), TransferError> {
-        let peer = self.peer(endpoint).await?;
         let planned: Vec<PlanOp<'_>> = ops
             .iter()
             .map(|op| PlanOp {
@@ -349,25 +365,13 @@ impl RdmaTransport {
                 len: op.buf.len() as u64,
             })
             .collect();
-        self.check_sizes(&planned)?;
-        let rounds = plan(&planned, &peer.remote.regions, self.limits())?;
+        let (peer, rounds) = self.prepare(endpoint, &planned).await?;
         drop(planned);
         let staging = self.inner.staging.lock().await;
         for round in &rounds {
-            let outcome = self
-                .run_round(
-                    endpoint,
-                    &peer,
-                    &staging,
-                    round,
-                    rdma_sys::ibv_wr_opcode::IBV_WR_RDMA_READ,
-                )
-                .await;
-            if let Err(error) = outcome {
-                drop(staging);
-                self.forget(endpoint).await;
-                return Err(error);
-            }
+            let opcode = rdma_sys::ibv_wr_opcode::IBV_WR_RDMA_READ;
+            self.run_round(endpoint, &peer, &staging, round, opcode)
+                .await?;
             for w in &round.requests {
                 let start = w.op_offset as usize;
                 let out = &mut ops[w.op].buf[start..start + w.len as usize];
