@@ -204,8 +204,13 @@ async fn tcp(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
                 label(size),
                 shape.bytes() >> 20
             );
-            let plain = plain_tcp_rate(&shape).await.context("plain TCP baseline")?;
-            let (write, read) = transport_rates(&shape, &endpoint, &client).await?;
+            // Best of three, interleaved, because the machine is shared and noisy.
+            let (mut plain, mut write, mut read) = (0f64, 0f64, 0f64);
+            for _ in 0..3 {
+                plain = plain.max(plain_tcp_rate(&shape).await.context("plain TCP baseline")?);
+                let (w, r) = transport_rates(&shape, &endpoint, &client).await?;
+                (write, read) = (write.max(w), read.max(r));
+            }
             let memcpy = memcpy_rate(&value, streams * shape.per_stream);
             let what = format!(
                 "{} x{streams} stream{}",
@@ -248,7 +253,18 @@ async fn tcp(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
 }
 
 fn fec(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
-    let config = FecConfig::default();
+    for (data_shards, parity_shards) in [(16, 4), (64, 16)] {
+        let config = FecConfig {
+            data_shards,
+            parity_shards,
+            shard_bytes: 1024,
+        };
+        fec_shape(config, quick, printer)?;
+    }
+    Ok(())
+}
+
+fn fec_shape(config: FecConfig, quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
     let bytes = if quick { 2 << 20 } else { 64 << 20 };
     let data = pattern(bytes);
     let mut codec = StripeCodec::new(config)?;
@@ -275,7 +291,7 @@ fn fec(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
     }
     let decode = gbps(bytes as u64, started.elapsed());
     anyhow::ensure!(out[..] == data[data.len() - stripe..], "decode differs");
-    let memcpy = memcpy_rate(&data, 1);
+    let memcpy = memcpy_rate(&data, 3);
     let shape = format!(
         "{}+{} x {} B",
         config.data_shards, config.parity_shards, config.shard_bytes
@@ -305,6 +321,8 @@ async fn wan(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
     for loss in [0.01, 0.05] {
         let config = WanConfig {
             rate_bytes_per_sec: cap,
+            // Five milliseconds of sending: well above the timer's granularity.
+            burst_bytes: cap / 200,
             ..WanConfig::default()
         };
         let forward = LinkConfig {

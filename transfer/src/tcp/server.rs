@@ -181,11 +181,10 @@ async fn serve_connection(
         match request.op {
             Op::Write => {
                 if request.len > max_op_bytes {
+                    // Skipping gigabytes is pointless (the client is broken or
+                    // hostile): refuse and close, so the client drops the connection.
                     let error = too_large(request.len, max_op_bytes);
-                    conn.reply_error(request.id, &error).await.map_err(io)?;
-                    // Skipping gigabytes is pointless: the client is broken or hostile.
-                    conn.writer.flush().await.map_err(io)?;
-                    return Err(error);
+                    return refuse_connection(&mut conn, error).await;
                 }
                 if let Err(error) = serve_write(
                     &mut conn,

@@ -32,7 +32,10 @@ pub struct WanConfig {
     pub fec: FecConfig,
     /// The bandwidth cap of the sender, in bytes per second on the wire.
     pub rate_bytes_per_sec: u64,
-    /// The largest burst the sender may send at once, in bytes.
+    /// The largest burst the sender may send at once, in bytes. Keep it above a few
+    /// milliseconds' worth of `rate_bytes_per_sec`: the sender sleeps for tokens, and
+    /// tokio's timer has millisecond granularity, so a smaller burst caps the rate
+    /// below the configured one.
     pub burst_bytes: u64,
     /// How long the sender waits for an answer to an end-of-round probe.
     pub feedback_timeout: Duration,
@@ -54,7 +57,7 @@ impl Default for WanConfig {
         Self {
             fec: FecConfig::default(),
             rate_bytes_per_sec: 100_000_000,
-            burst_bytes: 64 * 1024,
+            burst_bytes: 256 * 1024,
             feedback_timeout: Duration::from_millis(500),
             probes: 5,
             max_rounds: 20,
