@@ -4,7 +4,11 @@
 //! nats-server child from the test kit) unless given `--nats`.
 
 mod alloc;
+mod cluster;
 mod events;
+mod exist;
+mod ingest;
+mod put;
 mod report;
 mod transfer;
 
@@ -39,6 +43,14 @@ enum Workload {
     Events,
     /// TCP transport GB/s against plain TCP and memcpy; FEC GB/s; WAN goodput vs cap.
     Transfer,
+    /// Projector fold rate against raw JetStream replay; bytes per key; restart to
+    /// serving with and without a checkpoint.
+    Ingest,
+    /// Global batch_is_exist over NATS (1 and 4 clients) against in-process lookups.
+    Exist,
+    /// Durable put_start + put_end through a sub-master (1, 64 clients, batches)
+    /// against raw JetStream publish.
+    Put,
     /// Every workload.
     All,
 }
@@ -83,13 +95,22 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let nats = BenchNats::new(args.nats.clone()).await?;
     let mut printer = report::Printer::new(args.json);
     let workloads = match args.workload {
-        Workload::All => vec![Workload::Events, Workload::Transfer],
+        Workload::All => vec![
+            Workload::Events,
+            Workload::Put,
+            Workload::Transfer,
+            Workload::Ingest,
+            Workload::Exist,
+        ],
         one => vec![one],
     };
     for workload in workloads {
         match workload {
             Workload::Events => events::run(&nats, args.quick, &mut printer).await?,
             Workload::Transfer => transfer::run(args.quick, &mut printer).await?,
+            Workload::Ingest => ingest::run(&nats, args.quick, &mut printer).await?,
+            Workload::Exist => exist::run(&nats, args.quick, &mut printer).await?,
+            Workload::Put => put::run(&nats, args.quick, &mut printer).await?,
             Workload::All => {}
         }
     }
