@@ -111,6 +111,58 @@ async fn round_trips_are_byte_exact_from_one_byte_to_64_mib() {
     }
 }
 
+/// Random mixes of sizes (0 B to 100 KiB, across the 32 KiB send-coalescing
+/// threshold), offsets and batch lengths agree with a local model of the segment.
+#[tokio::test]
+async fn random_batches_agree_with_a_model_of_the_segment() {
+    use rand::{Rng as _, SeedableRng as _};
+    const SIZE: usize = 4 << 20;
+    let (_node, _server, endpoint) = node(SIZE as u64, TcpConfig::default()).await;
+    let client = TcpTransport::default();
+    let mut model = vec![0u8; SIZE];
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    for round in 0..40u64 {
+        let count = rng.gen_range(1..40);
+        let mut values = Vec::new();
+        let mut offsets = Vec::new();
+        for i in 0..count {
+            let len = match rng.gen_range(0..4) {
+                0 => rng.gen_range(0..64),
+                1 => rng.gen_range(0..32 * 1024),
+                _ => rng.gen_range(32 * 1024 - 8..100 * 1024),
+            };
+            // Disjoint ranges inside one batch, as placements are.
+            let slot = SIZE / count;
+            let offset = i * slot + rng.gen_range(0..=slot - len.min(slot));
+            values.push(pattern(len.min(slot), round * 100 + i as u64));
+            offsets.push(offset as u64);
+        }
+        let ops: Vec<WriteOp<'_>> = values
+            .iter()
+            .zip(&offsets)
+            .map(|(v, &o)| write_op(o, v))
+            .collect();
+        client.write_batch(&endpoint, &ops).await.unwrap();
+        for (v, &o) in values.iter().zip(&offsets) {
+            model[o as usize..o as usize + v.len()].copy_from_slice(v);
+        }
+        let reads: Vec<ReadOp<'_>> = (0..count)
+            .map(|_| {
+                let len = rng.gen_range(0..100 * 1024) as u64;
+                read_op(rng.gen_range(0..SIZE as u64 - len), len)
+            })
+            .collect();
+        let got = client.read_batch(&endpoint, &reads).await.unwrap();
+        for (read, bytes) in reads.iter().zip(&got) {
+            let at = read.offset as usize;
+            assert!(
+                bytes[..] == model[at..at + read.len as usize],
+                "round {round}"
+            );
+        }
+    }
+}
+
 #[tokio::test]
 async fn many_concurrent_pipelined_operations() {
     let (_node, _server, endpoint) = node(64 << 20, TcpConfig::default()).await;

@@ -157,3 +157,26 @@ async fn empty_and_consecutive_objects_arrive() {
         assert_eq!(received.unwrap().0, value);
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn corrupted_packets_are_dropped_and_repaired() {
+    let forward = LinkConfig {
+        loss: 0.01,
+        corrupt: 0.02,
+        seed: 21,
+        ..LinkConfig::default()
+    };
+    let back = LinkConfig {
+        corrupt: 0.1,
+        seed: 22,
+        ..LinkConfig::default()
+    };
+    let (mut sender, mut receiver) = ends(WanConfig::default(), forward, back);
+    let value = object(1 << 20);
+    let (sent, received) = tokio::join!(sender.send(&value), receiver.receive());
+    sent.unwrap();
+    let (bytes, report) = received.unwrap();
+    assert!(bytes == value);
+    assert!(report.corrupt > 0, "{report:?}");
+    assert!(report.fec_recoveries >= report.corrupt);
+}

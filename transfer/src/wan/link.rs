@@ -25,7 +25,9 @@ pub struct LinkConfig {
     pub delay: Duration,
     /// Extra delay drawn uniformly from `0..=jitter` (reorders packets).
     pub jitter: Duration,
-    /// Seed of the loss and jitter decisions.
+    /// Probability that a delivered packet has one byte flipped.
+    pub corrupt: f64,
+    /// Seed of the loss, jitter and corruption decisions.
     pub seed: u64,
 }
 
@@ -35,6 +37,7 @@ impl Default for LinkConfig {
             loss: 0.0,
             delay: Duration::from_millis(20),
             jitter: Duration::ZERO,
+            corrupt: 0.0,
             seed: 1,
         }
     }
@@ -45,6 +48,7 @@ impl Default for LinkConfig {
 pub struct LinkStats {
     sent: AtomicU64,
     dropped: AtomicU64,
+    corrupted: AtomicU64,
     delivered: AtomicU64,
 }
 
@@ -57,6 +61,11 @@ impl LinkStats {
     /// Packets the link dropped.
     pub fn dropped(&self) -> u64 {
         self.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Packets the link corrupted (one flipped bit each).
+    pub fn corrupted(&self) -> u64 {
+        self.corrupted.load(Ordering::Relaxed)
     }
 
     /// Packets delivered to the receiver.
@@ -118,11 +127,11 @@ pub fn lossy_link(config: LinkConfig) -> Result<(LinkTx, LinkRx), TransferError>
 }
 
 impl LinkTx {
-    /// Hands a packet to the link, which may drop it.
+    /// Hands a packet to the link, which may drop, delay or corrupt it.
     ///
     /// # Errors
     /// [`TransferError::Disconnected`] when the receiving end is gone.
-    pub fn send(&mut self, packet: Bytes) -> Result<(), TransferError> {
+    pub fn send(&mut self, mut packet: Bytes) -> Result<(), TransferError> {
         self.stats.sent.fetch_add(1, Ordering::Relaxed);
         if self.rng.gen_bool(self.config.loss) {
             self.stats.dropped.fetch_add(1, Ordering::Relaxed);
@@ -133,6 +142,13 @@ impl LinkTx {
         } else {
             self.config.jitter.mul_f64(self.rng.gen_range(0.0..=1.0))
         };
+        if !packet.is_empty() && self.rng.gen_bool(self.config.corrupt) {
+            let mut bytes = packet.to_vec();
+            let at = self.rng.gen_range(0..bytes.len());
+            bytes[at] ^= 1 << self.rng.gen_range(0..8);
+            packet = Bytes::from(bytes);
+            self.stats.corrupted.fetch_add(1, Ordering::Relaxed);
+        }
         let at = Instant::now() + self.config.delay + jitter;
         self.seq += 1;
         self.tx
