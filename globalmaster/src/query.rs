@@ -58,7 +58,7 @@ pub fn views(
 ///
 /// # Errors
 /// `InvalidRequest` naming the first problem.
-pub fn check_keys(keys: &[String], max: usize) -> Result<(), RpcError> {
+pub fn check_keys(keys: &[impl AsRef<str>], max: usize) -> Result<(), RpcError> {
     if keys.len() > max {
         return Err(RpcError::invalid(format!(
             "{} keys, more than the limit of {max}",
@@ -68,7 +68,7 @@ pub fn check_keys(keys: &[String], max: usize) -> Result<(), RpcError> {
     let limits = Limits::default();
     for (index, key) in keys.iter().enumerate() {
         limits
-            .check_key(key)
+            .check_key(key.as_ref())
             .map_err(|e| RpcError::invalid(format!("key {index}: {e}")))?;
     }
     Ok(())
@@ -77,11 +77,16 @@ pub fn check_keys(keys: &[String], max: usize) -> Result<(), RpcError> {
 /// The allowed holders of `hash`, preferred sources first (stable by index).
 pub fn ranked_holders(projection: &Projection, views: &[SourceView], hash: u64) -> Vec<usize> {
     let holders = projection.index().holders(hash);
+    if holders.is_empty() {
+        return Vec::new();
+    }
     let mut out: Vec<usize> = holders
         .iter()
         .filter(|&s| views.get(s).is_some_and(|v| v.allowed))
         .collect();
-    out.sort_by_key(|&s| !views[s].preferred);
+    if out.len() > 1 {
+        out.sort_by_key(|&s| !views[s].preferred);
+    }
     out
 }
 
@@ -92,7 +97,7 @@ pub fn ranked_holders(projection: &Projection, views: &[SourceView], hash: u64) 
 pub fn batch_is_exist(
     projection: &Projection,
     views: &[SourceView],
-    keys: &[String],
+    keys: &[impl AsRef<str>],
     staleness: Staleness,
 ) -> Result<BatchIsExistReply, RpcError> {
     check_keys(keys, MAX_BATCH_KEYS)?;
@@ -106,18 +111,28 @@ pub fn batch_is_exist(
             subclusters.push(subcluster.clone());
         }
     }
-    let holders = keys
-        .iter()
-        .map(|key| {
-            ranked_holders(projection, views, key_hash(key))
-                .into_iter()
-                .filter_map(|s| slot[s])
-                .collect()
-        })
-        .collect();
+    let mut counts = Vec::with_capacity(keys.len());
+    let mut flat = Vec::with_capacity(keys.len());
+    for key in keys {
+        let holders = projection.index().holders(key_hash(key.as_ref()));
+        let before = flat.len();
+        if !holders.is_empty() {
+            // Preferred sources first, each group in source order.
+            for preferred in [true, false] {
+                flat.extend(
+                    holders
+                        .iter()
+                        .filter(|&s| views.get(s).is_some_and(|v| v.preferred == preferred))
+                        .filter_map(|s| slot.get(s).copied().flatten()),
+                );
+            }
+        }
+        counts.push(u16::try_from(flat.len() - before).unwrap_or(u16::MAX));
+    }
     Ok(BatchIsExistReply {
         subclusters,
-        holders,
+        counts,
+        holders: flat,
         staleness,
     })
 }

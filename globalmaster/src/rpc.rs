@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use async_nats::Message;
 use futures::StreamExt as _;
 use hkvm_events::rpc::global::{
-    BatchIsExist, GlobalOp, GlobalStatusReply, LabelFilter, Locate, LocateReply, PrefixHit,
-    PrefixHitReply, ProxyGetReplicaList, ProxyGetReplicaListReply,
+    GlobalOp, GlobalStatusReply, LabelFilter, Locate, LocateReply, PrefixHit, PrefixHitReply,
+    ProxyGetReplicaList, ProxyGetReplicaListReply,
 };
 use hkvm_events::rpc::submaster::{GetReplicaList, GetReplicaListReply, ItemError, ItemResult, Op};
 use hkvm_events::rpc::{decode, encode, RpcError, RpcErrorCode, RpcReply};
@@ -86,6 +86,27 @@ async fn handle(shared: Arc<Shared>, client: async_nats::Client, message: Messag
         .observe(started.elapsed().as_secs_f64());
 }
 
+/// A `BatchIsExist` request decoded without copying its keys.
+#[derive(serde::Deserialize)]
+struct BatchIsExistRef<'a> {
+    #[serde(borrow)]
+    keys: Vec<&'a str>,
+    #[serde(default)]
+    labels: Option<LabelFilter>,
+}
+
+/// Decodes a request that borrows from `bytes`, with the limits of [`decode`].
+fn decode_borrowed<'a, T: serde::Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, RpcError> {
+    if bytes.len() > hkvm_events::rpc::MAX_RPC_BYTES {
+        return Err(RpcError::invalid(format!(
+            "body of {} bytes exceeds {}",
+            bytes.len(),
+            hkvm_events::rpc::MAX_RPC_BYTES
+        )));
+    }
+    rmp_serde::from_slice(bytes).map_err(|e| RpcError::invalid(format!("malformed body: {e}")))
+}
+
 fn filter<'a>(shared: &'a Shared, asked: &'a Option<LabelFilter>) -> Option<&'a LabelFilter> {
     asked.as_ref().or(shared.config.default_labels.as_ref())
 }
@@ -94,7 +115,7 @@ fn batch_is_exist(
     shared: &Shared,
     body: &[u8],
 ) -> Result<hkvm_events::rpc::global::BatchIsExistReply, RpcError> {
-    let request: BatchIsExist = decode(body)?;
+    let request: BatchIsExistRef<'_> = decode_borrowed(body)?;
     let projection = shared.read();
     let views = query::views(
         &projection,
@@ -228,7 +249,7 @@ fn unanswered(subcluster: &SubclusterId, why: &str) -> RpcError {
 
 #[cfg(test)]
 mod tests {
-    use hkvm_events::rpc::global::{BatchIsExistReply, GlobalStatus};
+    use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalStatus};
     use hkvm_projector::Projection;
 
     use super::*;

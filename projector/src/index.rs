@@ -61,13 +61,30 @@ impl Holders<'_> {
 
     /// The holding sources.
     pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
-        let low = (0..OVERFLOW_BIT).filter(|&s| self.mask & (1 << s) != 0);
+        // Walk the set bits of the mask below the overflow bit.
+        let mut low = self.mask & !(1 << OVERFLOW_BIT);
+        let low = std::iter::from_fn(move || {
+            (low != 0).then(|| {
+                let source = low.trailing_zeros() as usize;
+                low &= low - 1;
+                source
+            })
+        });
         let high_count = if self.mask & (1 << OVERFLOW_BIT) != 0 {
             self.index.bitmaps.len()
         } else {
             OVERFLOW_BIT
         };
         low.chain((OVERFLOW_BIT..high_count).filter(|&s| self.contains(s)))
+    }
+
+    /// How many sources hold the key.
+    pub fn count(&self) -> usize {
+        if self.mask & (1 << OVERFLOW_BIT) == 0 {
+            self.mask.count_ones() as usize
+        } else {
+            self.iter().count()
+        }
     }
 }
 

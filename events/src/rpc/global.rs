@@ -125,23 +125,36 @@ pub struct BatchIsExist {
     pub labels: Option<LabelFilter>,
 }
 
-/// The reply to [`BatchIsExist`].
+/// The reply to [`BatchIsExist`]. The holders of all keys are flattened into one
+/// list (two allocations per batch instead of one per key): key `i`'s holders are
+/// the next `counts[i]` entries of `holders`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BatchIsExistReply {
     /// The sub-clusters the answer refers to, by index.
     pub subclusters: Vec<SubclusterId>,
-    /// Per key (request order), indexes into `subclusters` of those holding it,
-    /// label-matching ones first; empty for a key held nowhere.
-    pub holders: Vec<Vec<u16>>,
+    /// Per key (request order), how many sub-clusters hold it (0: nowhere).
+    pub counts: Vec<u16>,
+    /// Indexes into `subclusters`, key after key, label-matching ones first.
+    pub holders: Vec<u16>,
     /// How current the answer is.
     pub staleness: Staleness,
 }
 
 impl BatchIsExistReply {
+    /// Per key, the indexes (into `subclusters`) of its holders, in rank order.
+    pub fn per_key(&self) -> impl Iterator<Item = &[u16]> + '_ {
+        let mut rest = self.holders.as_slice();
+        self.counts.iter().map(move |&count| {
+            let (mine, after) = rest.split_at(usize::from(count).min(rest.len()));
+            rest = after;
+            mine
+        })
+    }
+
     /// The sub-clusters holding the `index`-th key, in rank order.
     pub fn holders_of(&self, index: usize) -> Vec<&SubclusterId> {
-        self.holders
-            .get(index)
+        self.per_key()
+            .nth(index)
             .map(|list| {
                 list.iter()
                     .filter_map(|&i| self.subclusters.get(usize::from(i)))

@@ -1,0 +1,184 @@
+//! The `ingest` workload: how fast the projector folds sub-cluster streams read
+//! from JetStream, against a raw JetStream replay of the same streams (no decoding)
+//! in the same run; index bytes per key; and a global master's restart-to-serving
+//! time from a checkpoint against the same restart replaying every stream.
+
+use std::time::Instant;
+
+use anyhow::Context as _;
+use async_nats::jetstream::{self, consumer};
+use futures::StreamExt as _;
+use hkvm_events::log::{EventLog, JetStreamLog, ReadOptions};
+use hkvm_events::subject::{event_subject, stream_name};
+use hkvm_globalmaster::GlobalMaster;
+use hkvm_projector::Projection;
+
+use super::cluster::BenchCluster;
+use super::report::{BenchResult, Printer};
+use super::BenchNats;
+
+const WORKLOAD: &str = "ingest";
+
+/// Reads every message of every stream with a raw pull consumer; returns seconds.
+async fn raw_replay(js: &jetstream::Context, cluster: &BenchCluster) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    for id in &cluster.subclusters {
+        let mut stream = js.get_stream(stream_name(&cluster.cluster, id)).await?;
+        let total = stream.info().await?.state.messages;
+        let consumer = stream
+            .create_consumer(consumer::pull::Config {
+                ack_policy: consumer::AckPolicy::None,
+                memory_storage: true,
+                ..Default::default()
+            })
+            .await?;
+        let mut messages = consumer
+            .stream()
+            .max_messages_per_batch(64)
+            .messages()
+            .await?;
+        let mut seen = 0u64;
+        while seen < total {
+            let message = messages.next().await.context("raw replay ended early")?;
+            let _ = message?;
+            seen += 1;
+        }
+    }
+    Ok(started.elapsed().as_secs_f64())
+}
+
+/// Folds every stream into a fresh projection through the event log; returns
+/// seconds and the projection.
+async fn projector_replay(
+    js: &jetstream::Context,
+    cluster: &BenchCluster,
+) -> anyhow::Result<(f64, Projection)> {
+    let mut projection = Projection::new();
+    let started = Instant::now();
+    for id in &cluster.subclusters {
+        let stream = stream_name(&cluster.cluster, id);
+        let source = projection.source_index(id, &stream);
+        let log = JetStreamLog::new(js.clone(), stream, event_subject(&cluster.cluster, id));
+        let mut entries = log
+            .read(ReadOptions {
+                batch_messages: 64,
+                ..ReadOptions::from(1)
+            })
+            .await?;
+        while let Some(entry) = entries.next().await {
+            let entry = entry?;
+            projection.apply_message(source, entry.seq, entry.unix_ms, &entry.payload)?;
+        }
+    }
+    Ok((started.elapsed().as_secs_f64(), projection))
+}
+
+/// What per-sub-cluster `std::collections::HashSet<u64>` of key hashes would take:
+/// buckets (a power of two at 7/8 load) of 8 bytes plus one control byte each.
+fn hashset_bytes_per_key(projection: &Projection) -> f64 {
+    let keys = projection.index().len().max(1) as f64;
+    let bytes: u64 = (0..projection.sources().len())
+        .map(|source| {
+            let len = projection.index().source_len(source);
+            let buckets = (len * 8 / 7 + 1).next_power_of_two();
+            buckets * 9
+        })
+        .sum();
+    bytes as f64 / keys
+}
+
+async fn time_to_serving(
+    client: &async_nats::Client,
+    cluster: &BenchCluster,
+    restore: bool,
+) -> anyhow::Result<(f64, GlobalMaster)> {
+    let started = Instant::now();
+    let master = GlobalMaster::start(cluster.config("bench", restore), client.clone()).await?;
+    master.wait_serving().await;
+    Ok((started.elapsed().as_secs_f64(), master))
+}
+
+/// Runs the workload.
+///
+/// # Errors
+/// When NATS fails or a message does not fold (which would be a bug).
+pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
+    let (subclusters, keys) = if quick { (8, 100_000) } else { (8, 10_000_000) };
+    let client = nats.connect().await?;
+    let js = jetstream::new(client.clone());
+    eprintln!("bench ingest: writing {keys} keys into {subclusters} streams");
+    let cluster = BenchCluster::build(&js, "bingest", subclusters, keys).await?;
+    let events = cluster.events as f64;
+
+    eprintln!("bench ingest: raw replay and projector replay");
+    let raw_seconds = raw_replay(&js, &cluster).await?;
+    let (projector_seconds, projection) = projector_replay(&js, &cluster).await?;
+    let raw_rate = events / raw_seconds;
+    printer.print(&BenchResult::new(
+        WORKLOAD,
+        format!("projector fold from JetStream, {subclusters} streams"),
+        events / projector_seconds,
+        "events/s",
+        format!("raw JetStream pull replay, same {} msgs", cluster.messages),
+        raw_rate,
+    ));
+    printer.print(&BenchResult::new(
+        WORKLOAD,
+        format!("index bytes per key ({} keys)", projection.index().len()),
+        projection.bytes_per_key(),
+        "bytes",
+        "HashSet<u64> per sub-cluster (computed)",
+        hashset_bytes_per_key(&projection),
+    ));
+    drop(projection);
+
+    eprintln!("bench ingest: global master cold start, checkpoint, warm start");
+    let (cold_seconds, master) = time_to_serving(&client, &cluster, false).await?;
+    printer.print(&BenchResult::new(
+        WORKLOAD,
+        "global master start to serving, replaying all",
+        events / cold_seconds,
+        "events/s",
+        "raw JetStream pull replay",
+        raw_rate,
+    ));
+    let started = Instant::now();
+    let checkpoint_bytes = master.checkpoint_now().await?;
+    let write_seconds = started.elapsed().as_secs_f64();
+    drop(master);
+    let (warm_seconds, master) = time_to_serving(&client, &cluster, true).await?;
+    anyhow::ensure!(
+        master.restored_from().is_some(),
+        "the restart did not find the checkpoint"
+    );
+    drop(master);
+    for result in [
+        BenchResult::new(
+            WORKLOAD,
+            "restart to serving from a checkpoint",
+            warm_seconds,
+            "s",
+            "restart replaying every stream",
+            cold_seconds,
+        ),
+        BenchResult::new(
+            WORKLOAD,
+            "checkpoint size per key",
+            checkpoint_bytes as f64 / keys as f64,
+            "bytes",
+            "none",
+            0.0,
+        ),
+        BenchResult::new(
+            WORKLOAD,
+            "checkpoint write",
+            write_seconds,
+            "s",
+            "none",
+            0.0,
+        ),
+    ] {
+        printer.print(&result);
+    }
+    Ok(())
+}
