@@ -2,7 +2,11 @@
 //! the global master, and the checksummed data path to nodes.
 
 pub mod error;
+pub mod kv;
+pub mod node;
 pub mod submaster;
 
 pub use error::{ClientError, ClientErrorKind};
+pub use kv::{Fetched, KvClient, KvError};
+pub use node::{NodeConfig, NodeError, NodeHandle};
 pub use submaster::{ClientConfig, ClientStats, SubmasterClient, MAX_BATCH};

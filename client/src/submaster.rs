@@ -115,6 +115,46 @@ impl SubmasterClient {
         &self.subcluster
     }
 
+    /// The cluster this client talks to.
+    pub fn cluster(&self) -> &ClusterId {
+        &self.cluster
+    }
+
+    /// One request to any subject, with this client's timeout and no retry; the
+    /// reply decoded as an [`RpcReply`] (used for global-master calls).
+    ///
+    /// # Errors
+    /// [`ClientError`] on timeout, transport failure or an undecodable reply.
+    pub async fn raw_request<Req: Serialize, Rep: DeserializeOwned>(
+        &self,
+        subject: String,
+        request: &Req,
+    ) -> Result<RpcReply<Rep>, ClientError> {
+        let op = "raw";
+        let body = rpc::encode(request).map_err(|e| ClientError::Codec {
+            op,
+            reason: e.to_string(),
+        })?;
+        let message = tokio::time::timeout(
+            self.config.request_timeout,
+            self.nats.request(subject, body.into()),
+        )
+        .await
+        .map_err(|_| ClientError::Timeout {
+            op,
+            ms: self.config.request_timeout.as_millis() as u64,
+        })?
+        .map_err(|e| ClientError::Unavailable {
+            op,
+            ms: 0,
+            last: e.to_string(),
+        })?;
+        rpc::decode(&message.payload).map_err(|e| ClientError::Codec {
+            op,
+            reason: e.to_string(),
+        })
+    }
+
     /// What the client went through so far.
     pub fn stats(&self) -> &ClientStats {
         &self.stats

@@ -1,0 +1,351 @@
+//! The data path: `put` = put_start → parallel writes to every placement → put_end
+//! with the value's xxh3-64 (revoke on failure); `get` = get_replica_list → read the
+//! nearest replica → verify the checksum, trying the next replica on a mismatch or a
+//! vanished node, and failing with a typed integrity error rather than ever
+//! returning wrong bytes. A key that is not in the local sub-cluster is looked up
+//! through the global master, which forwards to the owning sub-master.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::future::join_all;
+use hkvm_events::rpc::global::{GlobalOp, ProxyGetReplicaList, ProxyGetReplicaListReply};
+use hkvm_events::rpc::submaster::{
+    ItemError, ItemResult, PutEndItem, PutStartItem, ReplicaList, ReplicaLocation,
+};
+use hkvm_events::rpc::RpcReply;
+use hkvm_events::subject::global_rpc_subject;
+use hkvm_events::{value_checksum, SubclusterId};
+use hkvm_transfer::{ReadOp, Transport, WriteOp};
+
+use crate::error::ClientError;
+use crate::submaster::SubmasterClient;
+
+/// Why a put or get failed.
+#[derive(Debug, thiserror::Error)]
+pub enum KvError {
+    /// The metadata call failed.
+    #[error(transparent)]
+    Metadata(#[from] ClientError),
+    /// The sub-master refused this item.
+    #[error("{key}: {error}")]
+    Item {
+        /// The key.
+        key: String,
+        /// The sub-master's reason.
+        error: ItemError,
+    },
+    /// Writing a replica failed (the put was revoked).
+    #[error("{key}: writing a replica failed: {reason}")]
+    Write {
+        /// The key.
+        key: String,
+        /// The transfer error.
+        reason: String,
+    },
+    /// No replica returned bytes matching the recorded checksum.
+    #[error("{key}: no intact replica ({tried} tried): {last}")]
+    Integrity {
+        /// The key.
+        key: String,
+        /// Replicas tried.
+        tried: usize,
+        /// What went wrong with the last one.
+        last: String,
+    },
+    /// The key exists nowhere in the cluster.
+    #[error("{key}: not found")]
+    NotFound {
+        /// The key.
+        key: String,
+    },
+}
+
+/// Where a value was read from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fetched {
+    /// The value (verified against its checksum).
+    pub value: Bytes,
+    /// The sub-cluster that holds it.
+    pub subcluster: SubclusterId,
+    /// The replica it came from.
+    pub replica: ReplicaLocation,
+}
+
+/// A KV client of one sub-cluster (with cluster-wide reads through the global
+/// master). Cheap to clone.
+#[derive(Clone)]
+pub struct KvClient {
+    metadata: SubmasterClient,
+    transport: Arc<dyn Transport>,
+    /// This process's own node endpoint, read first when it holds a replica.
+    local_endpoint: Option<String>,
+}
+
+impl std::fmt::Debug for KvClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvClient")
+            .field("subcluster", self.metadata.subcluster())
+            .field("backend", &self.transport.backend())
+            .finish()
+    }
+}
+
+impl KvClient {
+    /// A client over `metadata` moving bytes with `transport`.
+    pub fn new(metadata: SubmasterClient, transport: Arc<dyn Transport>) -> Self {
+        Self {
+            metadata,
+            transport,
+            local_endpoint: None,
+        }
+    }
+
+    /// Prefer replicas on this endpoint (the caller's own node) when reading.
+    pub fn with_local_endpoint(mut self, endpoint: impl Into<String>) -> Self {
+        self.local_endpoint = Some(endpoint.into());
+        self
+    }
+
+    /// The metadata client.
+    pub fn metadata(&self) -> &SubmasterClient {
+        &self.metadata
+    }
+
+    /// Stores one value with `replicas` copies.
+    ///
+    /// # Errors
+    /// [`KvError`]; a failed put is revoked and leaves nothing visible.
+    pub async fn put(&self, key: &str, value: &[u8], replicas: u32) -> Result<(), KvError> {
+        let mut results = self.put_many(&[(key, value)], replicas).await?;
+        results.pop().unwrap_or(Ok(()))
+    }
+
+    /// Stores many values: one put_start, all writes in parallel, one put_end.
+    /// Returns one result per item, in order.
+    ///
+    /// # Errors
+    /// [`KvError::Metadata`] when the sub-master is unreachable as a whole.
+    pub async fn put_many(
+        &self,
+        items: &[(&str, &[u8])],
+        replicas: u32,
+    ) -> Result<Vec<Result<(), KvError>>, KvError> {
+        let starts = items
+            .iter()
+            .map(|(key, value)| PutStartItem {
+                key: (*key).to_owned(),
+                size: value.len() as u64,
+                replicas,
+                preferred_segment: None,
+                hard_pin: false,
+            })
+            .collect();
+        let placements = self.metadata.put_start(starts).await?;
+        let writes = items
+            .iter()
+            .zip(&placements)
+            .map(|((key, value), placement)| async move {
+                match placement {
+                    ItemResult::Err(error) => Err(KvError::Item {
+                        key: (*key).to_owned(),
+                        error: error.clone(),
+                    }),
+                    ItemResult::Ok(replicas) => self.write_replicas(key, value, replicas).await,
+                }
+            });
+        let written = join_all(writes).await;
+        let mut ends = Vec::new();
+        let mut revoke = Vec::new();
+        for ((key, value), result) in items.iter().zip(&written) {
+            match result {
+                Ok(()) => ends.push(PutEndItem {
+                    key: (*key).to_owned(),
+                    checksum: value_checksum(value),
+                }),
+                Err(KvError::Write { .. }) => revoke.push((*key).to_owned()),
+                Err(_) => {}
+            }
+        }
+        if !revoke.is_empty() {
+            // Best effort: the reservation also times out on its own.
+            let _ = self.metadata.put_revoke(revoke).await;
+        }
+        let ended_keys: Vec<String> = ends.iter().map(|e| e.key.clone()).collect();
+        let ended = match self.metadata.put_end(ends).await {
+            Ok(ended) => ended,
+            Err(error) => {
+                // The commit may or may not have happened: remove, so that a put that
+                // returned an error never stays visible.
+                let _ = self.metadata.remove(ended_keys, true).await;
+                return Err(error.into());
+            }
+        };
+        let mut ended = ended.into_iter();
+        Ok(items
+            .iter()
+            .zip(written)
+            .map(|((key, _), written)| {
+                written?;
+                match ended.next() {
+                    Some(ItemResult::Ok(())) => Ok(()),
+                    Some(ItemResult::Err(error)) => Err(KvError::Item {
+                        key: (*key).to_owned(),
+                        error,
+                    }),
+                    None => Err(KvError::Item {
+                        key: (*key).to_owned(),
+                        error: ItemError::NoPendingPut,
+                    }),
+                }
+            })
+            .collect())
+    }
+
+    async fn write_replicas(
+        &self,
+        key: &str,
+        value: &[u8],
+        replicas: &[ReplicaLocation],
+    ) -> Result<(), KvError> {
+        let writes = replicas.iter().map(|replica| async move {
+            let op = [WriteOp {
+                region: replica.segment.as_str(),
+                offset: replica.offset,
+                data: value,
+            }];
+            self.transport.write_batch(&replica.endpoint, &op).await
+        });
+        for result in join_all(writes).await {
+            result.map_err(|e| KvError::Write {
+                key: key.to_owned(),
+                reason: e.to_string(),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Reads one value, verified against its checksum; looks in other sub-clusters
+    /// through the global master when the local one does not have it.
+    ///
+    /// # Errors
+    /// [`KvError::NotFound`], [`KvError::Integrity`], or a metadata failure.
+    pub async fn get(&self, key: &str) -> Result<Fetched, KvError> {
+        let mut lists = self.metadata.get_replica_list(vec![key.to_owned()]).await?;
+        match lists.pop() {
+            Some(ItemResult::Ok(list)) => {
+                self.read_verified(key, self.metadata.subcluster().clone(), list)
+                    .await
+            }
+            Some(ItemResult::Err(ItemError::NotFound)) | None => self.get_elsewhere(key).await,
+            Some(ItemResult::Err(error)) => Err(KvError::Item {
+                key: key.to_owned(),
+                error,
+            }),
+        }
+    }
+
+    /// Asks the global master which sub-cluster holds `key` and reads it there.
+    async fn get_elsewhere(&self, key: &str) -> Result<Fetched, KvError> {
+        let request = ProxyGetReplicaList {
+            keys: vec![key.to_owned()],
+            labels: None,
+        };
+        let subject = global_rpc_subject(self.metadata.cluster(), GlobalOp::GetReplicaList.name());
+        let reply: ProxyGetReplicaListReply =
+            match self.metadata.raw_request(subject, &request).await {
+                Ok(RpcReply::Ok(reply)) => reply,
+                // No global master, or it has nothing: the key is nowhere we can see.
+                Ok(RpcReply::Err(_)) | Err(_) => {
+                    return Err(KvError::NotFound {
+                        key: key.to_owned(),
+                    })
+                }
+            };
+        match (
+            reply.from.into_iter().next().flatten(),
+            reply.items.into_iter().next(),
+        ) {
+            (Some(subcluster), Some(ItemResult::Ok(list))) => {
+                self.read_verified(key, subcluster, list).await
+            }
+            _ => Err(KvError::NotFound {
+                key: key.to_owned(),
+            }),
+        }
+    }
+
+    /// Reads replicas (local first) until one matches the checksum.
+    async fn read_verified(
+        &self,
+        key: &str,
+        subcluster: SubclusterId,
+        list: ReplicaList,
+    ) -> Result<Fetched, KvError> {
+        let mut replicas = list.replicas;
+        if let Some(local) = &self.local_endpoint {
+            replicas.sort_by_key(|r| r.endpoint != *local);
+        }
+        let mut last = "no replica listed".to_owned();
+        for replica in &replicas {
+            let op = [ReadOp {
+                region: replica.segment.as_str(),
+                offset: replica.offset,
+                len: list.size,
+            }];
+            match self.transport.read_batch(&replica.endpoint, &op).await {
+                Ok(mut values) => match values.pop() {
+                    Some(value) if value_checksum(&value) == list.checksum => {
+                        return Ok(Fetched {
+                            value,
+                            subcluster,
+                            replica: replica.clone(),
+                        })
+                    }
+                    Some(_) => {
+                        last = format!(
+                            "checksum mismatch at {}@{}",
+                            replica.segment, replica.offset
+                        );
+                        tracing::warn!(key, segment = %replica.segment, "replica failed its checksum; trying the next");
+                    }
+                    None => last = "empty read".to_owned(),
+                },
+                Err(error) => {
+                    last = format!("{}: {error}", replica.endpoint);
+                    tracing::warn!(key, endpoint = replica.endpoint, %error, "replica unreachable; trying the next");
+                }
+            }
+        }
+        Err(KvError::Integrity {
+            key: key.to_owned(),
+            tried: replicas.len(),
+            last,
+        })
+    }
+
+    /// Reads many values of the local sub-cluster (each verified), in order.
+    ///
+    /// # Errors
+    /// [`KvError::Metadata`] when the sub-master is unreachable as a whole.
+    pub async fn get_many(&self, keys: &[&str]) -> Result<Vec<Result<Fetched, KvError>>, KvError> {
+        let lists = self
+            .metadata
+            .get_replica_list(keys.iter().map(|k| (*k).to_owned()).collect())
+            .await?;
+        let reads = keys.iter().zip(lists).map(|(key, list)| async move {
+            match list {
+                ItemResult::Ok(list) => {
+                    self.read_verified(key, self.metadata.subcluster().clone(), list)
+                        .await
+                }
+                ItemResult::Err(ItemError::NotFound) => self.get_elsewhere(key).await,
+                ItemResult::Err(error) => Err(KvError::Item {
+                    key: (*key).to_owned(),
+                    error,
+                }),
+            }
+        });
+        Ok(join_all(reads).await)
+    }
+}

@@ -1,0 +1,188 @@
+//! A node ("real client"): owns one memory segment, serves it over the transport,
+//! mounts it with its sub-master, pings it, remounts when a new leader does not know
+//! it (Mooncake's NEED_REMOUNT), and unmounts on shutdown.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hkvm_events::rpc::submaster::{MountSegment, Ping, Remount, UnmountSegment};
+use hkvm_events::{NodeId, SegmentId};
+use hkvm_transfer::{RegionId, Segment, ServerHandle, TcpConfig, TcpTransport, Transport as _};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::error::ClientError;
+use crate::submaster::SubmasterClient;
+
+/// How a node runs.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// The node's id.
+    pub node: NodeId,
+    /// Its segment's id.
+    pub segment: SegmentId,
+    /// Segment size in bytes.
+    pub segment_size: u64,
+    /// Where the transfer server listens (`127.0.0.1:0` for an ephemeral port).
+    pub listen: SocketAddr,
+    /// The address peers use to reach it; the listen address when `None`.
+    pub advertise: Option<String>,
+    /// How often it pings the sub-master.
+    pub ping_interval: Duration,
+}
+
+impl NodeConfig {
+    /// A node named `node` with one segment of `segment_size` bytes on an
+    /// ephemeral loopback port.
+    ///
+    /// # Errors
+    /// When `<node>-seg` is not a valid segment id.
+    pub fn new(node: NodeId, segment_size: u64) -> Result<Self, hkvm_events::IdError> {
+        Ok(Self {
+            segment: SegmentId::new(format!("{node}-seg"))?,
+            node,
+            segment_size,
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise: None,
+            ping_interval: Duration::from_secs(1),
+        })
+    }
+}
+
+/// Why a node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// The segment or the transfer server could not be set up.
+    #[error("transfer: {0}")]
+    Transfer(#[from] hkvm_transfer::TransferError),
+    /// The sub-master refused the mount or was unreachable.
+    #[error("mount: {0}")]
+    Mount(#[from] ClientError),
+}
+
+/// A running node; [`NodeHandle::shutdown`] unmounts and stops it.
+pub struct NodeHandle {
+    endpoint: String,
+    segment: Arc<Segment>,
+    stop: watch::Sender<bool>,
+    pinger: JoinHandle<()>,
+    server: ServerHandle,
+    client: SubmasterClient,
+    config: NodeConfig,
+}
+
+impl std::fmt::Debug for NodeHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeHandle")
+            .field("node", &self.config.node)
+            .field("endpoint", &self.endpoint)
+            .finish()
+    }
+}
+
+fn mount_request(config: &NodeConfig, endpoint: &str) -> MountSegment {
+    MountSegment {
+        node: config.node.clone(),
+        segment: config.segment.clone(),
+        size: config.segment_size,
+        endpoint: endpoint.to_owned(),
+    }
+}
+
+impl NodeHandle {
+    /// Allocates the segment, serves it over TCP, mounts it and starts pinging.
+    ///
+    /// # Errors
+    /// [`NodeError`] when the segment, the listener or the mount fails.
+    pub async fn start(config: NodeConfig, client: SubmasterClient) -> Result<Self, NodeError> {
+        let segment =
+            Segment::allocate(RegionId::new(config.segment.as_str())?, config.segment_size)?;
+        let transport = TcpTransport::new(TcpConfig::default());
+        transport.register(Arc::clone(&segment))?;
+        let server = transport.bind(config.listen).await?;
+        let endpoint = config
+            .advertise
+            .clone()
+            .unwrap_or_else(|| server.local_addr().to_string());
+        client
+            .mount_segment(mount_request(&config, &endpoint))
+            .await?;
+        tracing::info!(node = %config.node, segment = %config.segment, size = config.segment_size, %endpoint, "node mounted its segment");
+        let (stop, mut stopped) = watch::channel(false);
+        let pinger = {
+            let (client, config, endpoint) = (client.clone(), config.clone(), endpoint.clone());
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(config.ping_interval);
+                loop {
+                    tokio::select! {
+                        _ = stopped.changed() => return,
+                        _ = tick.tick() => {}
+                    }
+                    match client
+                        .ping(Ping {
+                            node: config.node.clone(),
+                        })
+                        .await
+                    {
+                        Ok(reply) if reply.need_remount => {
+                            tracing::warn!(node = %config.node, epoch = reply.epoch, "the leader does not know this node: remounting");
+                            let remount = Remount {
+                                node: config.node.clone(),
+                                segments: vec![mount_request(&config, &endpoint)],
+                            };
+                            if let Err(error) = client.remount(remount).await {
+                                tracing::warn!(%error, "remount failed; will retry");
+                            }
+                        }
+                        Ok(_) => {}
+                        Err(error) => tracing::warn!(%error, "ping failed"),
+                    }
+                }
+            })
+        };
+        Ok(Self {
+            endpoint,
+            segment,
+            stop,
+            pinger,
+            server,
+            client,
+            config,
+        })
+    }
+
+    /// The endpoint peers reach this node at.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// The node's segment (for tests that inspect or corrupt its bytes).
+    pub fn segment(&self) -> &Arc<Segment> {
+        &self.segment
+    }
+
+    /// Unmounts the segment and stops serving.
+    ///
+    /// # Errors
+    /// When the unmount is refused or unreachable (the node stops anyway).
+    pub async fn shutdown(self) -> Result<(), ClientError> {
+        let _ = self.stop.send(true);
+        let _ = self.pinger.await;
+        let unmounted = self
+            .client
+            .unmount_segment(UnmountSegment {
+                node: self.config.node.clone(),
+                segment: self.config.segment.clone(),
+            })
+            .await;
+        self.server.shutdown().await;
+        unmounted
+    }
+
+    /// Stops abruptly, as a crash would: no unmount, the server goes away.
+    pub async fn kill(self) {
+        self.pinger.abort();
+        self.server.shutdown().await;
+    }
+}
