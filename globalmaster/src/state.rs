@@ -98,6 +98,10 @@ impl Shared {
             .positions()
             .values()
             .all(|p| p.caught_up || !p.gates_serving);
+        if all && self.replaying.load(Ordering::Acquire) {
+            // Growth by doubling leaves up to half of the index's vectors unused.
+            self.write().shrink_to_fit();
+        }
         if all && self.replaying.swap(false, Ordering::AcqRel) {
             tracing::info!(replica = %self.config.replica, "caught up: serving queries");
         }

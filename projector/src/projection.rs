@@ -239,6 +239,12 @@ impl Projection {
         bloom
     }
 
+    /// Returns the index's unused capacity to the allocator (after a replay, when
+    /// growth slows down).
+    pub fn shrink_to_fit(&mut self) {
+        self.index.shrink_to_fit();
+    }
+
     /// Index memory per distinct key, in bytes (0 when empty).
     pub fn bytes_per_key(&self) -> f64 {
         if self.index.is_empty() {

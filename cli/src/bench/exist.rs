@@ -56,7 +56,7 @@ async fn one_client(
             .call_once(GlobalOp::BatchIsExist, &BatchIsExist { keys, labels: None })
             .await?;
         latencies.push(started.elapsed());
-        anyhow::ensure!(reply.holders.len() == BATCH, "short reply");
+        anyhow::ensure!(reply.counts.len() == BATCH, "short reply");
     }
     Ok(latencies)
 }
