@@ -2,6 +2,7 @@
 //! in its own module; this file only parses arguments and dispatches.
 
 mod bench;
+mod data;
 mod globalmaster;
 mod local;
 mod locate;
@@ -43,6 +44,12 @@ enum Command {
     Rm(meta::RmArgs),
     /// A sub-master's summary, or where keys are.
     Stat(meta::StatArgs),
+    /// Run a node: contribute a memory segment and serve transfers.
+    Node(data::NodeArgs),
+    /// Store a file (or stdin) under a key.
+    Put(data::PutArgs),
+    /// Read a key's value (checksum-verified).
+    Get(data::GetArgs),
     /// Run a global-master replica: registry + projection + cluster-wide queries.
     Globalmaster(globalmaster::GlobalMasterArgs),
     /// Which sub-masters hold keys, cluster-wide (asks the global master).
@@ -67,6 +74,9 @@ async fn main() -> anyhow::Result<()> {
         Command::Exist(args) => meta::exist(args).await,
         Command::Rm(args) => meta::rm(args).await,
         Command::Stat(args) => meta::stat(args).await,
+        Command::Node(args) => data::node(args).await,
+        Command::Put(args) => data::put(args).await,
+        Command::Get(args) => data::get(args).await,
         Command::Globalmaster(args) => globalmaster::run(args).await,
         Command::Locate(args) => locate::run(args).await,
         Command::Status(args) => status::run(args).await,

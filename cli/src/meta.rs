@@ -17,7 +17,11 @@ pub struct SubclusterTarget {
 }
 
 impl SubclusterTarget {
-    async fn client(&self) -> anyhow::Result<SubmasterClient> {
+    /// A client of the sub-master.
+    ///
+    /// # Errors
+    /// When NATS is unreachable.
+    pub async fn client(&self) -> anyhow::Result<SubmasterClient> {
         let nats = self.target.connect().await?;
         Ok(SubmasterClient::new(
             nats,
