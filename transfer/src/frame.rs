@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! request:  magic u16 | version u8 | op u8 | id u64 | offset u64 | len u64
-//!           | payload xxh3 u64 | region len u8 | 0 0 0 | region | check u32
+//!           | payload xxh3 u64 | region len u8 | flags u8 | 0 0 | region | check u32
 //!           then `len` payload bytes for a write
 //! response: magic u16 | version u8 | status u8 | id u64 | len u64
 //!           | payload xxh3 u64 | check u32
@@ -32,6 +32,9 @@ pub const RESPONSE_LEN: usize = 32;
 pub const MAX_ERROR_MESSAGE: u64 = 4096;
 /// The response status of success.
 pub const STATUS_OK: u8 = 0;
+/// Request flag: the payload is checksummed (writes carry its xxh3-64, reads ask for
+/// it in the response).
+pub const FLAG_CHECKED: u8 = 1;
 
 /// What a request asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,8 +77,11 @@ pub struct Request<'a> {
     pub offset: u64,
     /// Length of the range.
     pub len: u64,
-    /// xxh3-64 of the payload (writes), zero for reads.
+    /// xxh3-64 of the payload (checked writes), zero otherwise.
     pub checksum: u64,
+    /// Whether the payload is checksummed: a checked write carries `checksum`, a
+    /// checked read is answered with the xxh3-64 of its data.
+    pub checked: bool,
 }
 
 fn check32(bytes: &[u8]) -> u32 {
@@ -120,7 +126,8 @@ impl Request<'_> {
         out.extend_from_slice(&self.offset.to_le_bytes());
         out.extend_from_slice(&self.len.to_le_bytes());
         out.extend_from_slice(&self.checksum.to_le_bytes());
-        out.extend_from_slice(&[region_len, 0, 0, 0]);
+        let flags = if self.checked { FLAG_CHECKED } else { 0 };
+        out.extend_from_slice(&[region_len, flags, 0, 0]);
         out.extend_from_slice(region);
         let check = check32(&out[start..]);
         out.extend_from_slice(&check.to_le_bytes());
@@ -161,10 +168,8 @@ pub fn decode_request(buf: &[u8]) -> Result<Request<'_>, TransferError> {
             what: "request header",
         });
     }
-    if buf[37..40] != [0, 0, 0] {
-        return Err(TransferError::Protocol(
-            "reserved request bytes are set".into(),
-        ));
+    if buf[37] & !FLAG_CHECKED != 0 || buf[38..40] != [0, 0] {
+        return Err(TransferError::Protocol("unknown request flags".into()));
     }
     let region = std::str::from_utf8(&buf[REQUEST_FIXED_LEN..end])
         .map_err(|_| TransferError::Protocol("region id is not UTF-8".into()))?;
@@ -175,6 +180,7 @@ pub fn decode_request(buf: &[u8]) -> Result<Request<'_>, TransferError> {
         offset: u64_at(buf, 12),
         len: u64_at(buf, 20),
         checksum: u64_at(buf, 28),
+        checked: buf[37] & FLAG_CHECKED != 0,
     })
 }
 
@@ -262,6 +268,7 @@ mod tests {
             offset: 1 << 40,
             len: 65536,
             checksum: 0xdead_beef,
+            checked: true,
         }
         .encode(&mut out)
         .unwrap();
@@ -284,6 +291,7 @@ mod tests {
         assert_eq!(request.offset, 1 << 40);
         assert_eq!(request.len, 65536);
         assert_eq!(request.checksum, 0xdead_beef);
+        assert!(request.checked);
     }
 
     #[test]
@@ -327,6 +335,7 @@ mod tests {
             offset: 0,
             len: 1,
             checksum: 0,
+            checked: false,
         };
         assert_eq!(
             request.encode(&mut out).unwrap_err().kind(),

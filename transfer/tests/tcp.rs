@@ -437,6 +437,7 @@ async fn the_server_refuses_corrupted_frames() {
         offset: 0,
         len: 1000,
         checksum: xxh3_64(&payload) ^ 1,
+        checked: true,
     };
     let response = raw_request(&mut socket, request, &payload, None).await;
     assert_eq!(
@@ -450,6 +451,7 @@ async fn the_server_refuses_corrupted_frames() {
         offset: 0,
         len: 1000,
         checksum: xxh3_64(&payload),
+        checked: true,
     };
     let response = raw_request(&mut socket, request, &payload, None).await;
     assert_eq!((response.id, response.status), (2, frame::STATUS_OK));
@@ -462,6 +464,7 @@ async fn the_server_refuses_corrupted_frames() {
         offset: 0,
         len: 1000,
         checksum: xxh3_64(&payload),
+        checked: true,
     };
     let response = raw_request(&mut socket, request, &[7u8; 1000], Some(12)).await;
     assert_eq!(ErrorKind::from_code(response.status), ErrorKind::Corrupt);
@@ -483,6 +486,45 @@ async fn the_server_refuses_corrupted_frames() {
         .read_at(1 << 12, &mut check)
         .unwrap();
     assert!(check.iter().all(|&b| b == 0));
+}
+
+#[tokio::test]
+async fn payload_checksums_can_be_left_to_the_caller() {
+    let (node, _server, endpoint) = node(1 << 20, TcpConfig::default()).await;
+    let client = TcpTransport::new(TcpConfig {
+        payload_checksums: false,
+        ..TcpConfig::default()
+    });
+    let value = pattern(300_000, 9);
+    client
+        .write_batch(&endpoint, &[write_op(100, &value)])
+        .await
+        .unwrap();
+    let read = client
+        .read_batch(&endpoint, &[read_op(100, value.len() as u64)])
+        .await
+        .unwrap();
+    assert!(read[0] == value);
+    // An unchecked write is not verified by the node; its header still is.
+    let mut socket = tokio::net::TcpStream::connect(&endpoint).await.unwrap();
+    let request = Request {
+        op: Op::Write,
+        id: 4,
+        region: "seg",
+        offset: 0,
+        len: 3,
+        checksum: 0,
+        checked: false,
+    };
+    let response = raw_request(&mut socket, request, b"abc", None).await;
+    assert_eq!(response.status, frame::STATUS_OK);
+    let mut check = [0u8; 3];
+    node.regions()
+        .get("seg")
+        .unwrap()
+        .read_at(0, &mut check)
+        .unwrap();
+    assert_eq!(&check, b"abc");
 }
 
 #[tokio::test]

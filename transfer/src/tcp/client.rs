@@ -168,7 +168,11 @@ impl Pool {
         if batch.len() == 0 {
             return Ok(());
         }
-        let headers = encode_requests(&batch, self.config.max_op_bytes)?;
+        let headers = encode_requests(
+            &batch,
+            self.config.max_op_bytes,
+            self.config.payload_checksums,
+        )?;
         let deadline = self.config.request_timeout;
         let attempt = async {
             let mut fresh = false;
@@ -204,12 +208,18 @@ impl Pool {
 struct Headers {
     bytes: Vec<u8>,
     ends: Vec<usize>,
+    checked: bool,
 }
 
-fn encode_requests(batch: &Batch<'_, '_>, max: u64) -> Result<Headers, TransferError> {
+fn encode_requests(
+    batch: &Batch<'_, '_>,
+    max: u64,
+    checked: bool,
+) -> Result<Headers, TransferError> {
     let mut headers = Headers {
         bytes: Vec::with_capacity(batch.len() * 64),
         ends: Vec::with_capacity(batch.len()),
+        checked,
     };
     let mut push = |op: Op, region: &str, offset: u64, len: u64, checksum: u64| {
         if len > max {
@@ -227,6 +237,7 @@ fn encode_requests(batch: &Batch<'_, '_>, max: u64) -> Result<Headers, TransferE
             offset,
             len,
             checksum,
+            checked,
         }
         .encode(&mut headers.bytes)?;
         headers.ends.push(headers.bytes.len());
@@ -235,12 +246,13 @@ fn encode_requests(batch: &Batch<'_, '_>, max: u64) -> Result<Headers, TransferE
     match batch {
         Batch::Write(ops) => {
             for op in ops.iter() {
+                let checksum = if checked { xxh3_64(op.data) } else { 0 };
                 push(
                     Op::Write,
                     op.region,
                     op.offset,
                     op.data.len() as u64,
-                    xxh3_64(op.data),
+                    checksum,
                 )?;
             }
         }
@@ -303,7 +315,9 @@ async fn exchange(
         for index in 0..count {
             let expected = first_id.wrapping_add(index as u64) % CONNECTION_ERROR_ID;
             let buf = reads.as_mut().map(|ops| &mut *ops[index].buf);
-            if let Some(error) = receive_one(&mut reader, endpoint, index, expected, buf).await? {
+            if let Some(error) =
+                receive_one(&mut reader, endpoint, index, expected, buf, headers.checked).await?
+            {
                 first_error.get_or_insert(error);
             }
         }
@@ -329,6 +343,7 @@ async fn receive_one<R: tokio::io::AsyncRead + Unpin>(
     index: usize,
     expected: u64,
     buf: Option<&mut [u8]>,
+    checked: bool,
 ) -> Result<Option<TransferError>, TransferError> {
     let mut raw = [0u8; RESPONSE_LEN];
     reader
@@ -381,7 +396,7 @@ async fn receive_one<R: tokio::io::AsyncRead + Unpin>(
             .read_exact(buf)
             .await
             .map_err(|source| disconnected(endpoint, source))?;
-        if xxh3_64(buf) != response.checksum {
+        if checked && xxh3_64(buf) != response.checksum {
             return Ok(Some(TransferError::Corrupt {
                 what: "read payload",
             }));

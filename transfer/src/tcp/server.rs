@@ -192,7 +192,7 @@ async fn serve_connection(
                     request.region,
                     request.offset,
                     request.len,
-                    request.checksum,
+                    request.checked.then_some(request.checksum),
                 )
                 .await
                 {
@@ -247,7 +247,7 @@ async fn serve_write(
     region: &str,
     offset: u64,
     len: u64,
-    checksum: u64,
+    checksum: Option<u64>,
 ) -> Result<(), TransferError> {
     let io = |source| TransferError::Io {
         what: "receiving a write",
@@ -268,7 +268,7 @@ async fn serve_write(
     // region module).
     let dest = unsafe { segment.range_mut(offset, len)? };
     conn.reader.read_exact(dest).await.map_err(io)?;
-    if xxh3_64(dest) != checksum {
+    if checksum.is_some_and(|checksum| xxh3_64(dest) != checksum) {
         return Err(TransferError::Corrupt {
             what: "write payload",
         });
@@ -289,7 +289,8 @@ async fn serve_read(
     // SAFETY: checked by `range`; no concurrent writer of an overlapping range, as
     // for writes above.
     let source = unsafe { segment.range(request.offset, request.len)? };
-    let response = Response::ok(request.id, request.len, xxh3_64(source));
+    let checksum = if request.checked { xxh3_64(source) } else { 0 };
+    let response = Response::ok(request.id, request.len, checksum);
     // Larger than the buffer: `BufWriter` hands the slice to the socket directly.
     conn.reply(response, source)
         .await
