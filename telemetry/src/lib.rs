@@ -80,7 +80,11 @@ async fn answer(mut stream: TcpStream, registry: &Registry) -> std::io::Result<(
                 "application/openmetrics-text; version=1.0.0; charset=utf-8",
                 body,
             ),
-            Err(_) => ("500 Internal Server Error", "text/plain", "encoding failed\n".to_owned()),
+            Err(_) => (
+                "500 Internal Server Error",
+                "text/plain",
+                "encoding failed\n".to_owned(),
+            ),
         }
     } else {
         ("404 Not Found", "text/plain", "try /metrics\n".to_owned())
