@@ -7,6 +7,7 @@
 
 use crate::error::TransferError;
 use crate::region::check_range;
+use crate::transport::{ReadInto, WriteOp};
 
 use super::exchange::RemoteRegion;
 
@@ -19,6 +20,26 @@ pub struct PlanOp<'a> {
     pub offset: u64,
     /// How many bytes.
     pub len: u64,
+}
+
+impl<'a> From<&WriteOp<'a>> for PlanOp<'a> {
+    fn from(op: &WriteOp<'a>) -> Self {
+        Self {
+            region: op.region,
+            offset: op.offset,
+            len: op.data.len() as u64,
+        }
+    }
+}
+
+impl<'a> From<&ReadInto<'a>> for PlanOp<'a> {
+    fn from(op: &ReadInto<'a>) -> Self {
+        Self {
+            region: op.region,
+            offset: op.offset,
+            len: op.buf.len() as u64,
+        }
+    }
 }
 
 /// The limits a plan respects.

@@ -333,14 +333,7 @@ impl RdmaTransport {
     }
 
     async fn write(&self, endpoint: &str, ops: &[WriteOp<'_>]) -> Result<(), TransferError> {
-        let planned: Vec<PlanOp<'_>> = ops
-            .iter()
-            .map(|op| PlanOp {
-                region: op.region,
-                offset: op.offset,
-                len: op.data.len() as u64,
-            })
-            .collect();
+        let planned: Vec<PlanOp<'_>> = ops.iter().map(PlanOp::from).collect();
         let (peer, rounds) = self.prepare(endpoint, &planned).await?;
         let staging = self.inner.staging.lock().await;
         for round in &rounds {
@@ -357,14 +350,7 @@ impl RdmaTransport {
     }
 
     async fn read(&self, endpoint: &str, ops: &mut [ReadInto<'_>]) -> Result<(), TransferError> {
-        let planned: Vec<PlanOp<'_>> = ops
-            .iter()
-            .map(|op| PlanOp {
-                region: op.region,
-                offset: op.offset,
-                len: op.buf.len() as u64,
-            })
-            .collect();
+        let planned: Vec<PlanOp<'_>> = ops.iter().map(PlanOp::from).collect();
         let (peer, rounds) = self.prepare(endpoint, &planned).await?;
         drop(planned);
         let staging = self.inner.staging.lock().await;
