@@ -51,7 +51,7 @@ impl Default for GlobalMasterConfig {
             registry_ttl_ms: 10_000,
             static_sources: Vec::new(),
             read_batch_messages: 256,
-            read_batch_bytes: 16 << 20,
+            read_batch_bytes: 1 << 20,
             checkpoint_interval_ms: 60_000,
             restore_checkpoint: true,
             bloom_interval_ms: 30_000,

@@ -113,8 +113,10 @@ pub fn batch_is_exist(
     }
     let mut counts = Vec::with_capacity(keys.len());
     let mut flat = Vec::with_capacity(keys.len());
-    for key in keys {
-        let holders = projection.index().holders(key_hash(key.as_ref()));
+    let hashes: Vec<u64> = keys.iter().map(|key| key_hash(key.as_ref())).collect();
+    let mut found = Vec::with_capacity(keys.len());
+    projection.index().holders_many(&hashes, &mut found);
+    for holders in found {
         let before = flat.len();
         if !holders.is_empty() {
             // Preferred sources first, each group in source order.

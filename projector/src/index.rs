@@ -2,16 +2,17 @@
 //! the key, in about 20 bytes per key.
 //!
 //! Every distinct hash gets a dense `u32` id. Per id the index keeps the hash
-//! (8 B) and a 32-bit source mask (4 B); a `hashbrown::HashTable<u32>` of ids keyed
-//! by hash finds the id (about 5-9 B per key at its load factor). Sources 0..31 are
+//! (8 B) and a 32-bit source mask (4 B); an open-addressing table of ids keyed by
+//! hash finds the id (4 B per slot, 5-10 B per key at its load factor). Sources 0..31 are
 //! bits of the mask; bit 31 means "some source with index 31 or more holds it" and
 //! the per-source roaring bitmaps say which. Each source also has a roaring bitmap
 //! of the ids it holds (about 2 B per key and source): counts, set algebra (diffs
 //! between sub-clusters or pools) and bloom filters come from those. An id whose
 //! mask drops to zero is freed and reused.
 
-use hashbrown::HashTable;
 use roaring::RoaringBitmap;
+
+use crate::table::IdTable;
 
 /// The mask bit meaning "held by some source at index [`OVERFLOW_BIT`] or more".
 pub const OVERFLOW_BIT: usize = 31;
@@ -25,7 +26,7 @@ const FREE: u32 = 0;
 pub struct KeyIndex {
     hashes: Vec<u64>,
     masks: Vec<u32>,
-    table: HashTable<u32>,
+    table: IdTable,
     free: Vec<u32>,
     bitmaps: Vec<RoaringBitmap>,
     dropped: u64,
@@ -95,10 +96,7 @@ impl KeyIndex {
     }
 
     fn find(&self, hash: u64) -> Option<u32> {
-        let hashes = &self.hashes;
-        self.table
-            .find(hash, |&id| hashes[id as usize] == hash)
-            .copied()
+        self.table.find(hash, &self.hashes)
     }
 
     fn bitmap_mut(&mut self, source: usize) -> &mut RoaringBitmap {
@@ -121,9 +119,7 @@ impl KeyIndex {
                 id
             }
         };
-        let hashes = &self.hashes;
-        self.table
-            .insert_unique(hash, id, |&id| hashes[id as usize]);
+        self.table.insert(id, &self.hashes);
         Some(id)
     }
 
@@ -169,9 +165,7 @@ impl KeyIndex {
         }
         if *mask == FREE {
             let hash = self.hashes[id as usize];
-            if let Ok(entry) = self.table.find_entry(hash, |&other| other == id) {
-                entry.remove();
-            }
+            self.table.remove(hash, &self.hashes);
             self.free.push(id);
         }
     }
@@ -199,6 +193,23 @@ impl KeyIndex {
         }
     }
 
+    /// The holders of many keys at once: `out[i]` for `hashes[i]`. Faster than one
+    /// [`KeyIndex::holders`] call per key on a large index, because the memory
+    /// loads of several keys overlap.
+    pub fn holders_many<'a>(&'a self, hashes: &[u64], out: &mut Vec<Holders<'a>>) {
+        let mut ids = Vec::with_capacity(hashes.len());
+        self.table.find_many(hashes, &self.hashes, &mut ids);
+        out.clear();
+        out.extend(ids.into_iter().map(|id| {
+            let mask = self.masks.get(id as usize).copied().unwrap_or(0);
+            Holders {
+                mask,
+                id,
+                index: self,
+            }
+        }));
+    }
+
     /// Distinct keys held by at least one source.
     pub fn len(&self) -> usize {
         self.table.len()
@@ -206,7 +217,7 @@ impl KeyIndex {
 
     /// Whether no key is held.
     pub fn is_empty(&self) -> bool {
-        self.table.is_empty()
+        self.table.len() == 0
     }
 
     /// Keys held by `source`.
@@ -248,8 +259,7 @@ impl KeyIndex {
         self.hashes.shrink_to_fit();
         self.masks.shrink_to_fit();
         self.free.shrink_to_fit();
-        let hashes = &self.hashes;
-        self.table.shrink_to_fit(|&id| hashes[id as usize]);
+        self.table.shrink_to_fit(&self.hashes);
     }
 
     /// The raw parts, for checkpoints: hashes, masks, free ids, bitmaps.
@@ -277,10 +287,13 @@ impl KeyIndex {
             return Err("an id is out of range".to_owned());
         }
         let live = masks.iter().filter(|&&m| m != FREE).count();
-        let mut table = HashTable::with_capacity(live);
-        for (id, (&hash, &mask)) in hashes.iter().zip(&masks).enumerate() {
+        let mut table = IdTable::with_capacity(live);
+        for (id, &mask) in masks.iter().enumerate() {
             if mask != FREE {
-                table.insert_unique(hash, id as u32, |&id| hashes[id as usize]);
+                if table.find(hashes[id], &hashes).is_some() {
+                    return Err("a hash appears twice".to_owned());
+                }
+                table.insert(id as u32, &hashes);
             }
         }
         let index = Self {

@@ -10,6 +10,7 @@ pub mod checkpoint;
 mod error;
 pub mod index;
 mod projection;
+mod table;
 
 pub use error::{ProjectorError, ProjectorErrorKind};
 pub use index::{Holders, KeyIndex};
