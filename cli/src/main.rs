@@ -4,6 +4,7 @@
 mod bench;
 mod data;
 mod globalmaster;
+mod loadgen;
 mod local;
 mod locate;
 mod logging;
@@ -56,6 +57,9 @@ enum Command {
     Locate(locate::LocateArgs),
     /// The registry (sub-masters, labels, liveness, usage) and the global master's lag.
     Status(status::StatusArgs),
+    /// Drive puts, gets or global queries for a while and print one JSON line per
+    /// result (for integration and chaos tests).
+    Loadgen(loadgen::LoadgenArgs),
 }
 
 /// Counts allocations so that benchmarks can report allocations per event.
@@ -80,5 +84,6 @@ async fn main() -> anyhow::Result<()> {
         Command::Globalmaster(args) => globalmaster::run(args).await,
         Command::Locate(args) => locate::run(args).await,
         Command::Status(args) => status::run(args).await,
+        Command::Loadgen(args) => loadgen::run(args).await,
     }
 }

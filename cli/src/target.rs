@@ -25,9 +25,16 @@ impl Target {
     /// # Errors
     /// When no server accepts the connection.
     pub async fn connect(&self) -> anyhow::Result<async_nats::Client> {
+        // A plain string is parsed as one URL; a list must be split first.
+        let servers = self
+            .nats_url
+            .split(',')
+            .map(|url| url.trim().parse::<async_nats::ServerAddr>())
+            .collect::<Result<Vec<_>, _>>()
+            .with_context(|| format!("parsing the NATS URLs {}", self.nats_url))?;
         async_nats::ConnectOptions::new()
             .name("hkvm-cli")
-            .connect(self.nats_url.as_str())
+            .connect(servers)
             .await
             .with_context(|| format!("connecting to NATS at {}", self.nats_url))
     }

@@ -1,0 +1,339 @@
+//! `hkvm loadgen`: a load generator that runs next to the nodes (inside the cluster
+//! network), drives puts, gets and `batch_is_exist` through the client library for a
+//! while, and prints one JSON line per result on stdout, so that a test can assert on
+//! data: which puts were acknowledged (with the value's checksum), which failed or
+//! were revoked on purpose, what reads returned, how often the sub-master was busy.
+//!
+//! Values are a pure function of their key ([`value_for`]), so a verifier needs only
+//! the list of keys to check that every byte came back.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context as _;
+use hkvm_client::{ClientConfig, KvClient, KvError, SubmasterClient};
+use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp};
+use hkvm_events::rpc::submaster::{ItemResult, PutStartItem};
+use hkvm_events::value_checksum;
+use hkvm_globalmaster::GlobalClient;
+use hkvm_transfer::TcpTransport;
+use serde_json::json;
+
+use crate::meta::SubclusterTarget;
+
+/// What the load generator does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// Concurrent writers put keys `<prefix>-<writer>-<n>`; every tenth one is
+    /// started and then revoked on purpose. One `ack`, `failed` or `revoked` line
+    /// per key, then a `summary` line.
+    Put,
+    /// Reads every key of `--keys-file` and compares it with [`value_for`]; one
+    /// `verify` line with the keys missing or wrong, and checks that no key of
+    /// `--absent-file` exists.
+    Verify,
+    /// Concurrent `batch_is_exist` queries of the keys of `--keys-file` against the
+    /// global master; every key must be reported held. One `query` summary line.
+    Query,
+}
+
+/// Options of `hkvm loadgen`.
+#[derive(Debug, clap::Args)]
+pub struct LoadgenArgs {
+    #[command(flatten)]
+    pub at: SubclusterTarget,
+    /// What to do.
+    #[arg(long, value_enum, default_value_t = Mode::Put)]
+    pub mode: Mode,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 8)]
+    pub clients: usize,
+    /// How long to run (`put` and `query`).
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "5s")]
+    pub duration: Duration,
+    /// Value size in bytes.
+    #[arg(long, default_value_t = 4096)]
+    pub value_size: usize,
+    /// Replicas per put.
+    #[arg(long, default_value_t = 2)]
+    pub replicas: u32,
+    /// Key prefix of the puts.
+    #[arg(long, default_value = "lg")]
+    pub prefix: String,
+    /// Keys to verify or query, one a line.
+    #[arg(long)]
+    pub keys_file: Option<PathBuf>,
+    /// Keys that must not exist (`verify`), one a line.
+    #[arg(long)]
+    pub absent_file: Option<PathBuf>,
+    /// How long one client call keeps retrying `Busy` or a missing leader.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
+    pub retry_deadline: Duration,
+}
+
+/// The value stored under `key`: `size` bytes from a generator seeded by the key's
+/// xxh3-64, so that any reader can recompute it.
+pub fn value_for(key: &str, size: usize) -> Vec<u8> {
+    let mut state = value_checksum(key.as_bytes()) | 1;
+    (0..size)
+        .map(|_| {
+            // xorshift64: cheap, deterministic, and not constant across positions.
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state.to_le_bytes()[0]
+        })
+        .collect()
+}
+
+fn now_ms() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+}
+
+fn read_keys(path: Option<&PathBuf>) -> anyhow::Result<Vec<String>> {
+    let Some(path) = path else {
+        return Ok(Vec::new());
+    };
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(str::to_owned)
+        .collect())
+}
+
+/// Runs the load generator.
+///
+/// # Errors
+/// When NATS is unreachable or a key file cannot be read.
+pub async fn run(args: LoadgenArgs) -> anyhow::Result<()> {
+    let nats = args.at.target.connect().await?;
+    let metadata = SubmasterClient::with_config(
+        nats.clone(),
+        args.at.target.cluster.clone(),
+        args.at.subcluster.clone(),
+        ClientConfig {
+            retry_deadline: args.retry_deadline,
+            ..ClientConfig::default()
+        },
+    );
+    let kv = KvClient::new(metadata.clone(), Arc::new(TcpTransport::default()));
+    match args.mode {
+        Mode::Put => put(&args, kv).await,
+        Mode::Verify => verify(&args, kv).await,
+        Mode::Query => {
+            query(
+                &args,
+                GlobalClient::new(nats, args.at.target.cluster.clone()),
+            )
+            .await
+        }
+    }
+}
+
+/// What one writer saw.
+#[derive(Default)]
+struct WriterTally {
+    acked: u64,
+    failed: u64,
+    revoked: u64,
+    latencies_us: Vec<u64>,
+}
+
+async fn put(args: &LoadgenArgs, kv: KvClient) -> anyhow::Result<()> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = (0..args.clients)
+        .map(|writer| {
+            let (kv, stop) = (kv.clone(), stop.clone());
+            let (prefix, size, replicas) = (args.prefix.clone(), args.value_size, args.replicas);
+            tokio::spawn(async move {
+                let mut tally = WriterTally::default();
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let key = format!("{prefix}-{writer}-{n}");
+                    n += 1;
+                    if n % 10 == 0 {
+                        revoke_one(&kv, &key, size as u64, replicas, &mut tally).await;
+                        continue;
+                    }
+                    let value = value_for(&key, size);
+                    let started = Instant::now();
+                    match kv.put(&key, &value, replicas).await {
+                        Ok(()) => {
+                            tally.acked += 1;
+                            let micros = u64::try_from(started.elapsed().as_micros());
+                            tally.latencies_us.push(micros.unwrap_or(u64::MAX));
+                            println!(
+                                "{}",
+                                json!({"type": "ack", "key": key, "checksum": value_checksum(&value), "t": now_ms()})
+                            );
+                        }
+                        Err(error) => {
+                            tally.failed += 1;
+                            println!(
+                                "{}",
+                                json!({"type": "failed", "key": key, "error": error.to_string(), "t": now_ms()})
+                            );
+                        }
+                    }
+                }
+                tally
+            })
+        })
+        .collect();
+    tokio::time::sleep(args.duration).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut total = WriterTally::default();
+    for writer in writers {
+        let tally = writer.await.context("a writer panicked")?;
+        total.acked += tally.acked;
+        total.failed += tally.failed;
+        total.revoked += tally.revoked;
+        total.latencies_us.extend(tally.latencies_us);
+    }
+    total.latencies_us.sort_unstable();
+    let percentile = |p: usize| {
+        total
+            .latencies_us
+            .get(total.latencies_us.len().saturating_sub(1) * p / 100)
+            .copied()
+            .unwrap_or(0)
+    };
+    let stats = kv.metadata().stats();
+    println!(
+        "{}",
+        json!({
+            "type": "summary", "acked": total.acked, "failed": total.failed,
+            "revoked": total.revoked, "p50_us": percentile(50), "p99_us": percentile(99),
+            "max_us": percentile(100), "busy": stats.busy.load(Ordering::Relaxed),
+            "leader_waits": stats.leader_waits.load(Ordering::Relaxed),
+        })
+    );
+    Ok(())
+}
+
+/// Starts a put and revokes it: the key must never become visible.
+async fn revoke_one(kv: &KvClient, key: &str, size: u64, replicas: u32, tally: &mut WriterTally) {
+    let start = PutStartItem {
+        key: key.to_owned(),
+        size,
+        replicas,
+        preferred_segment: None,
+        hard_pin: false,
+    };
+    let started = kv.metadata().put_start(vec![start]).await;
+    if !matches!(started.as_deref(), Ok([ItemResult::Ok(_)])) {
+        return;
+    }
+    if kv.metadata().put_revoke(vec![key.to_owned()]).await.is_ok() {
+        tally.revoked += 1;
+        println!("{}", json!({"type": "revoked", "key": key, "t": now_ms()}));
+    }
+}
+
+async fn verify(args: &LoadgenArgs, kv: KvClient) -> anyhow::Result<()> {
+    let keys = read_keys(args.keys_file.as_ref())?;
+    let absent = read_keys(args.absent_file.as_ref())?;
+    let (mut ok, mut missing, mut corrupt, mut errors) = (0u64, Vec::new(), Vec::new(), Vec::new());
+    for chunk in keys.chunks(256) {
+        let refs: Vec<&str> = chunk.iter().map(String::as_str).collect();
+        let fetched = kv.get_many(&refs).await?;
+        for (key, result) in chunk.iter().zip(fetched) {
+            match result {
+                Ok(fetched) if fetched.value[..] == value_for(key, fetched.value.len())[..] => {
+                    ok += 1;
+                }
+                Ok(_) => corrupt.push(key.clone()),
+                Err(KvError::NotFound { .. }) => missing.push(key.clone()),
+                Err(error) => errors.push(format!("{key}: {error}")),
+            }
+        }
+    }
+    let mut appeared = Vec::new();
+    for chunk in absent.chunks(1024) {
+        let present = kv.metadata().exist(chunk.to_vec()).await?;
+        appeared.extend(
+            chunk
+                .iter()
+                .zip(present)
+                .filter(|(_, p)| *p)
+                .map(|(k, _)| k.clone()),
+        );
+    }
+    println!(
+        "{}",
+        json!({
+            "type": "verify", "ok": ok, "missing": missing, "corrupt": corrupt,
+            "errors": errors, "appeared": appeared,
+        })
+    );
+    Ok(())
+}
+
+async fn query(args: &LoadgenArgs, global: GlobalClient) -> anyhow::Result<()> {
+    let keys = Arc::new(read_keys(args.keys_file.as_ref())?);
+    let stop = Arc::new(AtomicBool::new(false));
+    let queriers: Vec<_> = (0..args.clients)
+        .map(|_| {
+            let (global, keys, stop) = (global.clone(), keys.clone(), stop.clone());
+            tokio::spawn(async move {
+                let (mut ok, mut failed, mut unheld, mut max_us) = (0u64, Vec::new(), 0u64, 0u64);
+                while !stop.load(Ordering::Relaxed) {
+                    let request = BatchIsExist {
+                        keys: keys.to_vec(),
+                        labels: None,
+                    };
+                    let started = Instant::now();
+                    let reply: Result<BatchIsExistReply, _> =
+                        global.call(GlobalOp::BatchIsExist, &request).await;
+                    let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+                    max_us = max_us.max(micros);
+                    match reply {
+                        Ok(reply) => {
+                            ok += 1;
+                            unheld += reply.counts.iter().filter(|c| **c == 0).count() as u64;
+                        }
+                        Err(error) => failed.push(error.to_string()),
+                    }
+                }
+                (ok, failed, unheld, max_us)
+            })
+        })
+        .collect();
+    tokio::time::sleep(args.duration).await;
+    stop.store(true, Ordering::Relaxed);
+    let (mut ok, mut failed, mut unheld, mut max_us) = (0u64, Vec::new(), 0u64, 0u64);
+    for querier in queriers {
+        let (o, f, u, m) = querier.await.context("a querier panicked")?;
+        ok += o;
+        failed.extend(f);
+        unheld += u;
+        max_us = max_us.max(m);
+    }
+    println!(
+        "{}",
+        json!({"type": "query", "ok": ok, "failed": failed, "unheld": unheld, "max_us": max_us})
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::value_for;
+
+    #[test]
+    fn values_are_a_function_of_the_key() {
+        assert_eq!(value_for("a", 64), value_for("a", 64));
+        assert_ne!(value_for("a", 64), value_for("b", 64));
+        assert_eq!(value_for("a", 10)[..], value_for("a", 64)[..10]);
+        assert!(value_for("a", 64)
+            .iter()
+            .any(|b| *b != value_for("a", 64)[0]));
+    }
+}

@@ -1,0 +1,68 @@
+//! What production does to containers that testcontainers has no verb for: SIGKILL,
+//! cutting a container off its network and healing it, and reading its memory use.
+//! Each is one `docker` CLI call against the same engine testcontainers uses.
+
+use tokio::process::Command;
+
+use crate::topology::Container;
+
+async fn docker(args: &[&str]) -> String {
+    let output = Command::new("docker").args(args).output().await.unwrap();
+    assert!(
+        output.status.success(),
+        "docker {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// SIGKILL of the container's main process (no clean shutdown, no lease handover).
+pub async fn kill(container: &Container) {
+    docker(&["kill", "--signal", "KILL", container.id()]).await;
+}
+
+/// Disconnects the container from `network`: its peers and NATS stop hearing it.
+pub async fn disconnect(container: &Container, network: &str) {
+    docker(&["network", "disconnect", "--force", network, container.id()]).await;
+}
+
+/// Reconnects the container to `network`.
+pub async fn connect(container: &Container, network: &str) {
+    docker(&["network", "connect", network, container.id()]).await;
+}
+
+/// The container's current memory use in bytes (the engine's cgroup accounting).
+pub async fn memory_bytes(container: &Container) -> Option<u64> {
+    let text = docker(&[
+        "stats",
+        "--no-stream",
+        "--format",
+        "{{.MemUsage}}",
+        container.id(),
+    ])
+    .await;
+    parse_mem_usage(&text)
+}
+
+/// Parses the used part of `docker stats`' `MemUsage` (`"12.5MiB / 23.4GiB"`).
+fn parse_mem_usage(text: &str) -> Option<u64> {
+    let used = text.split('/').next()?.trim();
+    let split = used.find(|c: char| c.is_ascii_alphabetic())?;
+    let (number, unit) = used.split_at(split);
+    let number: f64 = number.trim().parse().ok()?;
+    let scale = match unit {
+        "B" => 1.0,
+        "KiB" | "kB" => 1024.0,
+        "MiB" | "MB" => 1024.0 * 1024.0,
+        "GiB" | "GB" => 1024.0 * 1024.0 * 1024.0,
+        _ => return None,
+    };
+    Some((number * scale) as u64)
+}
+
+#[test]
+fn docker_memory_usage_parses() {
+    assert_eq!(parse_mem_usage("1.5KiB / 2GiB"), Some(1536));
+    assert_eq!(parse_mem_usage("12MiB / 23.4GiB\n"), Some(12 << 20));
+    assert_eq!(parse_mem_usage("--"), None);
+}

@@ -1,0 +1,340 @@
+//! The multi-host cluster every chaos scenario runs: a 3-node NATS JetStream cluster
+//! (R3 streams), sub-clusters each with a leader and a standby sub-master and two
+//! nodes, and global-master replicas — each a container on one private Docker
+//! network, reachable from the test only through NATS's mapped client ports.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use hkvm_client::{ClientConfig, SubmasterClient};
+use hkvm_events::{ClusterId, SubclusterId};
+use hkvm_itests::images::{hkvm_image, nats_image, NATS_CLIENT_PORT};
+use testcontainers::core::WaitFor;
+use testcontainers::runners::AsyncRunner as _;
+use testcontainers::{ContainerAsync, GenericImage, ImageExt as _};
+
+/// The HKVM cluster name every scenario uses.
+pub const CLUSTER: &str = "chaos";
+
+/// Sub-master settings: a one-second leader lease so failovers are quick.
+pub const SUBMASTER_TOML: &str = "leader_lease_ttl_ms = 1000\nnode_timeout_ms = 30000\n";
+
+/// Global-master settings: frequent checkpoints so a restart has one to load.
+pub const GLOBAL_TOML: &str = "registry_ttl_ms = 5000\ncheckpoint_interval_ms = 1000\n\
+                               lag_poll_ms = 200\nbloom_interval_ms = 0\n";
+
+/// A container started from one of the suite's images.
+pub type Container = ContainerAsync<GenericImage>;
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct Spec {
+    /// Sub-clusters with their labels (`k=v`).
+    pub subclusters: Vec<(&'static str, &'static str)>,
+    /// Sub-master containers per sub-cluster (the first leads).
+    pub submasters: usize,
+    /// Node containers per sub-cluster.
+    pub nodes: usize,
+    /// Global-master replicas.
+    pub globals: usize,
+    /// Segment size of every node.
+    pub segment_size: &'static str,
+    /// A NATS config file for every NATS node (security), if any.
+    pub nats_conf: Option<String>,
+    /// Per sub-cluster, `--nats` URL credentials `user:password@` for sub-masters.
+    pub submaster_credentials: BTreeMap<&'static str, String>,
+}
+
+impl Default for Spec {
+    fn default() -> Self {
+        Self {
+            subclusters: vec![("sc-0", "zone=a"), ("sc-1", "zone=b")],
+            submasters: 2,
+            nodes: 2,
+            globals: 2,
+            segment_size: "32MiB",
+            nats_conf: None,
+            submaster_credentials: BTreeMap::new(),
+        }
+    }
+}
+
+/// A running cluster; every container is removed on drop.
+pub struct Topology {
+    /// The private network.
+    pub network: String,
+    /// NATS nodes (index = name suffix).
+    pub nats: Vec<Container>,
+    /// Sub-masters by `<subcluster>/<index>`; index 0 started first and leads.
+    pub submasters: BTreeMap<String, Container>,
+    /// Nodes by `<subcluster>/<index>`.
+    pub nodes: BTreeMap<String, Container>,
+    /// Global-master replicas.
+    pub globals: Vec<Container>,
+    /// The host-side client port of each NATS node.
+    pub host_ports: Vec<u16>,
+}
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// A network (and container-name prefix) unique to this process and call.
+fn unique_network() -> String {
+    format!(
+        "hkvm-chaos-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+impl Topology {
+    /// Starts everything in `spec` and waits until every sub-cluster's leader serves
+    /// and every node is mounted.
+    pub async fn start(spec: &Spec) -> Self {
+        let network = unique_network();
+        let mut topology = Self {
+            network: network.clone(),
+            nats: Vec::new(),
+            submasters: BTreeMap::new(),
+            nodes: BTreeMap::new(),
+            globals: Vec::new(),
+            host_ports: Vec::new(),
+        };
+        // NATS nodes start together: none is ready before a quorum routes.
+        let starts = (0..3).map(|i| topology.nats_request(i, spec).start());
+        for started in futures::future::join_all(starts).await {
+            let container = started.expect("start a NATS container (run scripts/build-images)");
+            topology.host_ports.push(
+                container
+                    .get_host_port_ipv4(NATS_CLIENT_PORT)
+                    .await
+                    .unwrap(),
+            );
+            topology.nats.push(container);
+        }
+        topology.wait_jetstream().await;
+        for (subcluster, labels) in &spec.subclusters {
+            for index in 0..spec.submasters {
+                let container = topology
+                    .submaster_request(spec, subcluster, labels, index)
+                    .start()
+                    .await
+                    .unwrap();
+                topology
+                    .submasters
+                    .insert(format!("{subcluster}/{index}"), container);
+                if index == 0 {
+                    topology.wait_leader(subcluster).await;
+                }
+            }
+            for index in 0..spec.nodes {
+                let name = format!("{network}-{subcluster}-n{index}");
+                let node = hkvm_image()
+                    .with_wait_for(WaitFor::message_on_stdout("node serving"))
+                    .with_network(&network)
+                    .with_container_name(&name)
+                    .with_env_var("RUST_LOG", "warn")
+                    .with_cmd([
+                        "node".to_owned(),
+                        "--nats".to_owned(),
+                        topology.inside_url(),
+                        "--cluster".to_owned(),
+                        CLUSTER.to_owned(),
+                        "--subcluster".to_owned(),
+                        (*subcluster).to_owned(),
+                        "--id".to_owned(),
+                        format!("{subcluster}-n{index}"),
+                        "--segment-size".to_owned(),
+                        spec.segment_size.to_owned(),
+                        "--listen".to_owned(),
+                        "0.0.0.0:7000".to_owned(),
+                        "--advertise".to_owned(),
+                        format!("{name}:7000"),
+                    ])
+                    .with_startup_timeout(Duration::from_secs(60))
+                    .start()
+                    .await
+                    .unwrap();
+                topology.nodes.insert(format!("{subcluster}/{index}"), node);
+            }
+        }
+        for index in 0..spec.globals {
+            let global = topology.global_request(index).start().await.unwrap();
+            topology.globals.push(global);
+        }
+        topology
+    }
+
+    fn nats_request(
+        &self,
+        index: usize,
+        spec: &Spec,
+    ) -> testcontainers::ContainerRequest<GenericImage> {
+        let name = self.nats_name(index);
+        let routes = (0..3)
+            .filter(|i| *i != index)
+            .map(|i| format!("nats://{}:6222", self.nats_name(i)))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut cmd = vec![
+            "-js".to_owned(),
+            "-sd".to_owned(),
+            "/data/js".to_owned(),
+            "--server_name".to_owned(),
+            format!("n{index}"),
+            "--cluster_name".to_owned(),
+            "hkvm".to_owned(),
+            "--cluster".to_owned(),
+            "nats://0.0.0.0:6222".to_owned(),
+            "--routes".to_owned(),
+            routes,
+        ];
+        let mut request = nats_image()
+            .with_network(&self.network)
+            .with_container_name(&name)
+            .with_startup_timeout(Duration::from_secs(60));
+        if let Some(conf) = &spec.nats_conf {
+            cmd.extend(["-c".to_owned(), "/etc/nats.conf".to_owned()]);
+            request = request.with_copy_to("/etc/nats.conf", conf.clone().into_bytes());
+        }
+        request.with_cmd(cmd)
+    }
+
+    fn submaster_request(
+        &self,
+        spec: &Spec,
+        subcluster: &str,
+        labels: &str,
+        index: usize,
+    ) -> testcontainers::ContainerRequest<GenericImage> {
+        let credentials = spec
+            .submaster_credentials
+            .get(subcluster)
+            .cloned()
+            .unwrap_or_default();
+        hkvm_image()
+            .with_wait_for(WaitFor::message_on_stderr("sub-master starting"))
+            .with_network(&self.network)
+            .with_container_name(format!("{}-{subcluster}-sm{index}", self.network))
+            .with_env_var("RUST_LOG", "info")
+            .with_copy_to("/etc/submaster.toml", SUBMASTER_TOML.as_bytes().to_vec())
+            .with_cmd([
+                "submaster".to_owned(),
+                "--nats".to_owned(),
+                self.inside_url_with(&credentials),
+                "--cluster".to_owned(),
+                CLUSTER.to_owned(),
+                "--subcluster".to_owned(),
+                subcluster.to_owned(),
+                "--id".to_owned(),
+                format!("{subcluster}-sm{index}"),
+                "--labels".to_owned(),
+                labels.to_owned(),
+                "--replicas".to_owned(),
+                "3".to_owned(),
+                "--config".to_owned(),
+                "/etc/submaster.toml".to_owned(),
+            ])
+            .with_startup_timeout(Duration::from_secs(60))
+    }
+
+    fn global_request(&self, index: usize) -> testcontainers::ContainerRequest<GenericImage> {
+        hkvm_image()
+            .with_wait_for(WaitFor::message_on_stderr("caught up: serving queries"))
+            .with_network(&self.network)
+            .with_container_name(format!("{}-gm{index}", self.network))
+            .with_env_var("RUST_LOG", "info")
+            .with_copy_to("/etc/global.toml", GLOBAL_TOML.as_bytes().to_vec())
+            .with_cmd([
+                "globalmaster".to_owned(),
+                "--nats".to_owned(),
+                self.inside_url(),
+                "--cluster".to_owned(),
+                CLUSTER.to_owned(),
+                "--replica".to_owned(),
+                format!("g{index}"),
+                "--config".to_owned(),
+                "/etc/global.toml".to_owned(),
+            ])
+            .with_startup_timeout(Duration::from_secs(60))
+    }
+
+    /// The container name (= hostname on the network) of NATS node `index`.
+    pub fn nats_name(&self, index: usize) -> String {
+        format!("{}-nats-{index}", self.network)
+    }
+
+    /// The NATS URLs as seen from inside the network (every node).
+    pub fn inside_url(&self) -> String {
+        self.inside_url_with("")
+    }
+
+    /// Like [`Topology::inside_url`], with `user:password@` credentials.
+    pub fn inside_url_with(&self, credentials: &str) -> String {
+        (0..3)
+            .map(|i| format!("nats://{credentials}{}:4222", self.nats_name(i)))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The host-side URL of NATS node `index`.
+    pub fn host_url(&self, index: usize) -> String {
+        format!("nats://127.0.0.1:{}", self.host_ports[index])
+    }
+
+    /// A connection from the test to NATS node `index`.
+    pub async fn connect(&self, index: usize) -> async_nats::Client {
+        async_nats::connect(self.host_url(index)).await.unwrap()
+    }
+
+    /// A sub-master client from the test (through NATS node 0).
+    pub async fn client(&self, subcluster: &str) -> SubmasterClient {
+        SubmasterClient::with_config(
+            self.connect(0).await,
+            ClusterId::new(CLUSTER).unwrap(),
+            SubclusterId::new(subcluster).unwrap(),
+            ClientConfig {
+                request_timeout: Duration::from_secs(2),
+                retry_deadline: Duration::from_secs(60),
+                ..ClientConfig::default()
+            },
+        )
+    }
+
+    /// Waits until JetStream has a meta leader (an R3 stream can be created).
+    async fn wait_jetstream(&self) {
+        let js = async_nats::jetstream::new(self.connect(0).await);
+        for _ in 0..300 {
+            if js.query_account().await.is_ok() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("JetStream never became available");
+    }
+
+    /// Waits until `subcluster`'s leader answers `status`.
+    pub async fn wait_leader(&self, subcluster: &str) -> String {
+        let client = self.client(subcluster).await;
+        for _ in 0..60 {
+            if let Ok(status) = client.status().await {
+                return status.producer;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        panic!("no leader in {subcluster}");
+    }
+
+    /// A container by role key (`sc-0/0`), sub-masters first, then nodes.
+    pub fn container(&self, key: &str) -> &Container {
+        self.submasters
+            .get(key)
+            .or_else(|| self.nodes.get(key))
+            .unwrap_or_else(|| panic!("no container {key}"))
+    }
+
+    /// The container name of sub-master `index` of `subcluster`.
+    pub fn submaster_name(&self, subcluster: &str, index: usize) -> String {
+        format!("{}-{subcluster}-sm{index}", self.network)
+    }
+}
