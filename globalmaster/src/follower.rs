@@ -12,8 +12,9 @@ use async_nats::jetstream;
 use futures::StreamExt as _;
 use hkvm_events::log::{EventLog, JetStreamLog, LogBounds, LogError, LogErrorKind, ReadOptions};
 use hkvm_events::subject::{event_subject, stream_name};
+use hkvm_events::Limits;
 use hkvm_events::SubclusterId;
-use hkvm_projector::ProjectorErrorKind;
+use hkvm_projector::{decode, ProjectorErrorKind};
 
 use crate::metrics::source_label;
 use crate::state::Shared;
@@ -210,14 +211,18 @@ impl Follower {
         target: u64,
     ) -> Option<Outcome> {
         let labels = source_label(self.subcluster.as_str());
-        let mut projection = self.shared.write();
-        let mut events = 0u64;
-        let mut messages = 0u64;
         let mut end = None;
         let mut last_seen = 0;
+        // Decode before taking the lock, so followers of other streams can decode
+        // in parallel while one folds.
+        let limits = Limits::default();
+        let mut decoded = Vec::with_capacity(chunk.len());
         for item in chunk {
-            let entry = match item {
-                Ok(entry) => entry,
+            match item {
+                Ok(entry) => {
+                    last_seen = entry.seq;
+                    decoded.push(decode(entry.seq, entry.unix_ms, &entry.payload, &limits));
+                }
                 Err(error) => {
                     end = Some(match error.kind() {
                         LogErrorKind::Gap { .. } => Outcome::Resync("sequence gap"),
@@ -230,9 +235,14 @@ impl Follower {
                     });
                     break;
                 }
-            };
-            last_seen = entry.seq;
-            match projection.apply_message(self.source, entry.seq, entry.unix_ms, &entry.payload) {
+            }
+        }
+        let mut projection = self.shared.write();
+        let mut events = 0u64;
+        let mut messages = 0u64;
+        for message in decoded {
+            let result = message.and_then(|m| projection.apply_decoded(self.source, m));
+            match result {
                 Ok(applied) => {
                     events += applied.events as u64;
                     messages += 1;

@@ -55,6 +55,54 @@ pub struct Applied {
     pub skipped: usize,
 }
 
+/// A stream message decoded and validated, ready to fold. Decoding needs no
+/// access to the projection, so it can run outside its lock.
+#[derive(Debug, Clone)]
+pub struct Decoded {
+    /// The message's stream sequence.
+    pub seq: u64,
+    /// When it was stored, Unix milliseconds.
+    pub unix_ms: u64,
+    /// Its events.
+    pub events: Vec<KvEvent>,
+    /// Events skipped because they did not decode (unknown kinds, bad bodies).
+    pub skipped: usize,
+}
+
+/// Decodes the message stored at `seq`. Events that do not decode are skipped and
+/// counted; a message whose envelope or an event frame is broken is refused whole,
+/// so nothing of it is folded.
+///
+/// # Errors
+/// [`ProjectorErrorKind::Undecodable`] (the caller resynchronizes).
+pub fn decode(
+    seq: u64,
+    unix_ms: u64,
+    payload: &[u8],
+    limits: &Limits,
+) -> Result<Decoded, ProjectorError> {
+    let undecodable =
+        |reason: String| ProjectorError::new(ProjectorErrorKind::Undecodable { seq, reason });
+    let message = decode_message(payload, limits).map_err(|e| undecodable(e.to_string()))?;
+    let mut decoded = Decoded {
+        seq,
+        unix_ms,
+        events: Vec::with_capacity(message.events.remaining()),
+        skipped: 0,
+    };
+    for event in message.events {
+        match event {
+            Ok(event) => decoded.events.push(event),
+            Err(error) if error.is_skippable() => {
+                tracing::warn!(seq, %error, "skipping an event that does not decode");
+                decoded.skipped += 1;
+            }
+            Err(error) => return Err(undecodable(error.to_string())),
+        }
+    }
+    Ok(decoded)
+}
+
 /// The projection of every source.
 #[derive(Debug, Clone, Default)]
 pub struct Projection {
@@ -147,14 +195,10 @@ impl Projection {
     }
 
     /// Decodes the message stored at `seq` of `source`'s stream and folds its
-    /// events. Messages at or below the applied sequence are ignored (replayed
-    /// after a checkpoint restore). Events that do not decode are skipped and
-    /// counted; a message that does not decode at all changes nothing.
+    /// events: [`decode`] then [`Projection::apply_decoded`].
     ///
     /// # Errors
-    /// [`ProjectorErrorKind::OutOfOrder`] when `seq` skips ahead of the next
-    /// expected sequence, [`ProjectorErrorKind::Undecodable`] when the envelope or
-    /// an event frame is broken (the caller resynchronizes).
+    /// As for [`decode`] and [`Projection::apply_decoded`].
     pub fn apply_message(
         &mut self,
         source: usize,
@@ -162,43 +206,42 @@ impl Projection {
         unix_ms: u64,
         payload: &[u8],
     ) -> Result<Applied, ProjectorError> {
+        let decoded = decode(seq, unix_ms, payload, &self.limits)?;
+        self.apply_decoded(source, decoded)
+    }
+
+    /// Folds a decoded message of `source`. Messages at or below the applied
+    /// sequence are ignored (replayed after a checkpoint restore).
+    ///
+    /// # Errors
+    /// [`ProjectorErrorKind::OutOfOrder`] when the message skips ahead of the next
+    /// expected sequence (the caller resynchronizes).
+    pub fn apply_decoded(
+        &mut self,
+        source: usize,
+        decoded: Decoded,
+    ) -> Result<Applied, ProjectorError> {
         let applied_seq = self.source_mut(source).applied_seq;
-        if seq <= applied_seq {
+        if decoded.seq <= applied_seq {
             return Ok(Applied::default());
         }
-        if seq != applied_seq + 1 && applied_seq != 0 {
+        if decoded.seq != applied_seq + 1 && applied_seq != 0 {
             return Err(ProjectorError::new(ProjectorErrorKind::OutOfOrder {
                 expected: applied_seq + 1,
-                found: seq,
+                found: decoded.seq,
             }));
         }
-        let undecodable =
-            |reason: String| ProjectorError::new(ProjectorErrorKind::Undecodable { seq, reason });
-        let message =
-            decode_message(payload, &self.limits).map_err(|e| undecodable(e.to_string()))?;
-        // Decode everything before applying, so a broken frame leaves no half-applied
-        // message behind.
-        let mut events = Vec::with_capacity(message.events.remaining());
-        let mut outcome = Applied::default();
-        for event in message.events {
-            match event {
-                Ok(event) => events.push(event),
-                Err(error) if error.is_skippable() => {
-                    tracing::warn!(seq, %error, "skipping an event that does not decode");
-                    outcome.skipped += 1;
-                }
-                Err(error) => return Err(undecodable(error.to_string())),
-            }
-        }
-        for event in &events {
+        for event in &decoded.events {
             self.apply(source, event);
         }
-        outcome.events = events.len();
         let state = self.source_mut(source);
-        state.applied_seq = seq;
-        state.applied_unix_ms = unix_ms;
-        state.events_skipped += outcome.skipped as u64;
-        Ok(outcome)
+        state.applied_seq = decoded.seq;
+        state.applied_unix_ms = decoded.unix_ms;
+        state.events_skipped += decoded.skipped as u64;
+        Ok(Applied {
+            events: decoded.events.len(),
+            skipped: decoded.skipped,
+        })
     }
 
     /// Marks `source` as positioned at `seq` without folding anything (skipping a
