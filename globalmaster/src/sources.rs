@@ -59,12 +59,9 @@ impl Sources {
         }
     }
 
-    /// Starts following `subcluster` unless it already is. `gates_serving`: the
+    /// The source index of `subcluster` (added if new). `gates_serving`: the
     /// replica answers `Busy` until this source has caught up.
-    fn follow(&self, subcluster: &SubclusterId, gates_serving: bool) {
-        if !self.followed().insert(subcluster.clone()) {
-            return;
-        }
+    fn add_source(&self, subcluster: &SubclusterId, gates_serving: bool) -> (usize, String) {
         let stream = stream_name(&self.shared.config.cluster, subcluster);
         let source = self.shared.write().source_index(subcluster, &stream);
         self.shared
@@ -72,6 +69,15 @@ impl Sources {
             .entry(source)
             .or_default()
             .gates_serving = gates_serving;
+        (source, stream)
+    }
+
+    /// Starts following `subcluster` unless it already is.
+    fn follow(&self, subcluster: &SubclusterId, gates_serving: bool) {
+        if !self.followed().insert(subcluster.clone()) {
+            return;
+        }
+        let (source, stream) = self.add_source(subcluster, gates_serving);
         tracing::info!(%subcluster, stream, "following a sub-cluster stream");
         let task = tokio::spawn(follow(
             Arc::clone(&self.shared),
@@ -105,13 +111,7 @@ impl Sources {
         // Mark every initial source as gating before any follower can report
         // caught up, so one fast source does not open the gate for the others.
         for subcluster in &initial {
-            let stream = stream_name(&config.cluster, subcluster);
-            let source = self.shared.write().source_index(subcluster, &stream);
-            self.shared
-                .positions()
-                .entry(source)
-                .or_default()
-                .gates_serving = true;
+            self.add_source(subcluster, true);
         }
         for subcluster in &initial {
             self.follow(subcluster, true);
