@@ -35,7 +35,13 @@ impl SubclusterTarget {
 #[derive(Debug, clap::Args)]
 pub struct ExistArgs {
     #[command(flatten)]
-    pub at: SubclusterTarget,
+    pub target: Target,
+    /// The sub-cluster to ask (its sub-master is authoritative).
+    #[arg(long, env = "HKVM_SUBCLUSTER", required_unless_present = "global")]
+    pub subcluster: Option<SubclusterId>,
+    /// Ask the global master which sub-clusters hold each key instead.
+    #[arg(long, conflicts_with = "subcluster")]
+    pub global: bool,
     /// Keys to check.
     #[arg(required = true)]
     pub keys: Vec<String>,
@@ -65,12 +71,21 @@ pub struct StatArgs {
     pub keys: Vec<String>,
 }
 
-/// Prints `key<TAB>yes|no` per key; exits non-zero if any is missing.
+/// Prints `key<TAB>yes|no` per key (or, with `--global`, the sub-clusters holding
+/// each key); exits non-zero if any is missing.
 ///
 /// # Errors
 /// When the sub-master is unreachable.
 pub async fn exist(args: ExistArgs) -> anyhow::Result<()> {
-    let flags = args.at.client().await?.exist(args.keys.clone()).await?;
+    let subcluster = match (args.global, args.subcluster) {
+        (false, Some(subcluster)) => subcluster,
+        _ => return crate::locate::exist_global(&args.target, args.keys, None).await,
+    };
+    let at = SubclusterTarget {
+        target: args.target,
+        subcluster,
+    };
+    let flags = at.client().await?.exist(args.keys.clone()).await?;
     for (key, present) in args.keys.iter().zip(&flags) {
         println!("{key}\t{}", if *present { "yes" } else { "no" });
     }
