@@ -29,6 +29,56 @@ use crate::error::{SubmasterError, SubmasterErrorKind};
 use crate::metrics::gauge_value;
 use crate::state::State;
 
+/// Renews the leader lease every `period` in its own task.
+struct Renewer {
+    task: tokio::task::JoinHandle<u64>,
+    stop: watch::Sender<bool>,
+    /// Turns true when a renewal failed (another instance took the lease).
+    lost: watch::Receiver<bool>,
+}
+
+impl Renewer {
+    fn spawn(
+        lease: crate::election::LeaderLease,
+        holder: LeaseHolder,
+        mut revision: u64,
+        period: Duration,
+    ) -> Self {
+        let (stop, mut stopped) = watch::channel(false);
+        let (lost_tx, lost) = watch::channel(false);
+        let task = tokio::spawn(async move {
+            let mut tick = interval(period);
+            tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = stopped.changed() => return revision,
+                    _ = tick.tick() => {}
+                }
+                match lease.renew(&holder, revision).await {
+                    Ok(Some(renewed)) => revision = renewed,
+                    _ => {
+                        let _ = lost_tx.send(true);
+                        return revision;
+                    }
+                }
+            }
+        });
+        Self { task, stop, lost }
+    }
+
+    /// Stops renewing; returns the last revision held.
+    async fn stop(mut self) -> u64 {
+        let _ = self.stop.send(true);
+        (&mut self.task).await.unwrap_or_default()
+    }
+}
+
+impl Drop for Renewer {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
+}
+
 /// Why a leadership ended.
 #[derive(Debug)]
 pub(crate) enum LeadEnd {
@@ -358,7 +408,7 @@ impl Leadership<'_> {
 pub(crate) async fn lead(
     ctx: &Context,
     state: &mut State,
-    mut lease_revision: u64,
+    lease_revision: u64,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<LeadEnd, SubmasterError> {
     let config = &ctx.config;
@@ -423,9 +473,18 @@ pub(crate) async fn lead(
     leadership.heartbeat(state).await;
 
     let mut maintenance = interval(config.maintenance_interval);
-    let mut renewal = interval(config.leader_lease_ttl / 3);
+    // The lease is renewed by its own task, so a long step of the state machine (a
+    // snapshot of a large state) cannot make it lapse; fencing keeps the log safe
+    // whatever the lease says.
+    let renewer = Renewer::spawn(
+        ctx.lease.clone(),
+        holder.clone(),
+        lease_revision,
+        config.leader_lease_ttl / 3,
+    );
+    let mut lease_lost = renewer.lost.clone();
     let mut heartbeat = interval(config.registry_ttl / 3);
-    for timer in [&mut maintenance, &mut renewal, &mut heartbeat] {
+    for timer in [&mut maintenance, &mut heartbeat] {
         timer.set_missed_tick_behavior(MissedTickBehavior::Delay);
     }
     let end = loop {
@@ -433,12 +492,7 @@ pub(crate) async fn lead(
             biased;
             _ = shutdown.changed() => break LeadEnd::Shutdown,
             Some(reason) = failures.recv() => break LeadEnd::SteppedDown(reason),
-            _ = renewal.tick() => {
-                match ctx.lease.renew(&holder, lease_revision).await {
-                    Ok(Some(revision)) => { lease_revision = revision; Ok(()) }
-                    _ => break LeadEnd::SteppedDown("the leader lease was lost".into()),
-                }
-            }
+            _ = lease_lost.changed() => break LeadEnd::SteppedDown("the leader lease was lost".into()),
             _ = maintenance.tick() => {
                 leadership.publish_gauges(state);
                 leadership.maintain(state).await
@@ -467,7 +521,8 @@ pub(crate) async fn lead(
             durable.wait_for(|done| *done >= needed),
         )
         .await;
-        ctx.lease.release(lease_revision).await;
+        let revision = renewer.stop().await;
+        ctx.lease.release(revision).await;
     }
     Ok(end)
 }
