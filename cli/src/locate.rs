@@ -21,10 +21,6 @@ pub struct LocateArgs {
     /// Never answer across labels.
     #[arg(long)]
     pub hard_labels: bool,
-    /// Only say which sub-clusters hold each key (`batch_is_exist`), as
-    /// `hkvm exist --global` does; fails when a key is held nowhere.
-    #[arg(long)]
-    pub exist: bool,
     /// Keys to locate.
     #[arg(required = true)]
     pub keys: Vec<String>,
@@ -51,9 +47,6 @@ fn print_staleness(staleness: &Staleness) {
 /// When no global master answers.
 pub async fn run(args: LocateArgs) -> anyhow::Result<()> {
     let labels = label_filter(&args.labels, args.hard_labels);
-    if args.exist {
-        return exist_global(&args.target, args.keys, labels).await;
-    }
     let global = GlobalClient::new(args.target.connect().await?, args.target.cluster.clone());
     let reply: LocateReply = global
         .call(

@@ -116,10 +116,10 @@ async fn locate_and_status_answer_through_a_running_global_master() {
     );
     assert!(out.contains("nowhere\t-"), "{out}");
 
-    let (out, ok) = hkvm(&server, &["locate", "--exist", "k1"]);
+    let (out, ok) = hkvm(&server, &["exist", "--global", "k1"]);
     assert!(ok, "{out}");
     assert_eq!(out, "k1\tsc-0\n");
-    let (out, ok) = hkvm(&server, &["locate", "--exist", "k1", "gone"]);
+    let (out, ok) = hkvm(&server, &["exist", "--global", "k1", "gone"]);
     assert!(!ok);
     assert!(out.contains("gone\tno"), "{out}");
 
