@@ -3,7 +3,9 @@
 //! when the stream has a gap, was reset or purged past the position, vanished, or
 //! holds a message that does not decode. Nothing is silently skipped: every resync
 //! is logged and counted, and a message that is still undecodable after a resync
-//! is skipped with an error log and counted as such.
+//! is skipped with an error log and counted as such. When the history before the
+//! stream's first sequence was purged, the sub-master's newest snapshot covering it
+//! seeds the source instead.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,9 +14,10 @@ use async_nats::jetstream;
 use futures::StreamExt as _;
 use hkvm_events::log::{EventLog, JetStreamLog, LogBounds, LogError, LogErrorKind, ReadOptions};
 use hkvm_events::subject::{event_subject, stream_name};
-use hkvm_events::Limits;
 use hkvm_events::SubclusterId;
+use hkvm_events::{key_hash, Limits};
 use hkvm_projector::{decode, ProjectorErrorKind};
+use hkvm_submaster::snapshot::SnapshotStore;
 
 use crate::metrics::source_label;
 use crate::state::Shared;
@@ -113,6 +116,46 @@ impl Follower {
         Ok((bounds, epoch))
     }
 
+    /// Loads the sub-master's newest snapshot into the projection when it reaches
+    /// the stream's first sequence (history before it was purged). Returns whether
+    /// it did.
+    async fn seed_from_snapshot(&self, first_seq: u64, epoch: u64) -> bool {
+        let cluster = &self.shared.config.cluster;
+        let loaded = match SnapshotStore::open(&self.js, cluster, &self.subcluster, 1).await {
+            Ok(store) => store.load_newest().await,
+            Err(error) => Err(error),
+        };
+        let state = match loaded {
+            Ok(Some(state)) if state.applied_seq + 1 >= first_seq => state,
+            Ok(_) => return false,
+            Err(error) => {
+                tracing::warn!(subcluster = %self.subcluster, %error, "loading a sub-master snapshot");
+                return false;
+            }
+        };
+        let mut projection = self.shared.write();
+        projection.seed_source(
+            self.source,
+            state.applied_seq,
+            state.objects().map(|(key, _)| key_hash(key)),
+            state.segments().map(|(_, segment)| {
+                (
+                    segment.id.clone(),
+                    segment.node.clone(),
+                    segment.allocator.size(),
+                )
+            }),
+        );
+        projection.set_stream_epoch(self.source, epoch);
+        tracing::info!(
+            subcluster = %self.subcluster,
+            covers_seq = state.applied_seq,
+            objects = state.object_count(),
+            "seeded from the sub-master's snapshot"
+        );
+        true
+    }
+
     async fn run_once(&mut self) -> Outcome {
         let (bounds, epoch) = match self.stream_state().await {
             Ok(state) => state,
@@ -144,16 +187,21 @@ impl Follower {
         if known_epoch != epoch {
             self.shared.write().set_stream_epoch(self.source, epoch);
         }
+        let mut applied = applied;
         if applied + 1 < bounds.first_seq {
             if applied > 0 {
                 return Outcome::Resync("stream purged past the position");
             }
-            tracing::warn!(
-                subcluster = %self.subcluster,
-                first_seq = bounds.first_seq,
-                "the stream's history before its first sequence was purged: keys stored \
-                 before it are not projected"
-            );
+            if self.seed_from_snapshot(bounds.first_seq, epoch).await {
+                applied = self.applied_seq();
+            } else {
+                tracing::warn!(
+                    subcluster = %self.subcluster,
+                    first_seq = bounds.first_seq,
+                    "the stream's history before its first sequence was purged and no \
+                     sub-master snapshot covers it: keys stored before it are not projected"
+                );
+            }
         }
         let target = bounds.last_seq;
         self.shared

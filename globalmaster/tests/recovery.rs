@@ -12,8 +12,11 @@ use hkvm_events::rpc::global::GlobalStatusReply;
 use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp, GlobalStatus};
 use hkvm_events::stream::{ensure_stream, StreamSettings};
 use hkvm_events::subject::event_subject;
-use hkvm_events::ProducerId;
+use hkvm_events::{
+    KvEvent, NodeId, Placement, ProducerId, PutCommitted, SegmentId, SegmentMounted,
+};
 use hkvm_projector::{Projection, SourceContent};
+use hkvm_submaster::snapshot::SnapshotStore;
 
 use common::{keys, put, removed, wait_applied, Fixture};
 
@@ -173,6 +176,63 @@ async fn history_purged_past_the_checkpoint_forces_a_resync() {
         vec![vec![], vec![], vec!["sc-a"], vec!["sc-a"]]
     );
     assert_eq!(restored.status().sources[0].resyncs, 1);
+}
+
+fn placed(key: &str, offset: u64) -> KvEvent {
+    KvEvent::PutCommitted(PutCommitted::new(
+        key,
+        64,
+        7,
+        vec![Placement {
+            segment: SegmentId::new("seg-0").unwrap(),
+            offset,
+        }],
+    ))
+}
+
+#[tokio::test]
+async fn a_stream_purged_up_to_a_submaster_snapshot_is_seeded_from_it() {
+    let fixture = Fixture::new().await;
+    let a = fixture.subcluster("sc-a", &[]).await;
+    let history = vec![
+        vec![KvEvent::SegmentMounted(SegmentMounted {
+            node: NodeId::new("n0").unwrap(),
+            segment: SegmentId::new("seg-0").unwrap(),
+            size: 1 << 20,
+            endpoint: "127.0.0.1:1".into(),
+        })],
+        vec![placed("old-1", 0), placed("old-2", 4096)],
+        vec![removed(&["old-1"])],
+    ];
+    // What the sub-master folds and snapshots: the same events.
+    let mut state = hkvm_submaster::state::State::new();
+    for events in history {
+        let seq = a.commit(events.clone()).await;
+        state.apply_message(seq, 1, &events);
+    }
+    let covers = state.applied_seq;
+    SnapshotStore::open(&fixture.js, &fixture.cluster, &a.id, 1)
+        .await
+        .unwrap()
+        .save(&state)
+        .await
+        .unwrap();
+    let stream = fixture.js.get_stream(a.log.stream_name()).await.unwrap();
+    stream.purge().sequence(covers + 1).await.unwrap();
+    let last = a.commit(vec![placed("new", 8192)]).await;
+
+    let master = fixture.start("g1").await;
+    wait_applied(&master, &a.id, last).await;
+    assert_eq!(
+        exists(&fixture, &["old-1", "old-2", "new"]).await,
+        vec![vec![], vec!["sc-a"], vec!["sc-a"]]
+    );
+    let status = master.status();
+    assert_eq!(status.sources[0].resyncs, 0);
+    assert_eq!(
+        master.with_projection(|p| p.source(0).unwrap().capacity_bytes()),
+        1 << 20
+    );
 }
 
 #[tokio::test]

@@ -250,6 +250,30 @@ impl Projection {
         self.source_mut(source).applied_seq = seq;
     }
 
+    /// Replaces everything known about `source` with a sub-master snapshot's
+    /// content: the key hashes of its complete objects and its segments (owner,
+    /// size), as of stream sequence `covers_seq`. Reading then goes on from
+    /// `covers_seq + 1`.
+    pub fn seed_source(
+        &mut self,
+        source: usize,
+        covers_seq: u64,
+        hashes: impl IntoIterator<Item = u64>,
+        segments: impl IntoIterator<Item = (SegmentId, NodeId, u64)>,
+    ) {
+        self.reset_source(source);
+        for hash in hashes {
+            self.index.insert(source, hash);
+        }
+        let state = self.source_mut(source);
+        state.segments = segments
+            .into_iter()
+            .map(|(segment, node, size)| (segment, (node, size)))
+            .collect();
+        state.applied_seq = covers_seq;
+        state.snapshot = Some((covers_seq, String::new()));
+    }
+
     /// Records the identity of the stream instance `source` is read from.
     pub fn set_stream_epoch(&mut self, source: usize, epoch: u64) {
         self.source_mut(source).stream_epoch = epoch;
