@@ -1,24 +1,30 @@
 //! Allocation counting for benchmarks: the `hkvm` binary's global allocator counts
-//! allocations with one relaxed atomic increment (about a nanosecond), so a
-//! benchmark can report allocations per event.
+//! allocations and the bytes in use with one relaxed atomic each (about a
+//! nanosecond), so a benchmark can report allocations per event and bytes per
+//! object.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+/// Requested bytes currently allocated; wrapping arithmetic keeps it exact even if
+/// a free is counted before the matching allocation is visible to a reader.
+static IN_USE: AtomicU64 = AtomicU64::new(0);
 
-/// The system allocator, counting allocations.
+/// The system allocator, counting allocations and bytes in use.
 pub struct CountingAllocator;
 
 // SAFETY: every call is forwarded unchanged to the system allocator.
 unsafe impl GlobalAlloc for CountingAllocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        IN_USE.fetch_add(layout.size() as u64, Ordering::Relaxed);
         // SAFETY: same contract as ours.
         unsafe { System.alloc(layout) }
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        IN_USE.fetch_sub(layout.size() as u64, Ordering::Relaxed);
         // SAFETY: same contract as ours.
         unsafe { System.dealloc(ptr, layout) }
     }
@@ -26,11 +32,23 @@ unsafe impl GlobalAlloc for CountingAllocator {
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
         // SAFETY: same contract as ours.
-        unsafe { System.realloc(ptr, layout, new_size) }
+        let moved = unsafe { System.realloc(ptr, layout, new_size) };
+        if !moved.is_null() {
+            // Two wrapping updates: the difference may be negative.
+            IN_USE.fetch_add(new_size as u64, Ordering::Relaxed);
+            IN_USE.fetch_sub(layout.size() as u64, Ordering::Relaxed);
+        }
+        moved
     }
 }
 
 /// Allocations made so far by the whole process.
 pub fn allocations() -> u64 {
     ALLOCATIONS.load(Ordering::Relaxed)
+}
+
+/// Bytes the whole process has allocated and not freed (as requested, without the
+/// allocator's own per-block overhead).
+pub fn bytes_in_use() -> u64 {
+    IN_USE.load(Ordering::Relaxed)
 }

@@ -8,8 +8,11 @@ mod cluster;
 mod events;
 mod exist;
 mod ingest;
+mod memory;
 mod put;
+mod recover;
 mod report;
+mod scale;
 mod transfer;
 
 use std::time::Duration;
@@ -34,6 +37,8 @@ pub struct BenchArgs {
     /// Use this NATS server instead of starting one (JetStream must be enabled).
     #[arg(long)]
     nats: Option<String>,
+    #[command(flatten)]
+    scale: scale::ScaleArgs,
 }
 
 /// The workloads.
@@ -51,6 +56,14 @@ enum Workload {
     /// Durable put_start + put_end through a sub-master (1, 64 clients, batches)
     /// against raw JetStream publish.
     Put,
+    /// Sub-master time to first served request (snapshot + tail, full replay)
+    /// against raw JetStream replay; failover to a hot standby against a cold restart.
+    Recover,
+    /// Simulated clients against N = 1, 2, 4, 8 sub-clusters: ops/s, latency,
+    /// master CPU per 1000 requests and memory, against N = 1.
+    Scale,
+    /// Sub-master bytes per object against the design target.
+    Memory,
     /// Every workload.
     All,
 }
@@ -77,6 +90,11 @@ impl BenchNats {
         }
     }
 
+    /// The nats-server child's process id (none when the server was given).
+    fn pid(&self) -> Option<u32> {
+        self._child.as_ref().and_then(NatsServer::pid)
+    }
+
     /// Connects a client with a generous ack timeout (benchmarks push hard).
     async fn connect(&self) -> anyhow::Result<async_nats::Client> {
         async_nats::ConnectOptions::new()
@@ -101,6 +119,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             Workload::Transfer,
             Workload::Ingest,
             Workload::Exist,
+            Workload::Recover,
+            Workload::Scale,
+            Workload::Memory,
         ],
         one => vec![one],
     };
@@ -111,6 +132,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             Workload::Ingest => ingest::run(&nats, args.quick, &mut printer).await?,
             Workload::Exist => exist::run(&nats, args.quick, &mut printer).await?,
             Workload::Put => put::run(&nats, args.quick, &mut printer).await?,
+            Workload::Recover => recover::run(&nats, args.quick, &mut printer).await?,
+            Workload::Scale => scale::run(&nats, args.quick, &args.scale, &mut printer).await?,
+            Workload::Memory => memory::run(args.quick, &mut printer)?,
             Workload::All => {}
         }
     }

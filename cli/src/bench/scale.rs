@@ -1,0 +1,604 @@
+//! The `scale` workload: simulated clients (lightweight tasks, each a node with one
+//! segment: one ping a second plus a mix of puts, gets and global
+//! `batch_is_exist` at a configurable total rate) against N sub-clusters for N in
+//! 1, 2, 4, 8, each client in sub-cluster `client % N`. The masters run as
+//! `hkvm submaster` / `hkvm globalmaster` child processes so their CPU time
+//! (utime + stime) and RSS are read from `/proc`. N = 1 is the centralized
+//! baseline: every figure is compared with N = 1 in the same run.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use async_nats::jetstream;
+use futures::StreamExt as _;
+use hkvm_client::SubmasterClient;
+use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp};
+use hkvm_events::rpc::submaster::{ItemResult, MountSegment, Ping, PutEndItem, PutStartItem};
+use hkvm_events::subject::{bucket_name, stream_name};
+use hkvm_events::{ClusterId, NodeId, SegmentId, SubclusterId};
+use hkvm_globalmaster::GlobalClient;
+use tokio::process::{Child, Command};
+use tokio::time::Instant;
+
+use super::memory::rss_bytes;
+use super::report::{BenchResult, Printer};
+use super::BenchNats;
+
+const WORKLOAD: &str = "scale";
+/// Value size of every put.
+const OBJECT_SIZE: u64 = 64 * 1024;
+/// Keys per global `batch_is_exist`.
+const EXIST_BATCH: usize = 64;
+/// NATS connections the simulated clients share.
+const CONNECTIONS: usize = 8;
+
+/// Options of the `scale` workload.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ScaleArgs {
+    /// Simulated clients (`scale`; --quick uses a twentieth).
+    #[arg(long, default_value_t = 10_000)]
+    pub clients: usize,
+    /// Total puts + gets + batch_is_exist per second over all clients, besides the
+    /// one ping per client per second (`scale`; --quick uses a tenth).
+    #[arg(long, default_value_t = 2_000.0)]
+    pub rate: f64,
+    /// Percentages of puts, gets and batch_is_exist (`scale`).
+    #[arg(long, default_value = "20,60,20", value_parser = parse_mix)]
+    pub mix: Mix,
+}
+
+/// Percentages of puts, gets and batch_is_exist among the operations.
+#[derive(Debug, Clone, Copy)]
+pub struct Mix {
+    put: u32,
+    get: u32,
+}
+
+fn parse_mix(text: &str) -> Result<Mix, String> {
+    let parts: Vec<u32> = text
+        .split(',')
+        .map(|p| p.trim().parse::<u32>().map_err(|e| format!("{p:?}: {e}")))
+        .collect::<Result<_, _>>()?;
+    match parts.as_slice() {
+        [put, get, exist] if put + get + exist == 100 => Ok(Mix {
+            put: *put,
+            get: *get,
+        }),
+        _ => Err(format!(
+            "mix {text:?} is not put,get,exist percentages summing to 100"
+        )),
+    }
+}
+
+/// What one request was.
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Ping = 0,
+    Put = 1,
+    Get = 2,
+    Exist = 3,
+}
+
+/// Latencies (µs) per kind, and failures, of what one client did in the window.
+#[derive(Debug, Default)]
+struct Record {
+    latencies: [Vec<u32>; 4],
+    failures: u64,
+}
+
+/// A master child process, killed when dropped.
+struct Master {
+    child: Child,
+}
+
+impl Master {
+    fn spawn(exe: &Path, args: &[String]) -> anyhow::Result<Self> {
+        let child = Command::new(exe)
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {} {}", exe.display(), args.join(" ")))?;
+        Ok(Self { child })
+    }
+
+    fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+}
+
+/// CPU seconds (user + system, all threads) of a process, from `/proc/<pid>/stat`.
+fn cpu_seconds(pid: Option<u32>) -> f64 {
+    let Some(pid) = pid else { return 0.0 };
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // Fields after the parenthesised command name; utime and stime are 14 and 15.
+    let Some((_, rest)) = stat.rsplit_once(')') else {
+        return 0.0;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    // USER_HZ is 100 on Linux for every architecture we run on.
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// A cheap per-client random sequence (xorshift64).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// One simulated client's identity and handles.
+struct Client {
+    index: usize,
+    node: NodeId,
+    submaster: SubmasterClient,
+    global: GlobalClient,
+}
+
+impl Client {
+    async fn mount(&self) -> anyhow::Result<()> {
+        self.submaster
+            .mount_segment(MountSegment {
+                node: self.node.clone(),
+                segment: SegmentId::new(format!("{}-seg", self.node))?,
+                size: 1 << 34,
+                endpoint: format!("10.{}.{}.1:7000", self.index / 256, self.index % 256),
+            })
+            .await?;
+        Ok(())
+    }
+
+    async fn request(&self, kind: Kind, rng: &mut Rng, mine: &mut Vec<String>) -> bool {
+        match kind {
+            Kind::Ping => self
+                .submaster
+                .ping(Ping {
+                    node: self.node.clone(),
+                })
+                .await
+                .is_ok(),
+            Kind::Put => {
+                let key = format!("c{}/{}", self.index, mine.len());
+                let item = PutStartItem {
+                    key: key.clone(),
+                    size: OBJECT_SIZE,
+                    replicas: 2,
+                    preferred_segment: None,
+                    hard_pin: false,
+                };
+                let Ok(reply) = self.submaster.put_start(vec![item]).await else {
+                    return false;
+                };
+                if !matches!(reply.first(), Some(ItemResult::Ok(_))) {
+                    return false;
+                }
+                let end = PutEndItem {
+                    key: key.clone(),
+                    checksum: 7,
+                };
+                let ok = matches!(
+                    self.submaster.put_end(vec![end]).await.as_deref(),
+                    Ok([ItemResult::Ok(())])
+                );
+                mine.push(key);
+                ok
+            }
+            Kind::Get => {
+                let key = match mine.len() {
+                    0 => format!("c{}/none", self.index),
+                    n => mine[rng.next() as usize % n].clone(),
+                };
+                self.submaster.get_replica_list(vec![key]).await.is_ok()
+            }
+            Kind::Exist => {
+                // Recent keys of this client and of others (hits and misses).
+                let keys = (0..EXIST_BATCH)
+                    .map(|i| match (i % 2, mine.len()) {
+                        (0, n) if n > 0 => mine[rng.next() as usize % n].clone(),
+                        _ => format!("c{}/{}", rng.next() % 10_000, rng.next() % 8),
+                    })
+                    .collect();
+                let reply: Result<BatchIsExistReply, _> = self
+                    .global
+                    .call_once(GlobalOp::BatchIsExist, &BatchIsExist { keys, labels: None })
+                    .await;
+                reply.is_ok()
+            }
+        }
+    }
+}
+
+/// The schedule every client follows.
+#[derive(Clone, Copy)]
+struct Schedule {
+    start: Instant,
+    measure_from: Instant,
+    end: Instant,
+    op_period: Duration,
+    mix: Mix,
+}
+
+async fn run_client(client: Client, schedule: Schedule) -> Record {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (client.index as u64 + 1).wrapping_mul(0xff51_afd7));
+    let mut record = Record::default();
+    let mut mine = Vec::new();
+    let second = Duration::from_secs(1);
+    let mut next_ping = schedule.start + second.mul_f64(rng.unit());
+    let mut next_op = schedule.start + schedule.op_period.mul_f64(rng.unit());
+    loop {
+        let (due, kind) = if next_ping <= next_op {
+            (next_ping, Kind::Ping)
+        } else {
+            let roll = (rng.next() % 100) as u32;
+            let kind = match roll {
+                r if r < schedule.mix.put => Kind::Put,
+                r if r < schedule.mix.put + schedule.mix.get => Kind::Get,
+                _ => Kind::Exist,
+            };
+            (next_op, kind)
+        };
+        if due >= schedule.end {
+            return record;
+        }
+        tokio::time::sleep_until(due).await;
+        match kind {
+            Kind::Ping => next_ping += second,
+            _ => next_op += schedule.op_period,
+        }
+        let started = Instant::now();
+        let ok = client.request(kind, &mut rng, &mut mine).await;
+        if started >= schedule.measure_from && started < schedule.end {
+            if ok {
+                let micros = started.elapsed().as_micros().min(u128::from(u32::MAX)) as u32;
+                record.latencies[kind as usize].push(micros);
+            } else {
+                record.failures += 1;
+            }
+        }
+    }
+}
+
+fn percentile(sorted: &[u32], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    f64::from(sorted[((sorted.len() - 1) as f64 * p).round() as usize])
+}
+
+/// What one point of the sweep measured.
+#[derive(Debug, Clone, Copy, Default)]
+struct Point {
+    ops_per_s: f64,
+    requests_per_s: f64,
+    p50_us: f64,
+    p99_us: f64,
+    put_p99_us: f64,
+    failures: u64,
+    sub_cpu_per_k: f64,
+    global_cpu_per_k: f64,
+    nats_cpu_per_k: f64,
+    sub_rss_max: f64,
+    sub_rss_total: f64,
+    global_rss: f64,
+}
+
+/// The sizes of one sweep.
+struct Sweep {
+    clients: usize,
+    rate: f64,
+    mix: Mix,
+    warmup: Duration,
+    window: Duration,
+}
+
+/// Drops what an earlier run with this cluster name left on the server.
+async fn clean(js: &jetstream::Context, cluster: &ClusterId, subclusters: usize) {
+    for index in 0..subclusters {
+        if let Ok(id) = SubclusterId::new(format!("sc-{index}")) {
+            let _ = js.delete_stream(stream_name(cluster, &id)).await;
+        }
+    }
+    for purpose in ["snapshots", "checkpoints", "blooms"] {
+        let _ = js.delete_object_store(bucket_name(cluster, purpose)).await;
+    }
+    for purpose in ["leader", "registry"] {
+        let _ = js.delete_key_value(bucket_name(cluster, purpose)).await;
+    }
+}
+
+/// Starts the masters of `subclusters` sub-clusters and a global master, waits
+/// until they serve, mounts one segment per client, runs the clients and reads
+/// the masters' CPU time and memory over the measured window.
+async fn run_point(nats: &BenchNats, sweep: &Sweep, subclusters: usize) -> anyhow::Result<Point> {
+    let exe = std::env::current_exe().context("locating the hkvm binary")?;
+    let cluster = ClusterId::new(format!("bscale{subclusters}"))?;
+    let control = nats.connect().await?;
+    clean(&jetstream::new(control.clone()), &cluster, subclusters).await;
+    let target = |extra: &[String]| {
+        let mut args = vec![
+            "--nats".to_owned(),
+            nats.url.clone(),
+            "--cluster".to_owned(),
+            cluster.to_string(),
+        ];
+        args.extend_from_slice(extra);
+        args
+    };
+    let ids: Vec<SubclusterId> = (0..subclusters)
+        .map(|i| SubclusterId::new(format!("sc-{i}")))
+        .collect::<Result<_, _>>()?;
+    let mut submasters = Vec::new();
+    for id in &ids {
+        let mut args = vec!["submaster".to_owned()];
+        args.extend(target(&["--subcluster".to_owned(), id.to_string()]));
+        submasters.push(Master::spawn(&exe, &args)?);
+    }
+    let mut args = vec!["globalmaster".to_owned()];
+    args.extend(target(&["--no-restore".to_owned()]));
+    let global_master = Master::spawn(&exe, &args)?;
+
+    let connections =
+        futures::future::try_join_all((0..CONNECTIONS).map(|_| nats.connect())).await?;
+    for id in &ids {
+        SubmasterClient::new(control.clone(), cluster.clone(), id.clone())
+            .status()
+            .await
+            .with_context(|| format!("sub-master {id} did not start"))?;
+    }
+    let clients: Vec<Client> = (0..sweep.clients)
+        .map(|index| {
+            let connection = connections[index % CONNECTIONS].clone();
+            Ok(Client {
+                index,
+                node: NodeId::new(format!("c-{index}"))?,
+                submaster: SubmasterClient::new(
+                    connection.clone(),
+                    cluster.clone(),
+                    ids[index % subclusters].clone(),
+                ),
+                global: GlobalClient::new(connection, cluster.clone()),
+            })
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let mounts: Vec<anyhow::Result<()>> = futures::stream::iter(clients.iter().map(Client::mount))
+        .buffer_unordered(256)
+        .collect()
+        .await;
+    mounts.into_iter().collect::<anyhow::Result<()>>()?;
+    // The global master serves once it follows every registered sub-cluster.
+    let probe = GlobalClient::new(control.clone(), cluster.clone());
+    let _: BatchIsExistReply = probe
+        .call(
+            GlobalOp::BatchIsExist,
+            &BatchIsExist {
+                keys: vec!["probe".to_owned()],
+                labels: None,
+            },
+        )
+        .await
+        .context("the global master did not start")?;
+
+    let start = Instant::now();
+    let schedule = Schedule {
+        start,
+        measure_from: start + sweep.warmup,
+        end: start + sweep.warmup + sweep.window,
+        op_period: Duration::from_secs_f64(sweep.clients as f64 / sweep.rate.max(1e-3)),
+        mix: sweep.mix,
+    };
+    let tasks: Vec<_> = clients
+        .into_iter()
+        .map(|client| tokio::spawn(run_client(client, schedule)))
+        .collect();
+    tokio::time::sleep_until(schedule.measure_from).await;
+    let sub_pids: Vec<Option<u32>> = submasters.iter().map(Master::pid).collect();
+    let (global_pid, nats_pid) = (global_master.pid(), nats.pid());
+    let sub_cpu = |pids: &[Option<u32>]| pids.iter().map(|&p| cpu_seconds(p)).sum::<f64>();
+    let cpu_before = (
+        sub_cpu(&sub_pids),
+        cpu_seconds(global_pid),
+        cpu_seconds(nats_pid),
+    );
+    tokio::time::sleep_until(schedule.end).await;
+    let cpu_after = (
+        sub_cpu(&sub_pids),
+        cpu_seconds(global_pid),
+        cpu_seconds(nats_pid),
+    );
+    let rss: Vec<f64> = sub_pids
+        .iter()
+        .map(|&pid| rss_bytes(pid).unwrap_or(0) as f64)
+        .collect();
+    let global_rss = rss_bytes(global_pid).unwrap_or(0) as f64;
+
+    let mut all = Record::default();
+    for task in tasks {
+        let record = task.await.context("a simulated client failed")?;
+        for (into, from) in all.latencies.iter_mut().zip(record.latencies) {
+            into.extend(from);
+        }
+        all.failures += record.failures;
+    }
+    drop(submasters);
+    drop(global_master);
+
+    let seconds = sweep.window.as_secs_f64();
+    let pings = all.latencies[Kind::Ping as usize].len();
+    let mut ops: Vec<u32> = all.latencies[1..].iter().flatten().copied().collect();
+    ops.sort_unstable();
+    let mut puts = std::mem::take(&mut all.latencies[Kind::Put as usize]);
+    puts.sort_unstable();
+    let requests = (ops.len() + pings) as f64;
+    let per_k = |before: f64, after: f64| (after - before) / (requests / 1000.0).max(1e-9);
+    Ok(Point {
+        ops_per_s: ops.len() as f64 / seconds,
+        requests_per_s: requests / seconds,
+        p50_us: percentile(&ops, 0.5),
+        p99_us: percentile(&ops, 0.99),
+        put_p99_us: percentile(&puts, 0.99),
+        failures: all.failures,
+        sub_cpu_per_k: per_k(cpu_before.0, cpu_after.0),
+        global_cpu_per_k: per_k(cpu_before.1, cpu_after.1),
+        nats_cpu_per_k: per_k(cpu_before.2, cpu_after.2),
+        sub_rss_max: rss.iter().copied().fold(0.0, f64::max),
+        sub_rss_total: rss.iter().sum(),
+        global_rss,
+    })
+}
+
+/// Runs the workload.
+///
+/// # Errors
+/// When a master does not start or NATS fails.
+pub async fn run(
+    nats: &BenchNats,
+    quick: bool,
+    args: &ScaleArgs,
+    printer: &mut Printer,
+) -> anyhow::Result<()> {
+    let (sweep, points) = if quick {
+        let sweep = Sweep {
+            clients: (args.clients / 20).max(1),
+            rate: args.rate / 10.0,
+            mix: args.mix,
+            warmup: Duration::from_millis(500),
+            window: Duration::from_millis(1500),
+        };
+        (sweep, vec![1, 2])
+    } else {
+        let sweep = Sweep {
+            clients: args.clients,
+            rate: args.rate,
+            mix: args.mix,
+            warmup: Duration::from_secs(5),
+            window: Duration::from_secs(15),
+        };
+        (sweep, vec![1, 2, 4, 8])
+    };
+    let mut results: Vec<(usize, Point)> = Vec::new();
+    for n in points {
+        eprintln!(
+            "bench scale: N={n}: {} clients ({} each), {} ops/s offered + 1 ping/s per client, {} s",
+            sweep.clients,
+            sweep.clients / n,
+            sweep.rate,
+            sweep.window.as_secs_f64()
+        );
+        let point = run_point(nats, &sweep, n).await?;
+        results.push((n, point));
+    }
+    let base = results.first().map(|(_, p)| *p).unwrap_or_default();
+    let offered = sweep.rate + sweep.clients as f64;
+    for (n, p) in &results {
+        let tag = format!("N={n}, {} clients", sweep.clients);
+        let rows: [(String, f64, &'static str, f64); 11] = [
+            (
+                format!("{tag}: sustained ops/s (puts, gets, exists)"),
+                p.ops_per_s,
+                "ops/s",
+                base.ops_per_s,
+            ),
+            (
+                format!("{tag}: sustained requests/s (ops + pings)"),
+                p.requests_per_s,
+                "req/s",
+                base.requests_per_s,
+            ),
+            (
+                format!("{tag}: op latency p50"),
+                p.p50_us,
+                "us",
+                base.p50_us,
+            ),
+            (
+                format!("{tag}: op latency p99"),
+                p.p99_us,
+                "us",
+                base.p99_us,
+            ),
+            (
+                format!("{tag}: put latency p99"),
+                p.put_p99_us,
+                "us",
+                base.put_p99_us,
+            ),
+            (
+                format!("{tag}: sub-master CPU per 1000 requests (all N)"),
+                p.sub_cpu_per_k,
+                "cpu-s",
+                base.sub_cpu_per_k,
+            ),
+            (
+                format!("{tag}: global-master CPU per 1000 requests"),
+                p.global_cpu_per_k,
+                "cpu-s",
+                base.global_cpu_per_k,
+            ),
+            (
+                format!("{tag}: nats-server CPU per 1000 requests"),
+                p.nats_cpu_per_k,
+                "cpu-s",
+                base.nats_cpu_per_k,
+            ),
+            (
+                format!("{tag}: largest sub-master RSS"),
+                p.sub_rss_max / 1048576.0,
+                "MiB",
+                base.sub_rss_max / 1048576.0,
+            ),
+            (
+                format!("{tag}: all sub-masters RSS"),
+                p.sub_rss_total / 1048576.0,
+                "MiB",
+                base.sub_rss_total / 1048576.0,
+            ),
+            (
+                format!("{tag}: global-master RSS"),
+                p.global_rss / 1048576.0,
+                "MiB",
+                base.global_rss / 1048576.0,
+            ),
+        ];
+        for (metric, value, unit, baseline) in rows {
+            printer.print(&BenchResult::new(
+                WORKLOAD,
+                metric,
+                value,
+                unit,
+                "N=1 (same run)",
+                baseline,
+            ));
+        }
+        printer.print(&BenchResult::new(
+            WORKLOAD,
+            format!("{tag}: failed requests in the window"),
+            p.failures as f64,
+            "requests",
+            "requests offered in the window",
+            offered * sweep.window.as_secs_f64(),
+        ));
+    }
+    Ok(())
+}
