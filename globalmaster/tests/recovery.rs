@@ -8,6 +8,8 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use hkvm_events::commit::{CommitConfig, GroupCommitter};
+use hkvm_events::key_hash;
+use hkvm_events::rpc::global::BloomFilter;
 use hkvm_events::rpc::global::GlobalStatusReply;
 use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp, GlobalStatus};
 use hkvm_events::stream::{ensure_stream, StreamSettings};
@@ -15,8 +17,10 @@ use hkvm_events::subject::event_subject;
 use hkvm_events::{
     KvEvent, NodeId, Placement, ProducerId, PutCommitted, SegmentId, SegmentMounted,
 };
+use hkvm_globalmaster::checkpoints;
 use hkvm_projector::{Projection, SourceContent};
 use hkvm_submaster::snapshot::SnapshotStore;
+use tokio::io::AsyncReadExt as _;
 
 use common::{keys, put, removed, wait_applied, Fixture};
 
@@ -233,6 +237,51 @@ async fn a_stream_purged_up_to_a_submaster_snapshot_is_seeded_from_it() {
         master.with_projection(|p| p.source(0).unwrap().capacity_bytes()),
         1 << 20
     );
+}
+
+#[tokio::test]
+async fn checkpoints_and_bloom_filters_are_published_periodically() {
+    let fixture = Fixture::new().await;
+    let a = fixture.subcluster("sc-a", &[]).await;
+    let last = a.commit(vec![put("k1"), put("k2")]).await;
+    let mut config = fixture.config("g1");
+    config.checkpoint_interval_ms = 50;
+    config.bloom_interval_ms = 50;
+    let _master = fixture.start_with(config).await;
+
+    let blooms = checkpoints::object_store(&fixture.js, &fixture.cluster, "blooms")
+        .await
+        .unwrap();
+    let bloom = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            if let Ok(mut object) = blooms.get("sc-a").await {
+                let mut bytes = Vec::new();
+                object.read_to_end(&mut bytes).await.unwrap();
+                return BloomFilter::from_bytes(&bytes).unwrap();
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("a bloom filter is published");
+    assert_eq!(bloom.covers_seq, last);
+    assert!(bloom.may_contain(key_hash("k1")) && bloom.may_contain(key_hash("k2")));
+
+    let store = checkpoints::object_store(&fixture.js, &fixture.cluster, "checkpoints")
+        .await
+        .unwrap();
+    let (name, restored) = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            if let Some(found) = checkpoints::load_newest(&store).await.unwrap() {
+                return found;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("a checkpoint is written");
+    assert_eq!(name, "projection-g1");
+    assert_eq!(restored.index().len(), 2);
 }
 
 #[tokio::test]
