@@ -88,15 +88,25 @@ impl Sources {
         self.keep(task);
     }
 
-    /// Follows every registered and static source; the replica serves once they
-    /// are all caught up (at once when there are none).
+    /// Follows every registered, static and checkpointed source; the replica
+    /// serves once they are all caught up (at once when there are none).
     pub async fn start_initial(&self) -> Result<(), GlobalMasterError> {
         let config = &self.shared.config;
         let store =
             registry::ensure_registry_bucket(&self.js, &config.cluster, config.registry_ttl())
                 .await?;
         let registered = registry::list(&store, config.registry_ttl()).await?;
+        // Sources of a restored checkpoint are followed too, registered or not: what
+        // the checkpoint says of them must be brought up to date (or dropped, if
+        // their stream is gone).
         let mut initial: BTreeSet<SubclusterId> = config.static_sources.iter().cloned().collect();
+        initial.extend(
+            self.shared
+                .read()
+                .sources()
+                .iter()
+                .filter_map(|s| s.subcluster.clone()),
+        );
         {
             let mut map = self
                 .shared
