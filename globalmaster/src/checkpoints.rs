@@ -86,7 +86,9 @@ pub(crate) async fn write(
 ) -> Result<usize, GlobalMasterError> {
     let bytes = {
         let projection = shared.read();
-        checkpoint::encode(&projection).map_err(|e| GlobalMasterError::nats(e.to_string()))?
+        checkpoint::encode(&projection).map_err(|e| {
+            GlobalMasterError::new(crate::GlobalMasterErrorKind::Checkpoint(e.to_string()))
+        })?
     };
     let name = format!("projection-{}", shared.config.replica);
     store

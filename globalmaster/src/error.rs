@@ -19,6 +19,9 @@ pub enum GlobalMasterErrorKind {
     /// The registry failed.
     #[error("registry: {0}")]
     Registry(String),
+    /// A checkpoint could not be encoded.
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
     /// Binding the metrics port failed.
     #[error("metrics listener: {0}")]
     Metrics(String),

@@ -195,6 +195,7 @@ async fn proxy(
         .map(|_| ItemResult::Err(ItemError::NotFound))
         .collect();
     let timeout = Duration::from_millis(shared.config.proxy_timeout_ms.max(1));
+    let retry_ms = shared.config.busy_retry_ms;
     let asks = groups.into_iter().map(|(subcluster, indexes)| {
         let keys: Vec<String> = indexes.iter().map(|&i| request.keys[i].clone()).collect();
         let subject = submaster_rpc_subject(
@@ -206,8 +207,8 @@ async fn proxy(
             let payload = encode(&GetReplicaList { keys })?;
             let answer = tokio::time::timeout(timeout, client.request(subject, payload.into()))
                 .await
-                .map_err(|_| unanswered(&subcluster, "timed out"))?
-                .map_err(|e| unanswered(&subcluster, &e.to_string()))?;
+                .map_err(|_| unanswered(retry_ms, &subcluster, "timed out"))?
+                .map_err(|e| unanswered(retry_ms, &subcluster, &e.to_string()))?;
             let reply: RpcReply<GetReplicaListReply> = decode(&answer.payload)?;
             let reply = reply.into_result()?;
             if reply.len() != indexes.len() {
@@ -240,9 +241,9 @@ async fn proxy(
     })
 }
 
-fn unanswered(subcluster: &SubclusterId, why: &str) -> RpcError {
+fn unanswered(retry_ms: u64, subcluster: &SubclusterId, why: &str) -> RpcError {
     RpcError::busy(
-        200,
+        retry_ms,
         format!("sub-master of {subcluster} did not answer: {why}"),
     )
 }
