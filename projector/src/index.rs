@@ -230,6 +230,15 @@ impl KeyIndex {
         self.bitmaps.get(source)
     }
 
+    /// The ids `source` holds and `other` does not (`a.andnot(b)`: what a copy
+    /// from `source` to `other` would have to move).
+    pub fn missing_from(&self, source: usize, other: usize) -> RoaringBitmap {
+        let empty = RoaringBitmap::new();
+        let mine = self.bitmaps.get(source).unwrap_or(&empty);
+        let theirs = self.bitmaps.get(other).unwrap_or(&empty);
+        mine - theirs
+    }
+
     /// The key hash of an id.
     pub fn hash_of(&self, id: u32) -> Option<u64> {
         self.hashes.get(id as usize).copied()
@@ -335,6 +344,25 @@ mod tests {
         // The freed id is reused.
         assert!(index.insert(1, 11));
         assert_eq!(index.parts().0.len(), 1);
+    }
+
+    #[test]
+    fn differences_between_sources_are_set_algebra() {
+        let mut index = KeyIndex::new();
+        for hash in 0..10 {
+            index.insert(0, hash);
+        }
+        for hash in 5..15 {
+            index.insert(1, hash);
+        }
+        let missing: Vec<u64> = index
+            .missing_from(0, 1)
+            .iter()
+            .filter_map(|id| index.hash_of(id))
+            .collect();
+        assert_eq!(missing, vec![0, 1, 2, 3, 4]);
+        assert_eq!(index.missing_from(1, 0).len(), 5);
+        assert_eq!(index.missing_from(0, 7).len(), 10);
     }
 
     #[test]
