@@ -285,10 +285,12 @@ impl Follower {
                 }
             }
         }
-        let mut projection = self.shared.write();
         let mut events = 0u64;
         let mut messages = 0u64;
         for message in decoded {
+            // The lock is taken per message, so queries wait at most one message's
+            // fold, not a whole chunk's.
+            let mut projection = self.shared.write();
             let result = message.and_then(|m| projection.apply_decoded(self.source, m));
             match result {
                 Ok(applied) => {
@@ -322,8 +324,7 @@ impl Follower {
                 },
             }
         }
-        let applied = projection.source(self.source).map_or(0, |s| s.applied_seq);
-        drop(projection);
+        let applied = self.applied_seq();
         self.shared
             .metrics
             .events_applied
