@@ -258,3 +258,156 @@ pub fn route(
         })
         .collect())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use hkvm_events::registry::{Registered, SubmasterInfo};
+    use hkvm_events::rpc::global::{LabelFilter, LabelMode};
+    use hkvm_events::{
+        ClusterId, KvEvent, Placement, ProducerId, PutCommitted, SegmentId, SubclusterId,
+    };
+    use hkvm_projector::Projection;
+
+    use super::*;
+
+    fn sc(name: &str) -> SubclusterId {
+        SubclusterId::new(name).unwrap()
+    }
+
+    fn put(key: &str) -> KvEvent {
+        KvEvent::PutCommitted(PutCommitted::new(
+            key,
+            1,
+            0,
+            vec![Placement {
+                segment: SegmentId::new("g").unwrap(),
+                offset: 0,
+            }],
+        ))
+    }
+
+    fn registered(name: &str, pool: &str, alive: bool) -> (SubclusterId, Registered) {
+        let info = SubmasterInfo {
+            id: ProducerId::new(format!("sm-{name}")).unwrap(),
+            cluster: ClusterId::new("c").unwrap(),
+            subcluster: sc(name),
+            rpc_prefix: format!("hkvm.c.{name}.rpc"),
+            labels: BTreeMap::from([("pool".to_owned(), pool.to_owned())]),
+            capacity_bytes: 0,
+            used_bytes: 0,
+            objects: 0,
+            epoch: 1,
+            stream: String::new(),
+            last_seq: 0,
+            unix_ms: 0,
+        };
+        (
+            sc(name),
+            Registered {
+                info,
+                alive,
+                age_ms: 0,
+            },
+        )
+    }
+
+    /// a (pool x, alive), b (pool y, alive), c (pool y, dead), d (unregistered).
+    fn fixture() -> (Projection, BTreeMap<SubclusterId, Registered>) {
+        let mut projection = Projection::new();
+        let sources: Vec<usize> = ["a", "b", "c", "d"]
+            .iter()
+            .map(|name| projection.source_index(&sc(name), "s"))
+            .collect();
+        for key in ["k0", "k1", "k2"] {
+            projection.apply(sources[0], &put(key));
+        }
+        for key in ["k0", "k1"] {
+            projection.apply(sources[1], &put(key));
+        }
+        projection.apply(sources[2], &put("k0"));
+        projection.apply(sources[3], &put("k0"));
+        let registry = BTreeMap::from([
+            registered("a", "x", true),
+            registered("b", "y", true),
+            registered("c", "y", false),
+        ]);
+        (projection, registry)
+    }
+
+    fn filter(mode: LabelMode) -> LabelFilter {
+        LabelFilter {
+            labels: BTreeMap::from([("pool".to_owned(), "y".to_owned())]),
+            mode,
+        }
+    }
+
+    fn names(list: Vec<&SubclusterId>) -> Vec<&str> {
+        list.into_iter().map(SubclusterId::as_str).collect()
+    }
+
+    #[test]
+    fn soft_labels_rank_and_hard_labels_restrict() {
+        let (projection, registry) = fixture();
+        let keys = ["k0", "k2", "none"];
+        let soft = views(&projection, &registry, Some(&filter(LabelMode::Soft)));
+        let reply = batch_is_exist(&projection, &soft, &keys, Staleness::default()).unwrap();
+        assert_eq!(names(reply.holders_of(0)), vec!["b", "c", "a", "d"]);
+        assert_eq!(names(reply.holders_of(1)), vec!["a"]);
+        assert!(reply.holders_of(2).is_empty());
+        let hard = views(&projection, &registry, Some(&filter(LabelMode::Hard)));
+        let reply = batch_is_exist(&projection, &hard, &keys, Staleness::default()).unwrap();
+        assert_eq!(names(reply.holders_of(0)), vec!["b", "c"]);
+        assert!(reply.holders_of(1).is_empty());
+        assert_eq!(reply.subclusters.len(), 2);
+    }
+
+    #[test]
+    fn prefixes_stop_at_the_first_miss_and_rank_longest_first() {
+        let (projection, registry) = fixture();
+        let all = views(&projection, &registry, None);
+        let keys = ["k0", "k1", "k2", "k3"].map(String::from);
+        let prefixes: Vec<(String, u32)> = prefix_hit(&projection, &all, &keys)
+            .unwrap()
+            .into_iter()
+            .map(|p| (p.subcluster.to_string(), p.hits))
+            .collect();
+        assert_eq!(
+            prefixes,
+            vec![
+                ("a".into(), 3),
+                ("b".into(), 2),
+                ("c".into(), 1),
+                ("d".into(), 1)
+            ]
+        );
+        let soft = views(&projection, &registry, Some(&filter(LabelMode::Soft)));
+        let first = &prefix_hit(&projection, &soft, &keys).unwrap()[0];
+        assert_eq!((first.subcluster.as_str(), first.hits), ("b", 2));
+        let too_many: Vec<String> = (0..=MAX_PREFIX_KEYS).map(|i| format!("k{i}")).collect();
+        assert!(prefix_hit(&projection, &soft, &too_many).is_err());
+    }
+
+    #[test]
+    fn routing_prefers_a_live_owner_and_locate_says_who_is_dead() {
+        let (projection, registry) = fixture();
+        let soft = views(&projection, &registry, Some(&filter(LabelMode::Soft)));
+        let keys = ["k0", "k2", "none"].map(String::from);
+        let routes = route(&projection, &soft, &registry, &keys).unwrap();
+        assert_eq!(routes, vec![Some(sc("b")), Some(sc("a")), None]);
+        let cluster = ClusterId::new("c").unwrap();
+        let owners = locate(&cluster, &projection, &soft, &registry, &keys).unwrap();
+        let k0: Vec<(&str, bool)> = owners[0]
+            .iter()
+            .map(|o| (o.subcluster.as_str(), o.alive))
+            .collect();
+        assert_eq!(
+            k0,
+            vec![("b", true), ("c", false), ("a", true), ("d", false)]
+        );
+        assert_eq!(owners[0][3].rpc_prefix, "hkvm.c.d.rpc");
+        assert!(owners[2].is_empty());
+        assert!(check_keys(&[String::new()], 10).is_err());
+    }
+}
