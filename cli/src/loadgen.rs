@@ -68,9 +68,19 @@ pub struct LoadgenArgs {
     /// Keys that must not exist (`verify`), one a line.
     #[arg(long)]
     pub absent_file: Option<PathBuf>,
+    /// Instead of `--keys-file`: a NATS subject that answers a request with the
+    /// keys, one a line (a test serves its key lists this way).
+    #[arg(long, conflicts_with = "keys_file")]
+    pub keys_subject: Option<String>,
+    /// Instead of `--absent-file`: a NATS subject answering with the absent keys.
+    #[arg(long, conflicts_with = "absent_file")]
+    pub absent_subject: Option<String>,
     /// How long one client call keeps retrying `Busy` or a missing leader.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
     pub retry_deadline: Duration,
+    /// How long one request waits for its reply before it is retried or fails.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "2s")]
+    pub request_timeout: Duration,
 }
 
 /// The value stored under `key`: `size` bytes from a generator seeded by the key's
@@ -94,12 +104,27 @@ fn now_ms() -> u128 {
         .map_or(0, |d| d.as_millis())
 }
 
-fn read_keys(path: Option<&PathBuf>) -> anyhow::Result<Vec<String>> {
-    let Some(path) = path else {
-        return Ok(Vec::new());
+/// Keys from a file, or from the reply to a request on a NATS subject.
+async fn read_keys(
+    nats: &async_nats::Client,
+    path: Option<&PathBuf>,
+    subject: Option<&String>,
+) -> anyhow::Result<Vec<String>> {
+    let text = match (path, subject) {
+        (Some(path), _) => {
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?
+        }
+        (None, Some(subject)) => {
+            let reply = tokio::time::timeout(
+                Duration::from_secs(10),
+                nats.request(subject.clone(), bytes::Bytes::new()),
+            )
+            .await
+            .with_context(|| format!("no keys on {subject}"))??;
+            String::from_utf8_lossy(&reply.payload).into_owned()
+        }
+        (None, None) => return Ok(Vec::new()),
     };
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     Ok(text
         .lines()
         .map(str::trim)
@@ -120,19 +145,26 @@ pub async fn run(args: LoadgenArgs) -> anyhow::Result<()> {
         args.at.subcluster.clone(),
         ClientConfig {
             retry_deadline: args.retry_deadline,
+            request_timeout: args.request_timeout,
             ..ClientConfig::default()
         },
     );
     let kv = KvClient::new(metadata.clone(), Arc::new(TcpTransport::default()));
+    let keys = read_keys(&nats, args.keys_file.as_ref(), args.keys_subject.as_ref()).await?;
     match args.mode {
         Mode::Put => put(&args, kv).await,
-        Mode::Verify => verify(&args, kv).await,
-        Mode::Query => {
-            query(
-                &args,
-                GlobalClient::new(nats, args.at.target.cluster.clone()),
+        Mode::Verify => {
+            let absent = read_keys(
+                &nats,
+                args.absent_file.as_ref(),
+                args.absent_subject.as_ref(),
             )
-            .await
+            .await?;
+            verify(keys, absent, kv).await
+        }
+        Mode::Query => {
+            let global = GlobalClient::new(nats, args.at.target.cluster.clone());
+            query(&args, keys, global).await
         }
     }
 }
@@ -237,9 +269,7 @@ async fn revoke_one(kv: &KvClient, key: &str, size: u64, replicas: u32, tally: &
     }
 }
 
-async fn verify(args: &LoadgenArgs, kv: KvClient) -> anyhow::Result<()> {
-    let keys = read_keys(args.keys_file.as_ref())?;
-    let absent = read_keys(args.absent_file.as_ref())?;
+async fn verify(keys: Vec<String>, absent: Vec<String>, kv: KvClient) -> anyhow::Result<()> {
     let (mut ok, mut missing, mut corrupt, mut errors) = (0u64, Vec::new(), Vec::new(), Vec::new());
     for chunk in keys.chunks(256) {
         let refs: Vec<&str> = chunk.iter().map(String::as_str).collect();
@@ -276,8 +306,8 @@ async fn verify(args: &LoadgenArgs, kv: KvClient) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn query(args: &LoadgenArgs, global: GlobalClient) -> anyhow::Result<()> {
-    let keys = Arc::new(read_keys(args.keys_file.as_ref())?);
+async fn query(args: &LoadgenArgs, keys: Vec<String>, global: GlobalClient) -> anyhow::Result<()> {
+    let keys = Arc::new(keys);
     let stop = Arc::new(AtomicBool::new(false));
     let queriers: Vec<_> = (0..args.clients)
         .map(|_| {

@@ -2,7 +2,10 @@
 //! container hostnames, reachable only there) and reading back what it saw: one
 //! JSON line per result on the container's stdout.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
+
+use futures::StreamExt as _;
 
 use hkvm_itests::images::hkvm_image;
 use serde_json::Value;
@@ -27,15 +30,45 @@ pub struct PutRun {
 /// A load generator started in the background.
 pub struct Running {
     container: Container,
+    /// Tasks answering the load generator's requests for key lists.
+    servers: Vec<tokio::task::JoinHandle<()>>,
 }
 
-/// Starts `hkvm loadgen` against `subcluster` with extra `args`; `files` are copied
-/// into the container first (`(path, contents)`).
+static NEXT_LIST: AtomicU32 = AtomicU32::new(0);
+
+/// Answers every request on a fresh subject with `keys`, one a line (the load
+/// generator asks for its key lists over NATS rather than through files copied
+/// into its container); returns the subject.
+async fn serve_keys(
+    nats: async_nats::Client,
+    keys: &[String],
+) -> (String, tokio::task::JoinHandle<()>) {
+    let subject = format!(
+        "chaos.keys.{}.{}",
+        std::process::id(),
+        NEXT_LIST.fetch_add(1, Ordering::Relaxed)
+    );
+    let mut requests = nats.subscribe(subject.clone()).await.unwrap();
+    nats.flush().await.unwrap();
+    let body = bytes::Bytes::from(keys.join("\n"));
+    let server = tokio::spawn(async move {
+        while let Some(request) = requests.next().await {
+            if let Some(reply) = request.reply {
+                let _ = nats.publish(reply, body.clone()).await;
+            }
+        }
+    });
+    (subject, server)
+}
+
+/// Starts `hkvm loadgen` against `subcluster` with extra `args`; each of
+/// `key_lists` (`(flag, keys)`, e.g. `("--keys-subject", keys)`) is served over
+/// NATS and its subject passed with the flag.
 pub async fn start(
     topology: &Topology,
     subcluster: &str,
     args: &[String],
-    files: Vec<(&str, String)>,
+    key_lists: Vec<(&str, &[String])>,
 ) -> Running {
     let mut cmd = vec![
         "loadgen".to_owned(),
@@ -47,15 +80,21 @@ pub async fn start(
         subcluster.to_owned(),
     ];
     cmd.extend(args.iter().cloned());
-    let mut request = hkvm_image()
+    let mut servers = Vec::new();
+    for (flag, keys) in key_lists {
+        let (subject, server) = serve_keys(topology.connect(0).await, keys).await;
+        cmd.extend([flag.to_owned(), subject]);
+        servers.push(server);
+    }
+    let container = hkvm_image()
         .with_network(&topology.network)
         .with_env_var("RUST_LOG", "error")
-        .with_startup_timeout(Duration::from_secs(60));
-    for (path, contents) in files {
-        request = request.with_copy_to(path, contents.into_bytes());
-    }
-    let container = request.with_cmd(cmd).start().await.unwrap();
-    Running { container }
+        .with_startup_timeout(Duration::from_secs(60))
+        .with_cmd(cmd)
+        .start()
+        .await
+        .unwrap();
+    Running { container, servers }
 }
 
 impl Running {
@@ -63,6 +102,9 @@ impl Running {
     pub async fn finish(self) -> Vec<Value> {
         for _ in 0..1200 {
             if let Some(code) = self.container.exit_code().await.unwrap() {
+                for server in &self.servers {
+                    server.abort();
+                }
                 let stdout = self.container.stdout_to_vec().await.unwrap();
                 let stderr = self.container.stderr_to_vec().await.unwrap();
                 assert_eq!(
@@ -117,6 +159,8 @@ pub async fn puts(
         "2048",
         "--replicas",
         "2",
+        "--request-timeout",
+        "500ms",
     ]
     .iter()
     .map(|s| (*s).to_owned())
@@ -133,19 +177,8 @@ pub async fn verify(
     present: &[String],
     absent: &[String],
 ) -> Value {
-    let args = [
-        "--mode",
-        "verify",
-        "--keys-file",
-        "/data/present.txt",
-        "--absent-file",
-        "/data/absent.txt",
-    ]
-    .map(str::to_owned);
-    let files = vec![
-        ("/data/present.txt", present.join("\n")),
-        ("/data/absent.txt", absent.join("\n")),
-    ];
+    let args = ["--mode", "verify"].map(str::to_owned);
+    let files = vec![("--keys-subject", present), ("--absent-subject", absent)];
     let mut lines = start(topology, subcluster, &args, files)
         .await
         .finish()
@@ -155,7 +188,7 @@ pub async fn verify(
 
 /// Asserts that a `verify` line found every key intact and no absent key.
 pub fn assert_verified(line: &Value, expected: usize) {
-    let empty = |field: &str| line[field].as_array().map_or(true, Vec::is_empty);
+    let empty = |field: &str| line[field].as_array().is_none_or(Vec::is_empty);
     assert!(
         empty("missing") && empty("corrupt") && empty("errors") && empty("appeared"),
         "verification failed: {line}"

@@ -42,6 +42,8 @@ pub struct Spec {
     pub segment_size: &'static str,
     /// A NATS config file for every NATS node (security), if any.
     pub nats_conf: Option<String>,
+    /// The sub-masters' TOML settings.
+    pub submaster_toml: String,
     /// Per sub-cluster, `--nats` URL credentials `user:password@` for sub-masters.
     pub submaster_credentials: BTreeMap<&'static str, String>,
 }
@@ -55,6 +57,7 @@ impl Default for Spec {
             globals: 2,
             segment_size: "32MiB",
             nats_conf: None,
+            submaster_toml: SUBMASTER_TOML.to_owned(),
             submaster_credentials: BTreeMap::new(),
         }
     }
@@ -72,8 +75,6 @@ pub struct Topology {
     pub nodes: BTreeMap<String, Container>,
     /// Global-master replicas.
     pub globals: Vec<Container>,
-    /// The host-side client port of each NATS node.
-    pub host_ports: Vec<u16>,
 }
 
 static NEXT: AtomicU32 = AtomicU32::new(0);
@@ -98,18 +99,11 @@ impl Topology {
             submasters: BTreeMap::new(),
             nodes: BTreeMap::new(),
             globals: Vec::new(),
-            host_ports: Vec::new(),
         };
         // NATS nodes start together: none is ready before a quorum routes.
         let starts = (0..3).map(|i| topology.nats_request(i, spec).start());
         for started in futures::future::join_all(starts).await {
             let container = started.expect("start a NATS container (run scripts/build-images)");
-            topology.host_ports.push(
-                container
-                    .get_host_port_ipv4(NATS_CLIENT_PORT)
-                    .await
-                    .unwrap(),
-            );
             topology.nats.push(container);
         }
         topology.wait_jetstream().await;
@@ -217,7 +211,10 @@ impl Topology {
             .with_network(&self.network)
             .with_container_name(format!("{}-{subcluster}-sm{index}", self.network))
             .with_env_var("RUST_LOG", "info")
-            .with_copy_to("/etc/submaster.toml", SUBMASTER_TOML.as_bytes().to_vec())
+            .with_copy_to(
+                "/etc/submaster.toml",
+                spec.submaster_toml.clone().into_bytes(),
+            )
             .with_cmd([
                 "submaster".to_owned(),
                 "--nats".to_owned(),
@@ -277,14 +274,21 @@ impl Topology {
             .join(",")
     }
 
-    /// The host-side URL of NATS node `index`.
-    pub fn host_url(&self, index: usize) -> String {
-        format!("nats://127.0.0.1:{}", self.host_ports[index])
+    /// The host-side URL of NATS node `index` (looked up each time: a restarted
+    /// container gets a new host port).
+    pub async fn host_url(&self, index: usize) -> String {
+        let port = self.nats[index]
+            .get_host_port_ipv4(NATS_CLIENT_PORT)
+            .await
+            .unwrap();
+        format!("nats://127.0.0.1:{port}")
     }
 
     /// A connection from the test to NATS node `index`.
     pub async fn connect(&self, index: usize) -> async_nats::Client {
-        async_nats::connect(self.host_url(index)).await.unwrap()
+        async_nats::connect(self.host_url(index).await)
+            .await
+            .unwrap()
     }
 
     /// A sub-master client from the test (through NATS node 0).
@@ -331,10 +335,5 @@ impl Topology {
             .get(key)
             .or_else(|| self.nodes.get(key))
             .unwrap_or_else(|| panic!("no container {key}"))
-    }
-
-    /// The container name of sub-master `index` of `subcluster`.
-    pub fn submaster_name(&self, subcluster: &str, index: usize) -> String {
-        format!("{}-{subcluster}-sm{index}", self.network)
     }
 }
