@@ -3,3 +3,4 @@
 //! in `tests/`; this library holds their shared container helpers.
 
 pub mod images;
+pub mod security;

@@ -73,7 +73,7 @@ pub async fn start(
     let mut cmd = vec![
         "loadgen".to_owned(),
         "--nats".to_owned(),
-        topology.inside_url(),
+        topology.client_url(),
         "--cluster".to_owned(),
         CLUSTER.to_owned(),
         "--subcluster".to_owned(),

@@ -17,4 +17,5 @@ mod scenario_kill_global;
 mod scenario_kill_leader;
 mod scenario_nats_node;
 mod scenario_partition;
+mod scenario_security;
 mod topology;

@@ -10,6 +10,7 @@ use std::time::Duration;
 use hkvm_client::{ClientConfig, SubmasterClient};
 use hkvm_events::{ClusterId, SubclusterId};
 use hkvm_itests::images::{hkvm_image, nats_image, NATS_CLIENT_PORT};
+use hkvm_itests::security;
 use testcontainers::core::WaitFor;
 use testcontainers::runners::AsyncRunner as _;
 use testcontainers::{ContainerAsync, GenericImage, ImageExt as _};
@@ -40,12 +41,11 @@ pub struct Spec {
     pub globals: usize,
     /// Segment size of every node.
     pub segment_size: &'static str,
-    /// A NATS config file for every NATS node (security), if any.
-    pub nats_conf: Option<String>,
+    /// Run NATS with the per-role users and permissions of
+    /// `hkvm_itests::security` (every HKVM process logs in as its role).
+    pub secure: bool,
     /// The sub-masters' TOML settings.
     pub submaster_toml: String,
-    /// Per sub-cluster, `--nats` URL credentials `user:password@` for sub-masters.
-    pub submaster_credentials: BTreeMap<&'static str, String>,
 }
 
 impl Default for Spec {
@@ -56,9 +56,8 @@ impl Default for Spec {
             nodes: 2,
             globals: 2,
             segment_size: "32MiB",
-            nats_conf: None,
+            secure: false,
             submaster_toml: SUBMASTER_TOML.to_owned(),
-            submaster_credentials: BTreeMap::new(),
         }
     }
 }
@@ -67,6 +66,8 @@ impl Default for Spec {
 pub struct Topology {
     /// The private network.
     pub network: String,
+    /// Whether NATS runs with per-role users (see [`Spec::secure`]).
+    pub secure: bool,
     /// NATS nodes (index = name suffix).
     pub nats: Vec<Container>,
     /// Sub-masters by `<subcluster>/<index>`; index 0 started first and leads.
@@ -95,6 +96,7 @@ impl Topology {
         let network = unique_network();
         let mut topology = Self {
             network: network.clone(),
+            secure: spec.secure,
             nats: Vec::new(),
             submasters: BTreeMap::new(),
             nodes: BTreeMap::new(),
@@ -131,7 +133,7 @@ impl Topology {
                     .with_cmd([
                         "node".to_owned(),
                         "--nats".to_owned(),
-                        topology.inside_url(),
+                        topology.client_url(),
                         "--cluster".to_owned(),
                         CLUSTER.to_owned(),
                         "--subcluster".to_owned(),
@@ -187,9 +189,11 @@ impl Topology {
             .with_network(&self.network)
             .with_container_name(&name)
             .with_startup_timeout(Duration::from_secs(60));
-        if let Some(conf) = &spec.nats_conf {
+        if spec.secure {
+            let subclusters: Vec<&str> = spec.subclusters.iter().map(|(s, _)| *s).collect();
+            let conf = security::nats_conf(CLUSTER, &subclusters);
             cmd.extend(["-c".to_owned(), "/etc/nats.conf".to_owned()]);
-            request = request.with_copy_to("/etc/nats.conf", conf.clone().into_bytes());
+            request = request.with_copy_to("/etc/nats.conf", conf.into_bytes());
         }
         request.with_cmd(cmd)
     }
@@ -201,11 +205,7 @@ impl Topology {
         labels: &str,
         index: usize,
     ) -> testcontainers::ContainerRequest<GenericImage> {
-        let credentials = spec
-            .submaster_credentials
-            .get(subcluster)
-            .cloned()
-            .unwrap_or_default();
+        let credentials = self.credentials(&security::submaster_user(subcluster));
         hkvm_image()
             .with_wait_for(WaitFor::message_on_stderr("sub-master starting"))
             .with_network(&self.network)
@@ -245,7 +245,7 @@ impl Topology {
             .with_cmd([
                 "globalmaster".to_owned(),
                 "--nats".to_owned(),
-                self.inside_url(),
+                self.inside_url_with(&self.credentials(security::GLOBAL_USER)),
                 "--cluster".to_owned(),
                 CLUSTER.to_owned(),
                 "--replica".to_owned(),
@@ -261,9 +261,18 @@ impl Topology {
         format!("{}-nats-{index}", self.network)
     }
 
-    /// The NATS URLs as seen from inside the network (every node).
-    pub fn inside_url(&self) -> String {
-        self.inside_url_with("")
+    /// `user:password@` for `user` when NATS is secured, else nothing.
+    pub fn credentials(&self, user: &str) -> String {
+        if self.secure {
+            format!("{user}:{}@", security::password(user))
+        } else {
+            String::new()
+        }
+    }
+
+    /// The NATS URLs as seen from inside the network, as a node or client.
+    pub fn client_url(&self) -> String {
+        self.inside_url_with(&self.credentials(security::CLIENT_USER))
     }
 
     /// Like [`Topology::inside_url`], with `user:password@` credentials.
@@ -284,11 +293,18 @@ impl Topology {
         format!("nats://127.0.0.1:{port}")
     }
 
-    /// A connection from the test to NATS node `index`.
+    /// A connection from the test to NATS node `index` (as the operator).
     pub async fn connect(&self, index: usize) -> async_nats::Client {
-        async_nats::connect(self.host_url(index).await)
-            .await
-            .unwrap()
+        self.connect_as(index, security::ADMIN_USER).await
+    }
+
+    /// A connection from the test to NATS node `index` as `user`.
+    pub async fn connect_as(&self, index: usize, user: &str) -> async_nats::Client {
+        let mut options = async_nats::ConnectOptions::new();
+        if self.secure {
+            options = options.user_and_password(user.to_owned(), security::password(user));
+        }
+        options.connect(self.host_url(index).await).await.unwrap()
     }
 
     /// A sub-master client from the test (through NATS node 0).
