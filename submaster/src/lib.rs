@@ -12,6 +12,7 @@ pub mod command;
 pub mod config;
 pub mod election;
 pub mod error;
+pub mod keyhash;
 pub mod metrics;
 pub mod placement;
 pub mod server;

@@ -84,33 +84,33 @@ pub fn encode(state: &State) -> Result<Vec<u8>, SubmasterError> {
             endpoint: segment.endpoint.clone(),
         });
     }
-    let mut objects: Vec<(u64, ObjectRecord)> = state
+    // Sort small (order, key, object) references, not the records: moving fat
+    // records dominated encoding.
+    let mut ordered: Vec<(u64, &str, &crate::state::Object)> = state
         .objects()
-        .map(|(key, object)| {
-            let replicas = object
+        .map(|(key, object)| (object.order, key, object))
+        .collect();
+    ordered.sort_unstable_by_key(|(order, _, _)| *order);
+    let objects = ordered
+        .into_iter()
+        .map(|(_, key, object)| ObjectRecord {
+            key: key.to_owned(),
+            size: object.size,
+            checksum: object.checksum,
+            replicas: object
                 .replicas
                 .iter()
                 .filter_map(|r| Some((*index_of.get(&r.slot)?, r.offset)))
-                .collect();
-            (
-                object.order,
-                ObjectRecord {
-                    key: key.to_owned(),
-                    size: object.size,
-                    checksum: object.checksum,
-                    replicas,
-                    flags: object.flags.0,
-                },
-            )
+                .collect(),
+            flags: object.flags.0,
         })
         .collect();
-    objects.sort_unstable_by_key(|(order, _)| *order);
     let file = SnapshotFile {
         version: SNAPSHOT_VERSION,
         covers_seq: state.applied_seq,
         max_epoch: state.max_epoch,
         segments,
-        objects: objects.into_iter().map(|(_, o)| o).collect(),
+        objects,
     };
     let body = rmp_serde::to_vec_named(&file).map_err(|e| snapshot_error("encoding", e))?;
     let mut bytes = Vec::with_capacity(body.len() + 8);

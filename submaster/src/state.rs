@@ -14,6 +14,7 @@ use std::sync::Arc;
 use hkvm_events::{KvEvent, NodeId, Placement, PutCommitted, PutFlags, SegmentId, SegmentMounted};
 
 use crate::allocator::SegmentAllocator;
+use crate::keyhash::KeyHashBuilder;
 
 /// Index of a mounted segment in the state's segment table; objects refer to
 /// segments by slot so a replica costs 16 bytes, not a copy of the segment name.
@@ -90,15 +91,18 @@ pub struct State {
     pub max_epoch: u64,
     slots: Vec<Option<Segment>>,
     free_slots: Vec<Slot>,
-    by_segment: HashMap<SegmentId, Slot>,
-    objects: HashMap<Arc<str>, Object>,
+    by_segment: HashMap<SegmentId, Slot, KeyHashBuilder>,
+    /// Mounted segments per node, so a ping's "is this node known" is one lookup
+    /// instead of a scan of every segment.
+    segments_per_node: HashMap<NodeId, u32, KeyHashBuilder>,
+    objects: HashMap<Arc<str>, Object, KeyHashBuilder>,
     next_order: u64,
     /// Apply anomalies so far.
     pub anomalies: ApplyAnomalies,
     /// Ephemeral: pending puts by key.
-    pub pending: HashMap<String, PendingPut>,
+    pub pending: HashMap<String, PendingPut, KeyHashBuilder>,
     /// Ephemeral: last ping of each live node (state clock ms).
-    pub liveness: HashMap<NodeId, u64>,
+    pub liveness: HashMap<NodeId, u64, KeyHashBuilder>,
     /// Ephemeral: until this time every object counts as leased (after takeover).
     pub grace_until_ms: u64,
 }
@@ -154,8 +158,13 @@ impl State {
         if let Some(&slot) = self.by_segment.get(&mounted.segment) {
             if let Some(Some(segment)) = self.slots.get_mut(slot as usize) {
                 // A remount (same name): refresh where it is served, keep its data.
-                segment.node = mounted.node.clone();
+                let old = std::mem::replace(&mut segment.node, mounted.node.clone());
                 segment.endpoint.clone_from(&mounted.endpoint);
+                self.forget_node_segment(&old);
+                *self
+                    .segments_per_node
+                    .entry(mounted.node.clone())
+                    .or_insert(0) += 1;
                 return;
             }
         }
@@ -176,6 +185,19 @@ impl State {
             }
         };
         self.by_segment.insert(mounted.segment.clone(), slot);
+        *self
+            .segments_per_node
+            .entry(mounted.node.clone())
+            .or_insert(0) += 1;
+    }
+
+    fn forget_node_segment(&mut self, node: &NodeId) {
+        if let Some(count) = self.segments_per_node.get_mut(node) {
+            *count -= 1;
+            if *count == 0 {
+                self.segments_per_node.remove(node);
+            }
+        }
     }
 
     fn unmount(&mut self, segment: &SegmentId) {
@@ -183,7 +205,9 @@ impl State {
             return;
         };
         if let Some(entry) = self.slots.get_mut(slot as usize) {
-            *entry = None;
+            if let Some(gone) = entry.take() {
+                self.forget_node_segment(&gone.node);
+            }
         }
         self.free_slots.push(slot);
         // Replicas on it are gone; objects without any replica are gone.
@@ -342,7 +366,7 @@ impl State {
 
     /// Whether a node has any segment mounted.
     pub fn knows_node(&self, node: &NodeId) -> bool {
-        self.segments().any(|(_, segment)| &segment.node == node)
+        self.segments_per_node.contains_key(node)
     }
 
     /// Keys whose every replica is on `slots` (they vanish if those go).
@@ -415,5 +439,40 @@ impl State {
         self.applied_seq == other.applied_seq
             && segments(self) == segments(other)
             && objects(self) == objects(other)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use hkvm_events::{NodeLost, SegmentUnmounted};
+
+    use super::*;
+
+    fn mount(state: &mut State, node: &str, segment: &str) {
+        state.apply(&KvEvent::SegmentMounted(SegmentMounted {
+            node: NodeId::new(node).unwrap(),
+            segment: SegmentId::new(segment).unwrap(),
+            size: 1 << 20,
+            endpoint: "127.0.0.1:1".to_owned(),
+        }));
+    }
+
+    #[test]
+    fn a_node_is_known_while_it_has_a_segment() {
+        let mut state = State::new();
+        let (a, b) = (NodeId::new("a").unwrap(), NodeId::new("b").unwrap());
+        mount(&mut state, "a", "a-0");
+        mount(&mut state, "a", "a-1");
+        assert!(state.knows_node(&a) && !state.knows_node(&b));
+        state.apply(&KvEvent::SegmentUnmounted(SegmentUnmounted {
+            node: a.clone(),
+            segment: SegmentId::new("a-0").unwrap(),
+        }));
+        assert!(state.knows_node(&a));
+        // A remount of a-1 by node b moves it.
+        mount(&mut state, "b", "a-1");
+        assert!(!state.knows_node(&a) && state.knows_node(&b));
+        state.apply(&KvEvent::NodeLost(NodeLost { node: b.clone() }));
+        assert!(!state.knows_node(&b));
     }
 }
