@@ -2,10 +2,15 @@
 //! binary's byte-counting allocator while a state of 1 M objects (two replicas
 //! each, block-shaped keys) is folded from events, against the design target of
 //! 200 B; and the process RSS growth per object against that count (the
-//! difference is the system allocator's own overhead). Bytes per key in the global
+//! difference is the system allocator's own overhead); and the snapshot of that
+//! state: its size, and encode/decode rates against the fold of the same events
+//! (in-process, no I/O: the CPU part of a restore). Bytes per key in the global
 //! index are reported by the `ingest` and `exist` workloads, not repeated here.
 
 use hkvm_events::{KvEvent, NodeId, Placement, PutCommitted, SegmentId, SegmentMounted};
+use std::time::Instant;
+
+use hkvm_submaster::snapshot;
 use hkvm_submaster::state::State;
 
 use super::alloc::bytes_in_use;
@@ -81,11 +86,24 @@ pub fn run(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
     let objects = if quick { 100_000 } else { 1_000_000 };
     eprintln!("bench memory: folding {objects} objects into a sub-master state");
     let (heap_before, rss_before) = (bytes_in_use(), rss_bytes(None).unwrap_or(0));
+    let started = Instant::now();
     let state = build_state(objects)?;
+    let fold_rate = objects as f64 / started.elapsed().as_secs_f64();
     let heap = bytes_in_use().wrapping_sub(heap_before) as f64 / objects as f64;
     let rss = rss_bytes(None).unwrap_or(0).saturating_sub(rss_before) as f64 / objects as f64;
     let key_bytes = key(0).len() as f64;
+    let started = Instant::now();
+    let bytes = snapshot::encode(&state)?;
+    let encode_rate = objects as f64 / started.elapsed().as_secs_f64();
     drop(state);
+    let started = Instant::now();
+    let restored = snapshot::decode(&bytes)?;
+    let decode_rate = objects as f64 / started.elapsed().as_secs_f64();
+    anyhow::ensure!(
+        restored.object_count() == objects,
+        "the snapshot lost objects"
+    );
+    drop(restored);
     for result in [
         BenchResult::new(
             WORKLOAD,
@@ -110,6 +128,30 @@ pub fn run(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
             "bytes",
             "key bytes alone",
             key_bytes,
+        ),
+        BenchResult::new(
+            WORKLOAD,
+            "snapshot bytes per object",
+            bytes.len() as f64 / objects as f64,
+            "bytes",
+            "heap bytes per object",
+            heap,
+        ),
+        BenchResult::new(
+            WORKLOAD,
+            "snapshot encode, in-process",
+            encode_rate,
+            "objects/s",
+            "building and folding the same puts",
+            fold_rate,
+        ),
+        BenchResult::new(
+            WORKLOAD,
+            "snapshot decode (restore), in-process",
+            decode_rate,
+            "objects/s",
+            "building and folding the same puts",
+            fold_rate,
         ),
     ] {
         printer.print(&result);
