@@ -20,6 +20,10 @@ use crate::follower::follow;
 use crate::state::Shared;
 use crate::GlobalMasterError;
 
+/// The most keys reserved up front from registered object counts (a bound, so a
+/// wrong count cannot allocate without limit).
+const MAX_RESERVE: u64 = 1 << 24;
+
 /// The followed sources and every background task.
 #[derive(Debug)]
 pub(crate) struct Sources {
@@ -113,9 +117,17 @@ impl Sources {
                 .registry
                 .write()
                 .unwrap_or_else(|p| p.into_inner());
+            let objects: u64 = registered.iter().map(|entry| entry.info.objects).sum();
             for entry in registered {
                 initial.insert(entry.info.subcluster.clone());
                 map.insert(entry.info.subcluster.clone(), entry);
+            }
+            // Sized once for what the sub-masters hold, an empty index does not
+            // regrow (and rehash) step by step during a full replay. A restored one
+            // is left alone: it is close to its size already.
+            if self.shared.read().index().is_empty() {
+                let wanted = usize::try_from(objects.min(MAX_RESERVE)).unwrap_or(0);
+                self.shared.write().reserve(wanted);
             }
         }
         // Mark every initial source as gating before any follower can report

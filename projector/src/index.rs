@@ -263,6 +263,15 @@ impl KeyIndex {
                 .sum::<usize>()
     }
 
+    /// Makes room for `additional` more keys (e.g. the object counts the
+    /// sub-masters registered, before a replay), so the index does not grow step by
+    /// step.
+    pub fn reserve(&mut self, additional: usize) {
+        self.hashes.reserve(additional);
+        self.masks.reserve(additional);
+        self.table.reserve(additional, &self.hashes);
+    }
+
     /// Returns unused capacity to the allocator.
     pub fn shrink_to_fit(&mut self) {
         self.hashes.shrink_to_fit();

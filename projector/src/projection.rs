@@ -306,6 +306,11 @@ impl Projection {
         bloom
     }
 
+    /// Makes room for `keys` more keys in the index (before a replay).
+    pub fn reserve(&mut self, keys: usize) {
+        self.index.reserve(keys);
+    }
+
     /// Returns the index's unused capacity to the allocator (after a replay, when
     /// growth slows down).
     pub fn shrink_to_fit(&mut self) {

@@ -201,6 +201,14 @@ impl IdTable {
         Some(found)
     }
 
+    /// Makes room for `additional` more ids without growing.
+    pub fn reserve(&mut self, additional: usize, hashes: &[u64]) {
+        let wanted = Self::slots_for(self.len.saturating_add(additional));
+        if wanted > self.slots.len() {
+            self.grow(wanted, hashes);
+        }
+    }
+
     /// Shrinks the slot array to what `len` ids need.
     pub fn shrink_to_fit(&mut self, hashes: &[u64]) {
         let wanted = Self::slots_for(self.len);

@@ -136,7 +136,7 @@ impl BenchCluster {
                     labels: BTreeMap::from([("zone".to_owned(), format!("z{}", index % 2))]),
                     capacity_bytes: 1 << 40,
                     used_bytes: 0,
-                    objects: 0,
+                    objects: mine.len() as u64,
                     epoch: 1,
                     stream: stream_name(&cluster, id),
                     last_seq: 0,
