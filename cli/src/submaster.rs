@@ -13,6 +13,7 @@ use hkvm_submaster::placement::PlacementStrategy;
 use hkvm_submaster::SubmasterConfig;
 use serde::Deserialize;
 
+use crate::globalmaster::parse_label;
 use crate::target::Target;
 
 /// Options of `hkvm submaster`.
@@ -38,13 +39,6 @@ pub struct SubmasterArgs {
     /// Stream and bucket replicas (3 in a NATS cluster).
     #[arg(long)]
     pub replicas: Option<usize>,
-}
-
-fn parse_label(text: &str) -> Result<(String, String), String> {
-    let (key, value) = text
-        .split_once('=')
-        .ok_or_else(|| format!("label {text:?} is not k=v"))?;
-    Ok((key.trim().to_owned(), value.trim().to_owned()))
 }
 
 /// Tunables a TOML file may set; every field is optional.
