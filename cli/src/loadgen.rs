@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context as _;
-use hkvm_client::{ClientConfig, KvClient, KvError, SubmasterClient};
+use hkvm_client::{ClientConfig, ClientErrorKind, KvClient, KvError, SubmasterClient};
 use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp};
 use hkvm_events::rpc::submaster::{ItemResult, PutStartItem};
 use hkvm_events::value_checksum;
@@ -27,8 +27,9 @@ use crate::meta::SubclusterTarget;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Mode {
     /// Concurrent writers put keys `<prefix>-<writer>-<n>`; every tenth one is
-    /// started and then revoked on purpose. One `ack`, `failed` or `revoked` line
-    /// per key, then a `summary` line.
+    /// started and then revoked on purpose. One `ack`, `failed`, `uncertain` (a
+    /// timeout: it may have been committed) or `revoked` line per key, then a
+    /// `summary` line.
     Put,
     /// Reads every key of `--keys-file` and compares it with [`value_for`]; one
     /// `verify` line with the keys missing or wrong, and checks that no key of
@@ -174,6 +175,7 @@ pub async fn run(args: LoadgenArgs) -> anyhow::Result<()> {
 struct WriterTally {
     acked: u64,
     failed: u64,
+    uncertain: u64,
     revoked: u64,
     latencies_us: Vec<u64>,
 }
@@ -207,10 +209,18 @@ async fn put(args: &LoadgenArgs, kv: KvClient) -> anyhow::Result<()> {
                             );
                         }
                         Err(error) => {
-                            tally.failed += 1;
+                            // A timeout leaves the outcome unknown (the commit may
+                            // have happened); every other error is a definite failure.
+                            let kind = if is_uncertain(&error) {
+                                tally.uncertain += 1;
+                                "uncertain"
+                            } else {
+                                tally.failed += 1;
+                                "failed"
+                            };
                             println!(
                                 "{}",
-                                json!({"type": "failed", "key": key, "error": error.to_string(), "t": now_ms()})
+                                json!({"type": kind, "key": key, "error": error.to_string(), "t": now_ms()})
                             );
                         }
                     }
@@ -226,6 +236,7 @@ async fn put(args: &LoadgenArgs, kv: KvClient) -> anyhow::Result<()> {
         let tally = writer.await.context("a writer panicked")?;
         total.acked += tally.acked;
         total.failed += tally.failed;
+        total.uncertain += tally.uncertain;
         total.revoked += tally.revoked;
         total.latencies_us.extend(tally.latencies_us);
     }
@@ -242,12 +253,19 @@ async fn put(args: &LoadgenArgs, kv: KvClient) -> anyhow::Result<()> {
         "{}",
         json!({
             "type": "summary", "acked": total.acked, "failed": total.failed,
+            "uncertain": total.uncertain,
             "revoked": total.revoked, "p50_us": percentile(50), "p99_us": percentile(99),
             "max_us": percentile(100), "busy": stats.busy.load(Ordering::Relaxed),
             "leader_waits": stats.leader_waits.load(Ordering::Relaxed),
         })
     );
     Ok(())
+}
+
+/// Whether a put error leaves its outcome unknown: a request timed out, so the
+/// sub-master may have committed it (and the clean-up removal may have failed too).
+fn is_uncertain(error: &KvError) -> bool {
+    matches!(error, KvError::Metadata(e) if e.kind() == ClientErrorKind::Timeout)
 }
 
 /// Starts a put and revokes it: the key must never become visible.

@@ -24,11 +24,10 @@ pub const CLIENT_USER: &str = "client";
 /// The operators' user (creates nothing at runtime; `hkvm replay`, repairs).
 pub const ADMIN_USER: &str = "admin";
 
-/// The JetStream API subjects that touch one stream, its messages and consumers.
-fn stream_api(stream: &str) -> Vec<String> {
+/// Reading a stream: direct gets, and consumers on it with their acks and flow
+/// control.
+fn stream_consume_api(stream: &str) -> Vec<String> {
     vec![
-        format!("$JS.API.STREAM.*.{stream}"),
-        format!("$JS.API.STREAM.MSG.*.{stream}"),
         format!("$JS.API.DIRECT.GET.{stream}"),
         format!("$JS.API.DIRECT.GET.{stream}.>"),
         format!("$JS.API.CONSUMER.*.{stream}"),
@@ -39,19 +38,24 @@ fn stream_api(stream: &str) -> Vec<String> {
     ]
 }
 
-/// Read-only access to a stream: info, direct reads, and consumers on it.
+/// The JetStream API subjects that touch one stream, its messages and consumers.
+fn stream_api(stream: &str) -> Vec<String> {
+    let mut subjects = vec![
+        format!("$JS.API.STREAM.*.{stream}"),
+        format!("$JS.API.STREAM.MSG.*.{stream}"),
+    ];
+    subjects.extend(stream_consume_api(stream));
+    subjects
+}
+
+/// Read-only access to a stream: info, message reads, and consumers on it.
 fn stream_read_api(stream: &str) -> Vec<String> {
-    vec![
+    let mut subjects = vec![
         format!("$JS.API.STREAM.INFO.{stream}"),
         format!("$JS.API.STREAM.MSG.GET.{stream}"),
-        format!("$JS.API.DIRECT.GET.{stream}"),
-        format!("$JS.API.DIRECT.GET.{stream}.>"),
-        format!("$JS.API.CONSUMER.*.{stream}"),
-        format!("$JS.API.CONSUMER.*.{stream}.>"),
-        format!("$JS.API.CONSUMER.MSG.NEXT.{stream}.>"),
-        format!("$JS.ACK.{stream}.>"),
-        format!("$JS.FC.{stream}.>"),
-    ]
+    ];
+    subjects.extend(stream_consume_api(stream));
+    subjects
 }
 
 fn user_block(out: &mut String, user: &str, publish: &[String], subscribe: &[String]) {

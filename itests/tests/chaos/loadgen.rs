@@ -19,8 +19,10 @@ use crate::topology::{Container, Topology, CLUSTER};
 pub struct PutRun {
     /// Acknowledged keys with the unix time (ms) of the acknowledgement.
     pub acked: Vec<(String, u64)>,
-    /// Keys whose put returned an error.
+    /// Keys whose put failed for certain.
     pub failed: Vec<String>,
+    /// Keys whose put timed out: committed or not, nobody can say.
+    pub uncertain: Vec<String>,
     /// Keys started and revoked on purpose.
     pub revoked: Vec<String>,
     /// The final summary line.
@@ -131,6 +133,7 @@ impl Running {
             match line["type"].as_str() {
                 Some("ack") => run.acked.push((key, line["t"].as_u64().unwrap_or(0))),
                 Some("failed") => run.failed.push(key),
+                Some("uncertain") => run.uncertain.push(key),
                 Some("revoked") => run.revoked.push(key),
                 Some("summary") => run.summary = line,
                 _ => {}

@@ -35,17 +35,12 @@ async fn wait_replicas_current(js: &jetstream::Context, stream: &str) -> Duratio
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn losing_a_nats_node_loses_no_acknowledged_event() {
-    let spec = Spec {
-        subclusters: vec![("sc-0", "zone=a")],
-        globals: 1,
-        ..Spec::default()
-    };
-    let topology = Topology::start(&spec).await;
-    let writers = loadgen::puts(&topology, "sc-0", "nats", 8, "6s").await;
+    let topology = Topology::start(&Spec::one_subcluster(1)).await;
+    let writers = loadgen::puts(&topology, "sc-0", "nats", 8, "10s").await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     docker::kill(&topology.nats[2]).await;
     let killed_ms = unix_ms();
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
     topology.nats[2].start().await.unwrap();
     let restarted_ms = unix_ms();
     let run = writers.finish_puts().await;

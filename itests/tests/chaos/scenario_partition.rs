@@ -65,12 +65,7 @@ pub fn assert_one_history(entries: &[(u64, String, u64)]) -> Vec<(u64, String)> 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partitioned_leader_cannot_fork_the_history() {
-    let spec = Spec {
-        subclusters: vec![("sc-0", "zone=a")],
-        globals: 0,
-        ..Spec::default()
-    };
-    let topology = Topology::start(&spec).await;
+    let topology = Topology::start(&Spec::one_subcluster(0)).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let old_leader = topology.container("sc-0/0");
     let writers = loadgen::puts(&topology, "sc-0", "cut", 16, "8s").await;
@@ -129,8 +124,10 @@ async fn a_partitioned_leader_cannot_fork_the_history() {
         &format!("standby led after {takeover_ms} ms, first put after {first_put_ms} ms"),
         0,
         &format!(
-            "{} acked; old leader fenced and stepped down; {} messages, epochs {:?}",
+            "{} acked, {} revoked/failed absent, {} timed out (outcome unknown); old leader fenced and stepped down; {} messages, epochs {:?}",
             acked.len(),
+            absent.len(),
+            run.uncertain.len(),
             entries.len(),
             epochs.iter().map(|(e, _)| *e).collect::<Vec<_>>()
         ),

@@ -62,6 +62,18 @@ impl Default for Spec {
     }
 }
 
+impl Spec {
+    /// One sub-cluster `sc-0` (labels `zone=a`) with `globals` global masters and
+    /// the default sub-masters and nodes.
+    pub fn one_subcluster(globals: usize) -> Self {
+        Self {
+            subclusters: vec![("sc-0", "zone=a")],
+            globals,
+            ..Self::default()
+        }
+    }
+}
+
 /// A running cluster; every container is removed on drop.
 pub struct Topology {
     /// The private network.
