@@ -330,8 +330,8 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
             ..ClientConfig::default()
         },
     );
-    // A standby rebuilds as the leader did, then follows; give it that long twice.
-    let settle = Duration::from_secs_f64(snapshot_seconds * 2.0 + 1.0);
+    // A standby rebuilds as the leader did, then follows; give it half as long again.
+    let settle = Duration::from_secs_f64(snapshot_seconds * 1.5 + 1.0);
     let mut timings = Vec::new();
     let mut leader = leader;
     for (round, who) in [&eager, &client].into_iter().enumerate() {
