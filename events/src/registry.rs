@@ -143,8 +143,8 @@ pub fn now_unix_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// Creates the registry bucket of `cluster` (entries expire after `ttl`) or opens
-/// it if it exists.
+/// Creates the registry bucket of `cluster` (entries expire after `ttl`, one
+/// replica) or opens it if it exists.
 ///
 /// # Errors
 /// [`RegistryErrorKind::Transport`] when JetStream refuses.
@@ -152,6 +152,20 @@ pub async fn ensure_registry_bucket(
     js: &jetstream::Context,
     cluster: &ClusterId,
     ttl: Duration,
+) -> Result<kv::Store, RegistryError> {
+    ensure_replicated_registry_bucket(js, cluster, ttl, 1).await
+}
+
+/// Like [`ensure_registry_bucket`] with `replicas` copies (3 in a NATS cluster, so
+/// the registry survives the loss of a NATS node).
+///
+/// # Errors
+/// [`RegistryErrorKind::Transport`] when JetStream refuses.
+pub async fn ensure_replicated_registry_bucket(
+    js: &jetstream::Context,
+    cluster: &ClusterId,
+    ttl: Duration,
+    replicas: usize,
 ) -> Result<kv::Store, RegistryError> {
     let bucket = bucket_name(cluster, REGISTRY_PURPOSE);
     if let Ok(store) = js.get_key_value(&bucket).await {
@@ -163,6 +177,7 @@ pub async fn ensure_registry_bucket(
         history: 1,
         max_age: ttl,
         storage: jetstream::stream::StorageType::Memory,
+        num_replicas: replicas.max(1),
         ..Default::default()
     })
     .await

@@ -73,10 +73,11 @@ impl Context {
         .await?;
         let snapshots =
             SnapshotStore::open(&js, &config.cluster, &config.subcluster, replicas).await?;
-        let registry = match registry::ensure_registry_bucket(
+        let registry = match registry::ensure_replicated_registry_bucket(
             &js,
             &config.cluster,
             config.registry_ttl,
+            replicas,
         )
         .await
         {
