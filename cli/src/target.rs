@@ -32,8 +32,15 @@ impl Target {
             .map(|url| url.trim().parse::<async_nats::ServerAddr>())
             .collect::<Result<Vec<_>, _>>()
             .with_context(|| format!("parsing the NATS URLs {}", self.nats_url))?;
-        async_nats::ConnectOptions::new()
-            .name("hkvm-cli")
+        let mut options = async_nats::ConnectOptions::new().name("hkvm-cli");
+        // `nats://user:password@host` in a list is not applied by the client library
+        // on its own: pass the first credentials found explicitly.
+        if let Some((user, password)) = servers.iter().find_map(|server| {
+            Some((server.username()?.to_owned(), server.password()?.to_owned()))
+        }) {
+            options = options.user_and_password(user, password);
+        }
+        options
             .connect(servers)
             .await
             .with_context(|| format!("connecting to NATS at {}", self.nats_url))
