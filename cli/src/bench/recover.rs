@@ -26,6 +26,7 @@ use hkvm_events::{
 use hkvm_submaster::server::load_state;
 use hkvm_submaster::snapshot::SnapshotStore;
 use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
+use tokio::runtime::Runtime;
 
 use super::cluster::key;
 use super::report::{BenchResult, Printer};
@@ -184,6 +185,72 @@ impl Bench {
     }
 }
 
+/// A sub-master on a runtime (and NATS connection) of its own, as a separate
+/// process would have: a restore that keeps its thread busy cannot starve another
+/// instance's lease renewals, which would move leadership behind the benchmark's back.
+struct Hosted {
+    name: String,
+    runtime: Option<Runtime>,
+    handle: Option<SubmasterHandle>,
+}
+
+impl Hosted {
+    async fn spawn(nats: &BenchNats, config: SubmasterConfig) -> anyhow::Result<Self> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()?;
+        let name = config.producer.to_string();
+        let url = nats.url.clone();
+        let handle = runtime
+            .spawn(async move {
+                let client = async_nats::ConnectOptions::new()
+                    .request_timeout(Some(Duration::from_secs(30)))
+                    .connect(url.as_str())
+                    .await?;
+                anyhow::Ok(SubmasterHandle::spawn(client, config))
+            })
+            .await??;
+        Ok(Self {
+            name,
+            runtime: Some(runtime),
+            handle: Some(handle),
+        })
+    }
+
+    /// Stops abruptly, as a crash would.
+    fn abort(mut self) {
+        if let Some(handle) = self.handle.take() {
+            handle.abort();
+        }
+    }
+
+    /// Stops gracefully (hands the lease over).
+    async fn shutdown(mut self) -> anyhow::Result<()> {
+        if let Some(handle) = self.handle.take() {
+            handle.shutdown().await?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Hosted {
+    fn drop(&mut self) {
+        if let Some(handle) = self.handle.take() {
+            handle.abort();
+        }
+        // Dropping a runtime inside another one's task must not block.
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+/// The producer id of the instance serving `client`'s sub-cluster.
+async fn serving(client: &SubmasterClient) -> anyhow::Result<String> {
+    Ok(client.status().await?.producer)
+}
+
 /// Starts a sub-master and returns it with the seconds until it served a request
 /// (an `exist` of the newest object answered `true`).
 async fn start_until_served(
@@ -191,9 +258,9 @@ async fn start_until_served(
     client: &SubmasterClient,
     config: SubmasterConfig,
     newest: String,
-) -> anyhow::Result<(SubmasterHandle, f64)> {
+) -> anyhow::Result<(Hosted, f64)> {
     let started = Instant::now();
-    let handle = SubmasterHandle::spawn(nats.connect().await?, config);
+    let handle = Hosted::spawn(nats, config).await?;
     loop {
         if let Ok(reply) = client.exist(vec![newest.clone()]).await {
             if reply.first() == Some(&true) {
@@ -335,21 +402,26 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     let mut timings = Vec::new();
     let mut leader = leader;
     for (round, who) in [&eager, &client].into_iter().enumerate() {
-        let standby = SubmasterHandle::spawn(
-            nats.connect().await?,
-            bench.instance(&format!("bench-sb{round}"))?,
-        );
+        let standby = Hosted::spawn(nats, bench.instance(&format!("bench-sb{round}"))?).await?;
         tokio::time::sleep(settle).await;
         put_until_served(who, format!("failover/{round}/warm")).await?;
+        // Kill whichever instance serves; if leadership moved while the standby
+        // rebuilt, the old leader is rebuilding now: let it finish first.
+        let (victim, survivor) = if serving(who).await? == standby.name {
+            tokio::time::sleep(settle).await;
+            (standby, leader)
+        } else {
+            (leader, standby)
+        };
         let started = Instant::now();
-        leader.abort();
+        victim.abort();
         put_until_served(who, format!("failover/{round}/after-kill")).await?;
         timings.push(started.elapsed().as_secs_f64());
-        leader = standby;
+        leader = survivor;
     }
     let started = Instant::now();
     leader.abort();
-    let cold = SubmasterHandle::spawn(nats.connect().await?, bench.instance("bench-cold")?);
+    let cold = Hosted::spawn(nats, bench.instance("bench-cold")?).await?;
     put_until_served(&eager, "failover/after-cold".to_owned()).await?;
     let cold_seconds = started.elapsed().as_secs_f64();
     cold.shutdown().await?;
