@@ -45,8 +45,10 @@ async fn serve_keys(
     nats: async_nats::Client,
     keys: &[String],
 ) -> (String, tokio::task::JoinHandle<()>) {
+    // In the cluster's RPC namespace, where clients may send requests even when
+    // NATS runs with per-role permissions.
     let subject = format!(
-        "chaos.keys.{}.{}",
+        "hkvm.{CLUSTER}.test-keys.rpc.{}-{}",
         std::process::id(),
         NEXT_LIST.fetch_add(1, Ordering::Relaxed)
     );

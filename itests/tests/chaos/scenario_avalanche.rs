@@ -173,7 +173,8 @@ async fn a_restart_under_a_retry_storm_recovers_with_bounded_memory() {
         &format!("all clients served {recovered_ms} ms after restart"),
         0,
         &format!(
-            "{} events replayed; peak {} MiB (before kill {} MiB); {busy} Busy, {waits} leader waits; fill {fill_s:.1} s",
+            "{} objects in {} stream messages replayed; peak {} MiB (before kill {} MiB); {busy} Busy, {waits} leader waits; fill {fill_s:.1} s",
+            after.objects,
             after.applied_seq,
             peak_bytes >> 20,
             rss_before >> 20

@@ -36,11 +36,13 @@ async fn wait_replicas_current(js: &jetstream::Context, stream: &str) -> Duratio
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn losing_a_nats_node_loses_no_acknowledged_event() {
     let topology = Topology::start(&Spec::one_subcluster(1)).await;
-    let writers = loadgen::puts(&topology, "sc-0", "nats", 8, "10s").await;
+    let writers = loadgen::puts(&topology, "sc-0", "nats", 8, "22s").await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     docker::kill(&topology.nats[2]).await;
     let killed_ms = unix_ms();
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    // Long enough for JetStream to move stream and bucket leaders off the dead
+    // node and for clients to reconnect: writes must resume before it returns.
+    tokio::time::sleep(Duration::from_secs(15)).await;
     topology.nats[2].start().await.unwrap();
     let restarted_ms = unix_ms();
     let run = writers.finish_puts().await;

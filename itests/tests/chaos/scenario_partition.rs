@@ -121,7 +121,7 @@ async fn a_partitioned_leader_cannot_fork_the_history() {
     );
     report::row(
         "5 network cut of a sub-master leader",
-        &format!("standby led after {takeover_ms} ms, first put after {first_put_ms} ms"),
+        &format!("first put {first_put_ms} ms after the cut (status saw the standby lead after {takeover_ms} ms)"),
         0,
         &format!(
             "{} acked, {} revoked/failed absent, {} timed out (outcome unknown); old leader fenced and stepped down; {} messages, epochs {:?}",

@@ -333,16 +333,24 @@ impl Topology {
         )
     }
 
-    /// Waits until JetStream has a meta leader (an R3 stream can be created).
+    /// Waits until JetStream can place an R3 stream (a meta leader, and every
+    /// peer known to it), by creating and deleting a probe stream.
     async fn wait_jetstream(&self) {
         let js = async_nats::jetstream::new(self.connect(0).await);
+        let probe = async_nats::jetstream::stream::Config {
+            name: "CHAOS_PROBE".to_owned(),
+            subjects: vec!["chaos.probe".to_owned()],
+            num_replicas: 3,
+            ..Default::default()
+        };
         for _ in 0..300 {
-            if js.query_account().await.is_ok() {
+            if js.create_stream(probe.clone()).await.is_ok() {
+                let _ = js.delete_stream("CHAOS_PROBE").await;
                 return;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        panic!("JetStream never became available");
+        panic!("JetStream never could place an R3 stream");
     }
 
     /// Waits until `subcluster`'s leader answers `status`.
