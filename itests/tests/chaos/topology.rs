@@ -39,7 +39,8 @@ pub struct Spec {
     pub nodes: usize,
     /// Global-master replicas.
     pub globals: usize,
-    /// Segment size of every node.
+    /// Segment size of every node: large enough that no scenario's puts are
+    /// evicted (eviction would make acknowledged keys legitimately missing).
     pub segment_size: &'static str,
     /// Run NATS with the per-role users and permissions of
     /// `hkvm_itests::security` (every HKVM process logs in as its role).
@@ -55,7 +56,7 @@ impl Default for Spec {
             submasters: 2,
             nodes: 2,
             globals: 2,
-            segment_size: "32MiB",
+            segment_size: "96MiB",
             secure: false,
             submaster_toml: SUBMASTER_TOML.to_owned(),
         }
