@@ -113,7 +113,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let nats = BenchNats::new(args.nats.clone()).await?;
     let mut printer = report::Printer::new(args.json);
     let workloads = match args.workload {
+        // Memory first: its RSS figure needs a process that has not freed much yet.
         Workload::All => vec![
+            Workload::Memory,
             Workload::Events,
             Workload::Put,
             Workload::Transfer,
@@ -121,7 +123,6 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             Workload::Exist,
             Workload::Recover,
             Workload::Scale,
-            Workload::Memory,
         ],
         one => vec![one],
     };
