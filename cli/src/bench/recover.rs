@@ -218,11 +218,18 @@ impl Hosted {
         })
     }
 
-    /// Stops abruptly, as a crash would.
-    fn abort(mut self) {
+    /// Stops abruptly, as a crash would, and waits until its runtime (with its NATS
+    /// connection) is gone: a killed process's socket closes at once, so NATS stops
+    /// routing requests to it.
+    async fn abort(mut self) -> anyhow::Result<()> {
         if let Some(handle) = self.handle.take() {
             handle.abort();
         }
+        if let Some(runtime) = self.runtime.take() {
+            tokio::task::spawn_blocking(move || runtime.shutdown_timeout(Duration::from_secs(5)))
+                .await?;
+        }
+        Ok(())
     }
 
     /// Stops gracefully (hands the lease over).
@@ -414,13 +421,13 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
             (leader, standby)
         };
         let started = Instant::now();
-        victim.abort();
+        victim.abort().await?;
         put_until_served(who, format!("failover/{round}/after-kill")).await?;
         timings.push(started.elapsed().as_secs_f64());
         leader = survivor;
     }
     let started = Instant::now();
-    leader.abort();
+    leader.abort().await?;
     let cold = Hosted::spawn(nats, bench.instance("bench-cold")?).await?;
     put_until_served(&eager, "failover/after-cold".to_owned()).await?;
     let cold_seconds = started.elapsed().as_secs_f64();
