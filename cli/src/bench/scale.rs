@@ -304,6 +304,34 @@ struct Point {
     global_rss: f64,
 }
 
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// What each point reports against N = 1: label, unit, figure.
+type Figure = (&'static str, &'static str, fn(&Point) -> f64);
+const FIGURES: [Figure; 11] = [
+    ("sustained ops/s (puts, gets, exists)", "ops/s", |p| {
+        p.ops_per_s
+    }),
+    ("sustained requests/s (ops + pings)", "req/s", |p| {
+        p.requests_per_s
+    }),
+    ("op latency p50", "us", |p| p.p50_us),
+    ("op latency p99", "us", |p| p.p99_us),
+    ("put latency p99", "us", |p| p.put_p99_us),
+    ("sub-master CPU per 1000 requests (all N)", "cpu-s", |p| {
+        p.sub_cpu_per_k
+    }),
+    ("global-master CPU per 1000 requests", "cpu-s", |p| {
+        p.global_cpu_per_k
+    }),
+    ("nats-server CPU per 1000 requests", "cpu-s", |p| {
+        p.nats_cpu_per_k
+    }),
+    ("largest sub-master RSS", "MiB", |p| p.sub_rss_max / MIB),
+    ("all sub-masters RSS", "MiB", |p| p.sub_rss_total / MIB),
+    ("global-master RSS", "MiB", |p| p.global_rss / MIB),
+];
+
 /// The sizes of one sweep.
 struct Sweep {
     clients: usize,
@@ -513,82 +541,14 @@ pub async fn run(
     let offered = sweep.rate + sweep.clients as f64;
     for (n, p) in &results {
         let tag = format!("N={n}, {} clients", sweep.clients);
-        let rows: [(String, f64, &'static str, f64); 11] = [
-            (
-                format!("{tag}: sustained ops/s (puts, gets, exists)"),
-                p.ops_per_s,
-                "ops/s",
-                base.ops_per_s,
-            ),
-            (
-                format!("{tag}: sustained requests/s (ops + pings)"),
-                p.requests_per_s,
-                "req/s",
-                base.requests_per_s,
-            ),
-            (
-                format!("{tag}: op latency p50"),
-                p.p50_us,
-                "us",
-                base.p50_us,
-            ),
-            (
-                format!("{tag}: op latency p99"),
-                p.p99_us,
-                "us",
-                base.p99_us,
-            ),
-            (
-                format!("{tag}: put latency p99"),
-                p.put_p99_us,
-                "us",
-                base.put_p99_us,
-            ),
-            (
-                format!("{tag}: sub-master CPU per 1000 requests (all N)"),
-                p.sub_cpu_per_k,
-                "cpu-s",
-                base.sub_cpu_per_k,
-            ),
-            (
-                format!("{tag}: global-master CPU per 1000 requests"),
-                p.global_cpu_per_k,
-                "cpu-s",
-                base.global_cpu_per_k,
-            ),
-            (
-                format!("{tag}: nats-server CPU per 1000 requests"),
-                p.nats_cpu_per_k,
-                "cpu-s",
-                base.nats_cpu_per_k,
-            ),
-            (
-                format!("{tag}: largest sub-master RSS"),
-                p.sub_rss_max / 1048576.0,
-                "MiB",
-                base.sub_rss_max / 1048576.0,
-            ),
-            (
-                format!("{tag}: all sub-masters RSS"),
-                p.sub_rss_total / 1048576.0,
-                "MiB",
-                base.sub_rss_total / 1048576.0,
-            ),
-            (
-                format!("{tag}: global-master RSS"),
-                p.global_rss / 1048576.0,
-                "MiB",
-                base.global_rss / 1048576.0,
-            ),
-        ];
-        for (metric, value, unit, baseline) in rows {
+        for (label, unit, figure) in FIGURES {
             printer.print(&BenchResult::new(
                 WORKLOAD,
-                metric,
-                value,
+                format!("{tag}: {label}"),
+                figure(p),
                 unit,
                 "N=1 (same run)",
-                baseline,
+                figure(&base),
             ));
         }
         printer.print(&BenchResult::new(
