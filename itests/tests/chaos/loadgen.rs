@@ -12,6 +12,7 @@ use serde_json::Value;
 use testcontainers::runners::AsyncRunner as _;
 use testcontainers::ImageExt as _;
 
+use crate::docker;
 use crate::topology::{Container, Topology, CLUSTER};
 
 /// What a `put` run reported.
@@ -102,29 +103,23 @@ pub async fn start(
 }
 
 impl Running {
-    /// Waits for the load generator to exit and returns its JSON lines.
+    /// Waits (two minutes at most) for the load generator to exit and returns
+    /// its JSON lines.
     pub async fn finish(self) -> Vec<Value> {
-        for _ in 0..1200 {
-            if let Some(code) = self.container.exit_code().await.unwrap() {
-                for server in &self.servers {
-                    server.abort();
-                }
-                let stdout = self.container.stdout_to_vec().await.unwrap();
-                let stderr = self.container.stderr_to_vec().await.unwrap();
-                assert_eq!(
-                    code,
-                    0,
-                    "loadgen failed: {}",
-                    String::from_utf8_lossy(&stderr)
-                );
-                return String::from_utf8_lossy(&stdout)
-                    .lines()
-                    .filter_map(|line| serde_json::from_str(line).ok())
-                    .collect();
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+        let waited = tokio::time::timeout(
+            Duration::from_secs(120),
+            docker::wait_output(&self.container),
+        )
+        .await;
+        for server in &self.servers {
+            server.abort();
         }
-        panic!("loadgen did not finish in two minutes");
+        let (code, stdout, stderr) = waited.expect("loadgen did not finish in two minutes");
+        assert_eq!(code, 0, "loadgen failed: {stderr}");
+        stdout
+            .lines()
+            .filter_map(|line| serde_json::from_str(line).ok())
+            .collect()
     }
 
     /// Waits for a `put` run and sorts its lines.
