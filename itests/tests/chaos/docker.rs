@@ -16,21 +16,26 @@ async fn docker(args: &[&str]) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
-/// Waits until the container's process exits and returns its exit code and
-/// stdout (`docker wait` and `docker logs`: plain CLI calls, independent of the
-/// log streaming of the testcontainers client).
-pub async fn wait_output(container: &Container) -> (i64, String, String) {
-    let code = docker(&["wait", container.id()]).await;
+/// The container's stdout and stderr so far (`docker logs`: a plain CLI call,
+/// independent of the log streaming of the testcontainers client).
+pub async fn logs(container: &Container) -> (String, String) {
     let output = Command::new("docker")
         .args(["logs", container.id()])
         .output()
         .await
         .unwrap();
     (
-        code.trim().parse().unwrap_or(-1),
         String::from_utf8_lossy(&output.stdout).into_owned(),
         String::from_utf8_lossy(&output.stderr).into_owned(),
     )
+}
+
+/// Waits until the container's process exits; returns its exit code, stdout and
+/// stderr.
+pub async fn wait_output(container: &Container) -> (i64, String, String) {
+    let code = docker(&["wait", container.id()]).await;
+    let (stdout, stderr) = logs(container).await;
+    (code.trim().parse().unwrap_or(-1), stdout, stderr)
 }
 
 /// SIGKILL of the container's main process (no clean shutdown, no lease handover).

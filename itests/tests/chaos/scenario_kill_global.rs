@@ -11,8 +11,7 @@ use crate::{docker, global, loadgen, report};
 
 /// How many times `needle` occurs in the container's stderr so far.
 async fn log_count(container: &Container, needle: &str) -> usize {
-    let stderr = container.stderr_to_vec().await.unwrap();
-    String::from_utf8_lossy(&stderr).matches(needle).count()
+    docker::logs(container).await.1.matches(needle).count()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -95,8 +95,7 @@ async fn a_partitioned_leader_cannot_fork_the_history() {
     // The healed old leader found out it was deposed and follows the new one.
     let healed = Instant::now();
     loop {
-        let stderr = old_leader.stderr_to_vec().await.unwrap();
-        if String::from_utf8_lossy(&stderr).contains("stepped down") {
+        if docker::logs(old_leader).await.1.contains("stepped down") {
             break;
         }
         assert!(
