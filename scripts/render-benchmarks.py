@@ -32,7 +32,8 @@ HOW_TO_READ = {
     "answered by the leader): by full replay against a raw JetStream replay of the "
     "same stream (the floor: reading the bytes), and from a snapshot plus a tail "
     "against the full replay (below 1: the snapshot pays). Failover is the time from "
-    "killing the leader (task abort, no lease hand-over) to the first put served by "
+    "killing the leader (its task aborted and its runtime and NATS connection shut "
+    "down, as a killed process's socket closes; at most 50 ms, counted) to the first put served by "
     "the hot standby, against a cold restart without a standby; it is bounded below "
     "by the leader lease TTL. The second failover row shows what the default client "
     "back-off adds.",
