@@ -35,9 +35,10 @@ impl Target {
         let mut options = async_nats::ConnectOptions::new().name("hkvm-cli");
         // `nats://user:password@host` in a list is not applied by the client library
         // on its own: pass the first credentials found explicitly.
-        if let Some((user, password)) = servers.iter().find_map(|server| {
-            Some((server.username()?.to_owned(), server.password()?.to_owned()))
-        }) {
+        if let Some((user, password)) = servers
+            .iter()
+            .find_map(|server| Some((server.username()?.to_owned(), server.password()?.to_owned())))
+        {
             options = options.user_and_password(user, password);
         }
         options
