@@ -7,6 +7,7 @@
 //! stream's first sequence was purged, the sub-master's newest snapshot covering it
 //! seeds the source instead.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -37,15 +38,20 @@ const IDLE_CHECK: Duration = Duration::from_secs(1);
 /// Pause before reopening after a transient failure.
 const RETRY: Duration = Duration::from_millis(500);
 
+/// After this many undecodable messages in one stream, further ones are skipped
+/// without a resync (each resync re-reads the stream).
+const MAX_RESYNCS_FOR_CORRUPTION: usize = 64;
+
 struct Follower {
     shared: Arc<Shared>,
     js: jetstream::Context,
     log: JetStreamLog,
     subcluster: SubclusterId,
     source: usize,
-    /// The sequence of the last undecodable message, to skip it if it is still
-    /// undecodable after a resync.
-    last_corrupt: Option<u64>,
+    /// Sequences of messages found undecodable: each causes one resync; after it the
+    /// message is skipped (counted and logged), so several bad messages cannot make
+    /// the follower resync forever.
+    known_corrupt: BTreeSet<u64>,
 }
 
 /// Follows `subcluster`'s stream until the task is aborted.
@@ -67,7 +73,7 @@ pub(crate) async fn follow(
         log,
         subcluster,
         source,
-        last_corrupt: None,
+        known_corrupt: BTreeSet::new(),
     };
     loop {
         match follower.run_once().await {
@@ -91,6 +97,10 @@ impl Follower {
             reason,
             "re-reading the sub-cluster's stream from its start"
         );
+        if matches!(reason, "stream deleted" | "stream reset") {
+            // A new stream: the old stream's bad sequences mean nothing there.
+            self.known_corrupt.clear();
+        }
         self.shared.write().reset_source(self.source);
         self.shared
             .positions()
@@ -299,7 +309,8 @@ impl Follower {
                 }
                 Err(error) => match error.kind() {
                     ProjectorErrorKind::Undecodable { seq, .. }
-                        if self.last_corrupt == Some(*seq) =>
+                        if self.known_corrupt.contains(seq)
+                            || self.known_corrupt.len() >= MAX_RESYNCS_FOR_CORRUPTION =>
                     {
                         tracing::error!(
                             subcluster = %self.subcluster,
@@ -313,7 +324,7 @@ impl Follower {
                     }
                     ProjectorErrorKind::Undecodable { seq, .. } => {
                         tracing::warn!(subcluster = %self.subcluster, %error, "undecodable message");
-                        self.last_corrupt = Some(*seq);
+                        self.known_corrupt.insert(*seq);
                         end = Some(Outcome::Resync("undecodable message"));
                         break;
                     }

@@ -159,6 +159,37 @@ async fn a_corrupt_message_triggers_a_resync_then_is_skipped_and_counted() {
 }
 
 #[tokio::test]
+async fn several_corrupt_messages_cost_one_resync_each_not_a_loop() {
+    let fixture = Fixture::new().await;
+    let a = fixture.subcluster("sc-a", &[]).await;
+    a.commit(vec![put("before")]).await;
+    for garbage in ["first garbage", "second garbage"] {
+        fixture
+            .js
+            .publish(event_subject(&fixture.cluster, &a.id), garbage.into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let committer = GroupCommitter::spawn(
+        a.log.clone(),
+        ProducerId::new("sm-2").unwrap(),
+        2,
+        3,
+        CommitConfig::default(),
+    );
+    let last = committer.commit(vec![put("after")]).await.unwrap().seq;
+    let master = fixture.start("g1").await;
+    wait_applied(&master, &a.id, last).await;
+    assert_eq!(
+        exists(&fixture, &["before", "after"]).await,
+        vec![vec!["sc-a"], vec!["sc-a"]]
+    );
+    assert_eq!(master.status().sources[0].resyncs, 2);
+}
+
+#[tokio::test]
 async fn history_purged_past_the_checkpoint_forces_a_resync() {
     let fixture = Fixture::new().await;
     let a = fixture.subcluster("sc-a", &[]).await;
