@@ -38,7 +38,9 @@ HOW_TO_READ = {
     "by the leader lease TTL. The second failover row shows what the default client "
     "back-off adds.",
     "scale": "Simulated clients (each a node with one segment: one ping a second plus "
-    "puts, gets and global batch_is_exist at the stated total rate) spread over N "
+    "puts, gets and global batch_is_exist; with the defaults of `hkvm bench scale`: "
+    "2,000 ops/s offered in all, 20% puts of 64 KiB with 2 replicas, 60% gets, 20% "
+    "batch_is_exist of 64 keys; 5 s warm-up, 15 s measured) spread over N "
     "sub-clusters; masters run as child processes so their CPU time and RSS come from "
     "/proc. Every column's ratio is against N = 1 (the centralized master) in the same "
     "run. Everything (clients, NATS, all masters) shares 2 cores, so absolute "
