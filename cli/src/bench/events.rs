@@ -6,8 +6,7 @@ use std::future::IntoFuture as _;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::Context as _;
-use async_nats::jetstream::{self, consumer};
+use async_nats::jetstream;
 use bytes::Bytes;
 use futures::stream::FuturesOrdered;
 use futures::StreamExt as _;
@@ -303,29 +302,9 @@ async fn append_and_replay(
     }
     let replay_rate = per_second(replayed, started);
 
-    let stream = js.get_stream(log.stream_name()).await?;
-    let started = Instant::now();
-    let raw_consumer = stream
-        .create_consumer(consumer::pull::Config {
-            ack_policy: consumer::AckPolicy::None,
-            ..Default::default()
-        })
-        .await?;
-    let mut raw_messages = raw_consumer
-        .stream()
-        .max_messages_per_batch(1024)
-        .messages()
-        .await?;
-    let mut raw_seen = 0usize;
-    while raw_seen < payloads.len() {
-        let message = raw_messages
-            .next()
-            .await
-            .context("raw replay ended early")?;
-        let _ = message?;
-        raw_seen += 1;
-    }
-    let raw_replay_rate = per_second(count, started);
+    let raw_seconds =
+        super::raw::replay_seconds(&js, log.stream_name(), payloads.len() as u64, 1024).await?;
+    let raw_replay_rate = count as f64 / raw_seconds.max(1e-9);
     printer.print(&BenchResult::new(
         WORKLOAD,
         "replay + decode",

@@ -5,8 +5,7 @@
 
 use std::time::Instant;
 
-use anyhow::Context as _;
-use async_nats::jetstream::{self, consumer};
+use async_nats::jetstream;
 use futures::StreamExt as _;
 use hkvm_events::log::{EventLog, JetStreamLog, ReadOptions};
 use hkvm_events::subject::{event_subject, stream_name};
@@ -21,30 +20,13 @@ const WORKLOAD: &str = "ingest";
 
 /// Reads every message of every stream with a raw pull consumer; returns seconds.
 async fn raw_replay(js: &jetstream::Context, cluster: &BenchCluster) -> anyhow::Result<f64> {
-    let started = Instant::now();
+    let mut seconds = 0.0;
     for id in &cluster.subclusters {
-        let mut stream = js.get_stream(stream_name(&cluster.cluster, id)).await?;
-        let total = stream.info().await?.state.messages;
-        let consumer = stream
-            .create_consumer(consumer::pull::Config {
-                ack_policy: consumer::AckPolicy::None,
-                memory_storage: true,
-                ..Default::default()
-            })
-            .await?;
-        let mut messages = consumer
-            .stream()
-            .max_messages_per_batch(64)
-            .messages()
-            .await?;
-        let mut seen = 0u64;
-        while seen < total {
-            let message = messages.next().await.context("raw replay ended early")?;
-            let _ = message?;
-            seen += 1;
-        }
+        let name = stream_name(&cluster.cluster, id);
+        let total = js.get_stream(&name).await?.info().await?.state.messages;
+        seconds += super::raw::replay_seconds(js, &name, total, 64).await?;
     }
-    Ok(started.elapsed().as_secs_f64())
+    Ok(seconds)
 }
 
 /// Folds every stream into a fresh projection through the event log; returns

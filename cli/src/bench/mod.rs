@@ -10,6 +10,7 @@ mod exist;
 mod ingest;
 mod memory;
 mod put;
+mod raw;
 mod recover;
 mod report;
 mod scale;

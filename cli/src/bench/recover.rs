@@ -8,8 +8,7 @@
 use std::future::IntoFuture as _;
 use std::time::{Duration, Instant};
 
-use anyhow::Context as _;
-use async_nats::jetstream::{self, consumer};
+use async_nats::jetstream;
 use bytes::Bytes;
 use futures::stream::FuturesOrdered;
 use futures::StreamExt as _;
@@ -164,26 +163,7 @@ impl Bench {
 
     /// Reads every stored message with a raw pull consumer; returns seconds.
     async fn raw_replay(&self, js: &jetstream::Context) -> anyhow::Result<f64> {
-        let started = Instant::now();
-        let stream = js.get_stream(self.log.stream_name()).await?;
-        let consumer = stream
-            .create_consumer(consumer::pull::Config {
-                ack_policy: consumer::AckPolicy::None,
-                memory_storage: true,
-                ..Default::default()
-            })
-            .await?;
-        let mut messages = consumer
-            .stream()
-            .max_messages_per_batch(1024)
-            .max_bytes_per_batch(16 << 20)
-            .messages()
-            .await?;
-        for _ in 0..self.messages {
-            let message = messages.next().await.context("raw replay ended early")?;
-            let _ = message?;
-        }
-        Ok(started.elapsed().as_secs_f64())
+        super::raw::replay_seconds(js, self.log.stream_name(), self.messages, 1024).await
     }
 }
 
