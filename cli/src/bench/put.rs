@@ -10,10 +10,11 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use async_nats::jetstream;
 use bytes::Bytes;
-use hkvm_client::SubmasterClient;
+use hkvm_client::{KvClient, NodeConfig, NodeHandle, SubmasterClient};
 use hkvm_events::rpc::submaster::{ItemResult, MountSegment, Ping, PutEndItem, PutStartItem};
 use hkvm_events::{ClusterId, NodeId, ProducerId, SegmentId, SubclusterId};
 use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
+use hkvm_transfer::TcpTransport;
 
 use super::report::{BenchResult, Printer};
 use super::BenchNats;
@@ -200,8 +201,95 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
         raw_64,
     ));
 
+    let metadata_16 = run_clients(&client, 16, 1, duration, "meta16").await?;
     let _ = js.delete_stream("BENCH_RAW_PUT").await;
     pinger.abort();
+    master.shutdown().await?;
+    end_to_end(nats, duration, metadata_16, printer).await
+}
+
+/// Values of the end-to-end case: a typical KV block.
+const BLOCK: usize = 64 * 1024;
+
+/// End to end with real nodes: `put` (put_start → write 2 replicas over TCP →
+/// put_end) and `get` (replica list → read → verify) of 64 KiB blocks by 16
+/// clients, against the metadata-only put at the same concurrency in the same run.
+async fn end_to_end(
+    nats: &BenchNats,
+    duration: Duration,
+    metadata_16: f64,
+    printer: &mut Printer,
+) -> anyhow::Result<()> {
+    let cluster = ClusterId::new("bench")?;
+    let subcluster = SubclusterId::new("e2e")?;
+    let config = SubmasterConfig::new(
+        cluster.clone(),
+        subcluster.clone(),
+        ProducerId::new("bench-e2e")?,
+    );
+    let master = SubmasterHandle::spawn(nats.connect().await?, config);
+    let metadata = SubmasterClient::new(nats.connect().await?, cluster, subcluster);
+    let mut nodes = Vec::new();
+    for n in 0..2 {
+        let node = NodeConfig::new(NodeId::new(format!("e2e-node-{n}"))?, 256 << 20)?;
+        nodes.push(NodeHandle::start(node, metadata.clone()).await?);
+    }
+    let kv = KvClient::new(metadata, Arc::new(TcpTransport::default()));
+    let value: Arc<Vec<u8>> = Arc::new((0..BLOCK).map(|i| i as u8).collect());
+    let (puts, gets) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let deadline = Instant::now() + duration;
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..16)
+        .map(|c| {
+            let (kv, value, puts, gets) = (
+                kv.clone(),
+                Arc::clone(&value),
+                Arc::clone(&puts),
+                Arc::clone(&gets),
+            );
+            tokio::spawn(async move {
+                let mut i = 0u64;
+                while Instant::now() < deadline {
+                    let key = format!("e2e/{c}/{i}");
+                    i += 1;
+                    kv.put(&key, &value, 2).await?;
+                    puts.fetch_add(1, Ordering::Relaxed);
+                    let fetched = kv.get(&key).await?;
+                    anyhow::ensure!(fetched.value.len() == BLOCK, "short read");
+                    gets.fetch_add(1, Ordering::Relaxed);
+                    // Keep the segments from filling up: the block is not needed again.
+                    kv.metadata().remove(vec![key], true).await?;
+                }
+                anyhow::Ok(())
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await??;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let baseline = "metadata-only put, 16 clients";
+    let put_rate = puts.load(Ordering::Relaxed) as f64 / seconds;
+    let get_rate = gets.load(Ordering::Relaxed) as f64 / seconds;
+    printer.print(&BenchResult::new(
+        WORKLOAD,
+        "end-to-end put 64 KiB x2 replicas, 16 clients",
+        put_rate,
+        "ops/s",
+        baseline,
+        metadata_16,
+    ));
+    printer.print(&BenchResult::new(
+        WORKLOAD,
+        "end-to-end get 64 KiB (verified), 16 clients",
+        get_rate,
+        "ops/s",
+        baseline,
+        metadata_16,
+    ));
+    for node in nodes {
+        let _ = node.shutdown().await;
+    }
     master.shutdown().await?;
     Ok(())
 }
