@@ -100,10 +100,12 @@ impl LeaderLease {
         }
     }
 
-    /// Renews a held lease; `None` when it was lost (another holder, or expired).
+    /// Renews a held lease; `Ok(None)` when it was lost (the revision moved: another
+    /// instance took it).
     ///
     /// # Errors
-    /// Never for a lost lease; only for encoding problems.
+    /// A transport failure or timeout: the lease may still be ours; the caller
+    /// retries until a whole TTL passed without a successful renewal.
     pub async fn renew(
         &self,
         holder: &LeaseHolder,
@@ -112,10 +114,11 @@ impl LeaderLease {
         let value = rmp_serde::to_vec_named(holder).map_err(|e| lease_error("encoding", e))?;
         match self.store.update(&self.key, value.into(), revision).await {
             Ok(revision) => Ok(Some(revision)),
-            Err(error) => {
-                tracing::warn!(%error, "leader lease renewal failed");
+            Err(error) if error.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                tracing::warn!(%error, "the leader lease was taken by another instance");
                 Ok(None)
             }
+            Err(error) => Err(lease_error("renewing the lease", error)),
         }
     }
 

@@ -49,13 +49,21 @@ impl Renewer {
         let task = tokio::spawn(async move {
             let mut tick = interval(period);
             tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+            let mut last_renewed = tokio::time::Instant::now();
             loop {
                 tokio::select! {
                     _ = stopped.changed() => return revision,
                     _ = tick.tick() => {}
                 }
                 match lease.renew(&holder, revision).await {
-                    Ok(Some(renewed)) => revision = renewed,
+                    Ok(Some(renewed)) => {
+                        revision = renewed;
+                        last_renewed = tokio::time::Instant::now();
+                    }
+                    // A transient failure: the lease is ours until a TTL passed.
+                    Err(error) if last_renewed.elapsed() < period * 3 => {
+                        tracing::warn!(%error, "lease renewal failed; retrying");
+                    }
                     _ => {
                         let _ = lost_tx.send(true);
                         return revision;
