@@ -49,6 +49,12 @@ pub fn global_rpc_subject(cluster: &ClusterId, op: &str) -> String {
     format!("{SUBJECT_PREFIX}.{cluster}.global.rpc.{op}")
 }
 
+/// The subject on which a cluster's inter-DC gateways take fetch requests (the
+/// gateway reads a block from its cluster and sends it over the WAN).
+pub fn interdc_fetch_subject(cluster: &ClusterId) -> String {
+    format!("{SUBJECT_PREFIX}.{cluster}.interdc.fetch")
+}
+
 /// The name of a cluster-wide KV bucket or object store (`purpose` such as
 /// `leader`, `registry`, `snapshots`).
 pub fn bucket_name(cluster: &ClusterId, purpose: &str) -> String {

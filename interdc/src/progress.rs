@@ -1,0 +1,214 @@
+//! The replicator's progress, kept in a JetStream KV bucket of the target cluster
+//! (`hkvm_<target>_interdc-<source>`): one record per block it copied (so a
+//! restarted replicator never sends a finished block again, even one the target
+//! evicted since) and the latest [`InterDcStatus`].
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, kv};
+use futures::StreamExt as _;
+use hkvm_events::subject::bucket_name;
+use hkvm_events::ClusterId;
+use serde::{Deserialize, Serialize};
+
+use crate::error::InterDcError;
+use crate::status::InterDcStatus;
+
+/// The key of the status record.
+pub const STATUS_KEY: &str = "status";
+/// The prefix of copy records (`c.<key hash in hex>`).
+const COPIED_PREFIX: &str = "c.";
+
+/// What was copied (MessagePack, named fields).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CopiedRecord {
+    /// The key.
+    pub key: String,
+    /// Bytes.
+    pub bytes: u64,
+    /// The target sub-cluster it was placed in.
+    pub subcluster: String,
+    /// When the copy was committed, Unix milliseconds.
+    pub unix_ms: u64,
+}
+
+/// The progress bucket name for copies from `source` into `target`.
+pub fn bucket(source: &ClusterId, target: &ClusterId) -> String {
+    bucket_name(target, &format!("interdc-{source}"))
+}
+
+/// The progress bucket.
+#[derive(Debug, Clone)]
+pub struct Progress {
+    store: kv::Store,
+}
+
+impl Progress {
+    /// Opens (creating if needed) the progress bucket in the target cluster.
+    /// `retention` bounds how long copy records are kept (zero: forever).
+    ///
+    /// # Errors
+    /// [`InterDcError::Nats`] when JetStream refuses.
+    pub async fn open(
+        target_js: &jetstream::Context,
+        source: &ClusterId,
+        target: &ClusterId,
+        replicas: usize,
+        retention: Duration,
+    ) -> Result<Self, InterDcError> {
+        let name = bucket(source, target);
+        if let Ok(store) = target_js.get_key_value(&name).await {
+            return Ok(Self { store });
+        }
+        let store = target_js
+            .create_key_value(kv::Config {
+                bucket: name.clone(),
+                description: format!("HKVM inter-DC copies from {source} into {target}"),
+                history: 1,
+                max_age: retention,
+                storage: jetstream::stream::StorageType::File,
+                num_replicas: replicas.max(1),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| InterDcError::nats(format!("creating {name}"), e))?;
+        Ok(Self { store })
+    }
+
+    /// Opens an existing progress bucket (for `hkvm interdc status`).
+    ///
+    /// # Errors
+    /// [`InterDcError::Nats`] when there is none.
+    pub async fn open_existing(
+        target_js: &jetstream::Context,
+        source: &ClusterId,
+        target: &ClusterId,
+    ) -> Result<Self, InterDcError> {
+        let name = bucket(source, target);
+        let store = target_js
+            .get_key_value(&name)
+            .await
+            .map_err(|e| InterDcError::nats(format!("opening {name}"), e))?;
+        Ok(Self { store })
+    }
+
+    /// The key hashes of every block copied so far.
+    ///
+    /// # Errors
+    /// [`InterDcError::Nats`] when the bucket cannot be read,
+    /// [`InterDcError::Progress`] for a record with a bad key.
+    pub async fn load_copied(&self) -> Result<Vec<u64>, InterDcError> {
+        let status = self
+            .store
+            .status()
+            .await
+            .map_err(|e| InterDcError::nats("reading the progress bucket", e))?;
+        if status.values() == 0 {
+            return Ok(Vec::new());
+        }
+        let mut watch = self
+            .store
+            .watch_with_history(">")
+            .await
+            .map_err(|e| InterDcError::nats("reading the progress bucket", e))?;
+        let mut copied = Vec::new();
+        while let Some(entry) = watch.next().await {
+            let entry = entry.map_err(|e| InterDcError::nats("reading the progress bucket", e))?;
+            if entry.operation == kv::Operation::Put {
+                if let Some(hex) = entry.key.strip_prefix(COPIED_PREFIX) {
+                    let hash =
+                        u64::from_str_radix(hex, 16).map_err(|e| InterDcError::Progress {
+                            key: entry.key.clone(),
+                            reason: e.to_string(),
+                        })?;
+                    copied.push(hash);
+                }
+            }
+            if entry.delta == 0 {
+                break;
+            }
+        }
+        Ok(copied)
+    }
+
+    /// Records a copied block.
+    ///
+    /// # Errors
+    /// [`InterDcError::Nats`] when the write fails.
+    pub async fn record_copied(
+        &self,
+        hash: u64,
+        record: &CopiedRecord,
+    ) -> Result<(), InterDcError> {
+        let value = rmp_serde::to_vec_named(record).map_err(|e| InterDcError::Progress {
+            key: record.key.clone(),
+            reason: e.to_string(),
+        })?;
+        self.store
+            .put(format!("{COPIED_PREFIX}{hash:016x}"), value.into())
+            .await
+            .map_err(|e| InterDcError::nats("recording a copy", e))?;
+        Ok(())
+    }
+
+    /// Reads a copy record, if there is one.
+    ///
+    /// # Errors
+    /// [`InterDcError::Nats`] when the read fails, [`InterDcError::Progress`] when
+    /// the record does not decode.
+    pub async fn copied(&self, hash: u64) -> Result<Option<CopiedRecord>, InterDcError> {
+        let key = format!("{COPIED_PREFIX}{hash:016x}");
+        let Some(bytes) = self
+            .store
+            .get(&key)
+            .await
+            .map_err(|e| InterDcError::nats("reading a copy record", e))?
+        else {
+            return Ok(None);
+        };
+        rmp_serde::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| InterDcError::Progress {
+                key,
+                reason: e.to_string(),
+            })
+    }
+
+    /// Writes the status record.
+    ///
+    /// # Errors
+    /// [`InterDcError::Nats`] when the write fails.
+    pub async fn write_status(&self, status: &InterDcStatus) -> Result<(), InterDcError> {
+        let value = serde_json::to_vec(status).map_err(|e| InterDcError::Progress {
+            key: STATUS_KEY.into(),
+            reason: e.to_string(),
+        })?;
+        self.store
+            .put(STATUS_KEY, value.into())
+            .await
+            .map_err(|e| InterDcError::nats("writing the status", e))?;
+        Ok(())
+    }
+
+    /// Reads the status record, if one was written.
+    ///
+    /// # Errors
+    /// [`InterDcError::Nats`] when the read fails, [`InterDcError::Progress`] when
+    /// the record does not decode.
+    pub async fn read_status(&self) -> Result<Option<InterDcStatus>, InterDcError> {
+        let Some(bytes) = self
+            .store
+            .get(STATUS_KEY)
+            .await
+            .map_err(|e| InterDcError::nats("reading the status", e))?
+        else {
+            return Ok(None);
+        };
+        serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| InterDcError::Progress {
+                key: STATUS_KEY.into(),
+                reason: e.to_string(),
+            })
+    }
+}

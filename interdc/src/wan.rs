@@ -1,0 +1,388 @@
+//! The WAN leg of a copy. The inter-DC master asks a gateway of the source pool
+//! (NATS request on [`interdc_fetch_subject`]) to read a block there and send it to
+//! a UDP socket the master opened for this one copy; the gateway reads the block
+//! through the source's sub-master and nodes (checksum-verified on the LAN), then
+//! sends it with the transfer crate's FEC + pacing mode, and answers the request
+//! with what the send cost. The master verifies the received bytes against the
+//! source checksum before writing them into the target pool.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt as _;
+use hkvm_client::{KvClient, KvError, SubmasterClient};
+use hkvm_events::subject::interdc_fetch_subject;
+use hkvm_events::{value_checksum, ClusterId, SubclusterId};
+use hkvm_transfer::wan::{
+    udp_endpoint, FecConfig, Impairment, ReceiveReport, SendReport, WanConfig, WanReceiver,
+    WanSender,
+};
+use hkvm_transfer::TcpTransport;
+use serde::{Deserialize, Serialize};
+use tokio::net::UdpSocket;
+use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
+
+use crate::diff::Candidate;
+use crate::error::InterDcError;
+
+/// The queue group every gateway of a cluster joins.
+pub const GATEWAY_QUEUE: &str = "hkvm-interdc-gateway";
+
+/// The stripe shape and pacing of one copy, chosen by the master.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WanShape {
+    /// Bytes per second on the wire for this copy.
+    pub rate_bytes_per_sec: u64,
+    /// Original shards per stripe.
+    pub data_shards: u16,
+    /// Recovery shards per stripe.
+    pub parity_shards: u16,
+    /// Bytes per shard.
+    pub shard_bytes: u32,
+}
+
+impl WanShape {
+    /// The transfer crate's configuration for this shape (both ends use it).
+    pub fn config(&self) -> WanConfig {
+        let rate = self.rate_bytes_per_sec.max(1);
+        WanConfig {
+            fec: FecConfig {
+                data_shards: usize::from(self.data_shards),
+                parity_shards: usize::from(self.parity_shards),
+                shard_bytes: self.shard_bytes as usize,
+            },
+            rate_bytes_per_sec: rate,
+            // 20 ms worth of the rate, within sane bounds: enough for the
+            // millisecond timer, small enough to stay near the cap.
+            burst_bytes: (rate / 50).clamp(16 * 1024, 1 << 20),
+            feedback_timeout: Duration::from_millis(600),
+            probes: 8,
+            max_rounds: 30,
+            idle_timeout: Duration::from_secs(20),
+            ..WanConfig::default()
+        }
+    }
+}
+
+/// A fetch request (MessagePack, named fields).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FetchRequest {
+    /// The source sub-cluster holding the block.
+    pub subcluster: String,
+    /// The key.
+    pub key: String,
+    /// The checksum the master expects (from the source's events).
+    pub checksum: u64,
+    /// Where to send the packets (`host:port`, UDP).
+    pub reply_addr: String,
+    /// How to send them.
+    pub shape: WanShape,
+}
+
+/// What a gateway's send cost.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SentReport {
+    /// Payload bytes.
+    pub bytes: u64,
+    /// Bytes on the wire.
+    pub wire_bytes: u64,
+    /// Rounds.
+    pub rounds: u32,
+    /// Stripes sent again.
+    pub stripes_retransmitted: u64,
+}
+
+impl From<SendReport> for SentReport {
+    fn from(report: SendReport) -> Self {
+        Self {
+            bytes: report.bytes,
+            wire_bytes: report.wire_bytes,
+            rounds: report.rounds,
+            stripes_retransmitted: report.stripes_retransmitted,
+        }
+    }
+}
+
+/// A gateway's answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FetchReply {
+    /// The block was sent and acknowledged by the receiver.
+    Sent(SentReport),
+    /// The source no longer holds the key (evicted or removed).
+    Gone,
+    /// The source holds a different value under the key now.
+    Changed {
+        /// Its checksum.
+        checksum: u64,
+    },
+    /// The request was malformed.
+    BadRequest(String),
+    /// Reading or sending failed.
+    Failed(String),
+}
+
+/// Settings of a gateway.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    /// The source cluster it serves.
+    pub cluster: ClusterId,
+    /// Address its UDP sockets bind to.
+    pub bind_ip: IpAddr,
+    /// Emulated impairment of its egress (tests, benchmarks).
+    pub impairment: Impairment,
+    /// Sends in flight at once.
+    pub max_concurrent: usize,
+}
+
+/// A running gateway. Dropping it stops it.
+#[derive(Debug)]
+pub struct Gateway {
+    task: JoinHandle<()>,
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Gateway {
+    /// Joins the gateway queue group of `config.cluster` on `nats`.
+    ///
+    /// # Errors
+    /// [`InterDcError::Nats`] when the subscription fails.
+    pub async fn start(
+        nats: async_nats::Client,
+        config: GatewayConfig,
+    ) -> Result<Self, InterDcError> {
+        let subject = interdc_fetch_subject(&config.cluster);
+        let mut requests = nats
+            .queue_subscribe(subject.clone(), GATEWAY_QUEUE.to_owned())
+            .await
+            .map_err(|e| InterDcError::nats(format!("subscribing to {subject}"), e))?;
+        tracing::info!(%subject, "inter-DC gateway serving");
+        let state = Arc::new(GatewayState {
+            nats: nats.clone(),
+            config: config.clone(),
+            clients: Mutex::default(),
+            permits: Semaphore::new(config.max_concurrent.max(1)),
+        });
+        let task = tokio::spawn(async move {
+            while let Some(message) = requests.next().await {
+                let state = Arc::clone(&state);
+                tokio::spawn(async move {
+                    let reply = state.handle(&message.payload).await;
+                    if let Some(to) = message.reply {
+                        match rmp_serde::to_vec_named(&reply) {
+                            Ok(bytes) => {
+                                if let Err(error) = state.nats.publish(to, bytes.into()).await {
+                                    tracing::warn!(%error, "answering a fetch");
+                                }
+                            }
+                            Err(error) => tracing::error!(%error, "encoding a fetch reply"),
+                        }
+                    }
+                });
+            }
+        });
+        Ok(Self { task })
+    }
+}
+
+struct GatewayState {
+    nats: async_nats::Client,
+    config: GatewayConfig,
+    clients: Mutex<HashMap<SubclusterId, KvClient>>,
+    permits: Semaphore,
+}
+
+impl GatewayState {
+    fn client(&self, subcluster: &SubclusterId) -> KvClient {
+        let mut clients = self
+            .clients
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        clients
+            .entry(subcluster.clone())
+            .or_insert_with(|| {
+                let metadata = SubmasterClient::new(
+                    self.nats.clone(),
+                    self.config.cluster.clone(),
+                    subcluster.clone(),
+                );
+                KvClient::new(metadata, Arc::new(TcpTransport::default()))
+            })
+            .clone()
+    }
+
+    async fn handle(&self, payload: &[u8]) -> FetchReply {
+        let request: FetchRequest = match rmp_serde::from_slice(payload) {
+            Ok(request) => request,
+            Err(error) => return FetchReply::BadRequest(error.to_string()),
+        };
+        let subcluster = match SubclusterId::new(request.subcluster.clone()) {
+            Ok(id) => id,
+            Err(error) => return FetchReply::BadRequest(error.to_string()),
+        };
+        let Ok(_permit) = self.permits.acquire().await else {
+            return FetchReply::Failed("gateway stopping".into());
+        };
+        let fetched = match self.client(&subcluster).get(&request.key).await {
+            Ok(fetched) => fetched,
+            Err(KvError::NotFound { .. }) => return FetchReply::Gone,
+            Err(error) => return FetchReply::Failed(error.to_string()),
+        };
+        let checksum = value_checksum(&fetched.value);
+        if checksum != request.checksum {
+            return FetchReply::Changed { checksum };
+        }
+        match self.send(&request, &fetched.value).await {
+            Ok(report) => FetchReply::Sent(report.into()),
+            Err(error) => FetchReply::Failed(error.to_string()),
+        }
+    }
+
+    async fn send(&self, request: &FetchRequest, value: &[u8]) -> Result<SendReport, InterDcError> {
+        let peer = tokio::net::lookup_host(&request.reply_addr)
+            .await
+            .map_err(|e| InterDcError::Wan(format!("resolving {}: {e}", request.reply_addr)))?
+            .next()
+            .ok_or_else(|| {
+                InterDcError::Wan(format!("{} resolves to nothing", request.reply_addr))
+            })?;
+        let socket = UdpSocket::bind(SocketAddr::new(self.config.bind_ip, 0))
+            .await
+            .map_err(|e| InterDcError::Wan(format!("binding a UDP socket: {e}")))?;
+        let (sink, source) = udp_endpoint(socket, Some(peer), self.config.impairment)
+            .map_err(|e| InterDcError::Wan(e.to_string()))?;
+        let mut sender = WanSender::new(request.shape.config(), sink, source)
+            .map_err(|e| InterDcError::Wan(e.to_string()))?;
+        sender
+            .send(value)
+            .await
+            .map_err(|e| InterDcError::Wan(e.to_string()))
+    }
+}
+
+/// Where the master's receiving sockets live.
+#[derive(Debug, Clone)]
+pub struct ReceiverSettings {
+    /// Address the UDP sockets bind to.
+    pub bind_ip: IpAddr,
+    /// The host name or address gateways send to.
+    pub advertise_host: String,
+    /// Emulated impairment of the master's egress (feedback packets).
+    pub impairment: Impairment,
+}
+
+/// What a fetch brought.
+#[derive(Debug, Clone)]
+pub enum Fetched {
+    /// The block, verified against the expected checksum.
+    Block {
+        /// Its bytes.
+        value: Bytes,
+        /// What the send cost (gateway side).
+        sent: SentReport,
+        /// What the receiver saw.
+        received: ReceiveReport,
+    },
+    /// The source no longer holds it.
+    Gone,
+    /// The source holds a different value now.
+    Changed,
+}
+
+/// Fetches one block from the source pool's gateways over the WAN.
+///
+/// # Errors
+/// [`InterDcError::Wan`] when the copy failed or the bytes do not match the
+/// checksum, [`InterDcError::Nats`] when no gateway answered.
+pub async fn fetch(
+    source_nats: &async_nats::Client,
+    source: &ClusterId,
+    settings: &ReceiverSettings,
+    candidate: &Candidate,
+    shape: WanShape,
+) -> Result<Fetched, InterDcError> {
+    let key = candidate.block.key.as_str();
+    let checksum = candidate.block.checksum;
+    let size = candidate.block.size;
+    let socket = UdpSocket::bind(SocketAddr::new(settings.bind_ip, 0))
+        .await
+        .map_err(|e| InterDcError::Wan(format!("binding a UDP socket: {e}")))?;
+    let port = socket
+        .local_addr()
+        .map_err(|e| InterDcError::Wan(e.to_string()))?
+        .port();
+    let (sink, packets) = udp_endpoint(socket, None, settings.impairment)
+        .map_err(|e| InterDcError::Wan(e.to_string()))?;
+    let mut receiver = WanReceiver::new(shape.config(), packets, sink)
+        .map_err(|e| InterDcError::Wan(e.to_string()))?;
+    let receiving = tokio::spawn(async move { receiver.receive().await });
+    let _abort_receiver = AbortOnDrop(receiving.abort_handle());
+    let request = FetchRequest {
+        subcluster: candidate.subcluster.to_string(),
+        key: key.to_owned(),
+        checksum,
+        reply_addr: format!("{}:{port}", settings.advertise_host),
+        shape,
+    };
+    let payload =
+        rmp_serde::to_vec_named(&request).map_err(|e| InterDcError::Wan(e.to_string()))?;
+    // Room for the whole send at the paced rate (with recovery shards and a few
+    // rounds) plus the LAN read on the far side.
+    let expected =
+        Duration::from_secs_f64(size as f64 * 2.0 / shape.rate_bytes_per_sec.max(1) as f64);
+    let timeout = expected + Duration::from_secs(30);
+    let subject = interdc_fetch_subject(source);
+    let request = async_nats::Request::new()
+        .payload(payload.into())
+        .timeout(Some(timeout));
+    let message = source_nats
+        .send_request(subject.clone(), request)
+        .await
+        .map_err(|e| InterDcError::nats(format!("fetch request on {subject}"), e))?;
+    let reply: FetchReply = rmp_serde::from_slice(&message.payload)
+        .map_err(|e| InterDcError::Wan(format!("undecodable fetch reply: {e}")))?;
+    let sent = match reply {
+        FetchReply::Sent(sent) => sent,
+        FetchReply::Gone => return Ok(Fetched::Gone),
+        FetchReply::Changed { .. } => return Ok(Fetched::Changed),
+        FetchReply::BadRequest(reason) | FetchReply::Failed(reason) => {
+            return Err(InterDcError::Wan(format!("gateway: {reason}")))
+        }
+    };
+    // The gateway answers after the receiver acknowledged, so the bytes are here
+    // or about to be.
+    let (value, received) = tokio::time::timeout(Duration::from_secs(10), receiving)
+        .await
+        .map_err(|_| {
+            InterDcError::Wan("the receiver did not finish after the gateway's answer".into())
+        })?
+        .map_err(|e| InterDcError::Wan(format!("receiver task: {e}")))?
+        .map_err(|e| InterDcError::Wan(e.to_string()))?;
+    let got = value_checksum(&value);
+    if got != checksum {
+        return Err(InterDcError::Wan(format!(
+            "{key}: received bytes have checksum {got:016x}, the source's is {checksum:016x}"
+        )));
+    }
+    Ok(Fetched::Block {
+        value: value.into(),
+        sent,
+        received,
+    })
+}
+
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
