@@ -3,7 +3,8 @@
 //! bandwidth cap ([`pacing`]), and stripes that lost more shards than the code can
 //! repair are sent again whole, in rounds driven by the receiver's lists of missing
 //! stripes ([`sender`], [`receiver`]). [`link`] is an in-process lossy link to test
-//! and measure all of it.
+//! and measure all of it; [`udp`] carries the packets in UDP datagrams between
+//! processes and hosts, optionally through an emulated delay and loss on egress.
 
 pub mod fec;
 pub mod link;
@@ -11,6 +12,7 @@ pub mod pacing;
 pub mod packet;
 pub mod receiver;
 pub mod sender;
+pub mod udp;
 
 use std::future::Future;
 use std::time::Duration;
@@ -22,6 +24,7 @@ pub use link::{lossy_link, LinkConfig, LinkRx, LinkStats, LinkTx};
 pub use pacing::TokenBucket;
 pub use receiver::{ReceiveReport, WanReceiver};
 pub use sender::{SendReport, WanSender};
+pub use udp::{udp_endpoint, Impairment, UdpSink, UdpSource, UdpStats};
 
 use crate::error::TransferError;
 
