@@ -4,6 +4,7 @@
 mod bench;
 mod data;
 mod globalmaster;
+mod interdc;
 mod loadgen;
 mod local;
 mod locate;
@@ -53,6 +54,9 @@ enum Command {
     Get(data::GetArgs),
     /// Run a global-master replica: registry + projection + cluster-wide queries.
     Globalmaster(globalmaster::GlobalMasterArgs),
+    /// Copy blocks one pool has and another (in another datacenter) lacks, over a
+    /// paced, FEC-protected WAN link; also its gateway and status.
+    Interdc(interdc::InterDcArgs),
     /// Which sub-masters hold keys, cluster-wide (asks the global master).
     Locate(locate::LocateArgs),
     /// The registry (sub-masters, labels, liveness, usage) and the global master's lag.
@@ -82,6 +86,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Put(args) => data::put(args).await,
         Command::Get(args) => data::get(args).await,
         Command::Globalmaster(args) => globalmaster::run(args).await,
+        Command::Interdc(args) => interdc::run(args).await,
         Command::Locate(args) => locate::run(args).await,
         Command::Status(args) => status::run(args).await,
         Command::Loadgen(args) => loadgen::run(args).await,

@@ -72,6 +72,23 @@ pub struct Fetched {
     pub replica: ReplicaLocation,
 }
 
+/// A put whose space is reserved but whose value is not written yet (see
+/// [`KvClient::reserve`]).
+#[derive(Debug)]
+#[must_use = "complete or abandon a reservation; otherwise it only times out"]
+pub struct PendingPut {
+    key: String,
+    size: u64,
+    replicas: Vec<ReplicaLocation>,
+}
+
+impl PendingPut {
+    /// The key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+}
+
 /// A KV client of one sub-cluster (with cluster-wide reads through the global
 /// master). Cheap to clone.
 #[derive(Clone)]
@@ -200,6 +217,100 @@ impl KvClient {
                 }
             })
             .collect())
+    }
+
+    /// Reserves space for a value of `size` bytes under `key` (put_start) without
+    /// writing it yet: a caller that must fetch the value from far away learns
+    /// first that the key is free and the space is there. Finish with
+    /// [`KvClient::complete`] or [`KvClient::abandon`] before the sub-master's put
+    /// timeout.
+    ///
+    /// # Errors
+    /// [`KvError::Item`] (e.g. `AlreadyExists`, `NoSpace`) or a metadata failure.
+    pub async fn reserve(
+        &self,
+        key: &str,
+        size: u64,
+        replicas: u32,
+    ) -> Result<PendingPut, KvError> {
+        let start = PutStartItem {
+            key: key.to_owned(),
+            size,
+            replicas,
+            preferred_segment: None,
+            hard_pin: false,
+        };
+        let mut placed = self.metadata.put_start(vec![start]).await?;
+        match placed.pop() {
+            Some(ItemResult::Ok(replicas)) => Ok(PendingPut {
+                key: key.to_owned(),
+                size,
+                replicas,
+            }),
+            Some(ItemResult::Err(error)) => Err(KvError::Item {
+                key: key.to_owned(),
+                error,
+            }),
+            None => Err(KvError::Item {
+                key: key.to_owned(),
+                error: ItemError::Invalid("put_start answered no item".into()),
+            }),
+        }
+    }
+
+    /// Writes `value` into a reserved put's replicas and commits it (put_end with
+    /// the value's checksum). A failed write revokes the put; a put_end whose
+    /// outcome is unknown removes the key, as [`KvClient::put`] does.
+    ///
+    /// # Errors
+    /// [`KvError::Write`] (also for a value of another size than reserved),
+    /// [`KvError::Item`] or a metadata failure.
+    pub async fn complete(&self, pending: PendingPut, value: &[u8]) -> Result<(), KvError> {
+        if value.len() as u64 != pending.size {
+            let key = pending.key.clone();
+            self.abandon(pending).await;
+            return Err(KvError::Write {
+                key,
+                reason: format!(
+                    "value of {} bytes for a reservation of another size",
+                    value.len()
+                ),
+            });
+        }
+        if let Err(error) = self
+            .write_replicas(&pending.key, value, &pending.replicas)
+            .await
+        {
+            self.abandon(pending).await;
+            return Err(error);
+        }
+        let end = PutEndItem {
+            key: pending.key.clone(),
+            checksum: value_checksum(value),
+        };
+        let mut ended = match self.metadata.put_end(vec![end]).await {
+            Ok(ended) => ended,
+            Err(error) => {
+                let _ = self.metadata.remove(vec![pending.key], true).await;
+                return Err(error.into());
+            }
+        };
+        match ended.pop() {
+            Some(ItemResult::Ok(())) => Ok(()),
+            Some(ItemResult::Err(error)) => Err(KvError::Item {
+                key: pending.key,
+                error,
+            }),
+            None => Err(KvError::Item {
+                key: pending.key,
+                error: ItemError::NoPendingPut,
+            }),
+        }
+    }
+
+    /// Gives a reservation back (put_revoke, best effort: it also times out).
+    pub async fn abandon(&self, pending: PendingPut) {
+        let _ = self.metadata.put_revoke(vec![pending.key]).await;
     }
 
     async fn write_replicas(

@@ -7,6 +7,6 @@ pub mod node;
 pub mod submaster;
 
 pub use error::{ClientError, ClientErrorKind};
-pub use kv::{Fetched, KvClient, KvError};
+pub use kv::{Fetched, KvClient, KvError, PendingPut};
 pub use node::{NodeConfig, NodeError, NodeHandle};
 pub use submaster::{ClientConfig, ClientStats, SubmasterClient, MAX_BATCH};

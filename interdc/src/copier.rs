@@ -6,14 +6,18 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use hkvm_client::{KvClient, KvError, SubmasterClient};
+use hkvm_events::registry::now_unix_ms;
 use hkvm_events::rpc::submaster::ItemError;
 use hkvm_events::{ClusterId, SubclusterId};
+use hkvm_transfer::wan::ReceiveReport;
 use hkvm_transfer::TcpTransport;
 
 use crate::diff::Candidate;
 use crate::policy::Policy;
+use crate::progress::{InFlightRecord, Progress};
 use crate::shared::SubclusterInfo;
 use crate::wan::{fetch, Fetched, ReceiverSettings, SentReport, WanShape};
 
@@ -63,6 +67,7 @@ pub(crate) struct Copier {
     pub target: ClusterId,
     pub receiver: ReceiverSettings,
     pub policy: Policy,
+    progress: Progress,
     clients: Mutex<HashMap<SubclusterId, KvClient>>,
     transport: Arc<TcpTransport>,
 }
@@ -75,6 +80,7 @@ impl Copier {
         target: ClusterId,
         receiver: ReceiverSettings,
         policy: Policy,
+        progress: Progress,
     ) -> Self {
         Self {
             source_nats,
@@ -83,6 +89,7 @@ impl Copier {
             target,
             receiver,
             policy,
+            progress,
             clients: Mutex::default(),
             transport: Arc::new(TcpTransport::default()),
         }
@@ -108,6 +115,11 @@ impl Copier {
 
     /// Copies one block; `targets` is the target pool's registry view and `shape`
     /// the WAN shape (its rate is this copy's share of the cap).
+    ///
+    /// When the WAN send should take well under the target's put timeout, the
+    /// target space is reserved first (put_start), so a key the target already
+    /// holds, or a full target, costs no WAN bytes; a long send fetches first and
+    /// then puts.
     pub async fn copy(
         &self,
         candidate: &Candidate,
@@ -120,7 +132,79 @@ impl Copier {
                 "no live target sub-master carries the policy's target labels".into(),
             );
         }
-        let fetched = match fetch(
+        let expected = Duration::from_secs_f64(
+            candidate.block.size as f64 * 1.5 / shape.rate_bytes_per_sec.max(1) as f64,
+        );
+        if expected > RESERVE_FIRST_LIMIT {
+            return self.fetch_then_put(candidate, &order, shape).await;
+        }
+        let mut last = String::new();
+        for subcluster in order {
+            let client = self.target_client(&subcluster);
+            let pending = match client
+                .reserve(
+                    &candidate.block.key,
+                    candidate.block.size,
+                    self.policy.target_replicas,
+                )
+                .await
+            {
+                Ok(pending) => pending,
+                Err(error) => match classify(&subcluster, error) {
+                    PutFailure::NoSpace(reason) => {
+                        last = reason;
+                        continue;
+                    }
+                    PutFailure::Exists => return CopyOutcome::AlreadyAtTarget,
+                    PutFailure::Other(reason) => return CopyOutcome::Failed(reason),
+                },
+            };
+            let record = InFlightRecord {
+                key: candidate.block.key.clone(),
+                subcluster: subcluster.to_string(),
+                unix_ms: now_unix_ms(),
+            };
+            if let Err(error) = self
+                .progress
+                .record_in_flight(candidate.hash, &record)
+                .await
+            {
+                tracing::warn!(%error, key = %record.key, "recording a copy in flight");
+            }
+            let outcome = match self.fetch(candidate, shape).await {
+                Ok((value, sent, received)) => match client.complete(pending, &value).await {
+                    Ok(()) => CopyOutcome::Copied {
+                        subcluster,
+                        sent,
+                        fec_recoveries: received.fec_recoveries,
+                    },
+                    Err(error) => match classify(&subcluster, error) {
+                        PutFailure::Exists => CopyOutcome::AlreadyAtTarget,
+                        PutFailure::NoSpace(reason) | PutFailure::Other(reason) => {
+                            CopyOutcome::Failed(reason)
+                        }
+                    },
+                },
+                Err(outcome) => {
+                    client.abandon(pending).await;
+                    outcome
+                }
+            };
+            if let Err(error) = self.progress.clear_in_flight(candidate.hash).await {
+                tracing::warn!(%error, key = %record.key, "clearing a copy in flight");
+            }
+            return outcome;
+        }
+        CopyOutcome::NoTarget(last)
+    }
+
+    /// Fetches the block over the WAN; a copy that cannot go on is the `Err`.
+    async fn fetch(
+        &self,
+        candidate: &Candidate,
+        shape: WanShape,
+    ) -> Result<(bytes::Bytes, SentReport, ReceiveReport), CopyOutcome> {
+        match fetch(
             &self.source_nats,
             &self.source,
             &self.receiver,
@@ -129,46 +213,78 @@ impl Copier {
         )
         .await
         {
-            Ok(fetched) => fetched,
-            Err(error) => return CopyOutcome::Failed(error.to_string()),
-        };
-        let (value, sent, received) = match fetched {
-            Fetched::Block {
+            Ok(Fetched::Block {
                 value,
                 sent,
                 received,
-            } => (value, sent, received),
-            Fetched::Gone => return CopyOutcome::SourceGone,
-            Fetched::Changed => return CopyOutcome::SourceChanged,
+            }) => Ok((value, sent, received)),
+            Ok(Fetched::Gone) => Err(CopyOutcome::SourceGone),
+            Ok(Fetched::Changed) => Err(CopyOutcome::SourceChanged),
+            Err(error) => Err(CopyOutcome::Failed(error.to_string())),
+        }
+    }
+
+    async fn fetch_then_put(
+        &self,
+        candidate: &Candidate,
+        order: &[SubclusterId],
+        shape: WanShape,
+    ) -> CopyOutcome {
+        let (value, sent, received) = match self.fetch(candidate, shape).await {
+            Ok(fetched) => fetched,
+            Err(outcome) => return outcome,
         };
         let mut last = String::new();
         for subcluster in order {
-            let client = self.target_client(&subcluster);
+            let client = self.target_client(subcluster);
             match client
                 .put(&candidate.block.key, &value, self.policy.target_replicas)
                 .await
             {
                 Ok(()) => {
                     return CopyOutcome::Copied {
-                        subcluster,
+                        subcluster: subcluster.clone(),
                         sent,
                         fec_recoveries: received.fec_recoveries,
                     }
                 }
-                Err(KvError::Item {
-                    error: ItemError::AlreadyExists,
-                    ..
-                }) => return CopyOutcome::AlreadyAtTarget,
-                Err(KvError::Item {
-                    error: error @ ItemError::NoSpace { .. },
-                    ..
-                }) => {
-                    last = format!("{subcluster}: {error}");
-                }
-                Err(error) => return CopyOutcome::Failed(format!("{subcluster}: {error}")),
+                Err(error) => match classify(subcluster, error) {
+                    PutFailure::NoSpace(reason) => last = reason,
+                    PutFailure::Exists => return CopyOutcome::AlreadyAtTarget,
+                    PutFailure::Other(reason) => return CopyOutcome::Failed(reason),
+                },
             }
         }
         CopyOutcome::NoTarget(last)
+    }
+}
+
+/// A WAN send expected to take longer than this is fetched before the target
+/// space is reserved (a reservation lives for the sub-master's put timeout,
+/// 30 s by default).
+const RESERVE_FIRST_LIMIT: Duration = Duration::from_secs(10);
+
+/// How a target put failed.
+enum PutFailure {
+    /// The key is already there (complete or being put).
+    Exists,
+    /// This sub-cluster has no room.
+    NoSpace(String),
+    /// Anything else.
+    Other(String),
+}
+
+fn classify(subcluster: &SubclusterId, error: KvError) -> PutFailure {
+    match error {
+        KvError::Item {
+            error: ItemError::AlreadyExists,
+            ..
+        } => PutFailure::Exists,
+        KvError::Item {
+            error: error @ ItemError::NoSpace { .. },
+            ..
+        } => PutFailure::NoSpace(format!("{subcluster}: {error}")),
+        error => PutFailure::Other(format!("{subcluster}: {error}")),
     }
 }
 

@@ -21,7 +21,7 @@ use crate::error::InterDcError;
 use crate::follow::{discover, watch_pool, Pool};
 use crate::metrics::label;
 use crate::policy::Policy;
-use crate::progress::{CopiedRecord, Progress};
+use crate::progress::{CopiedRecord, InFlightRecord, Progress};
 use crate::shared::Shared;
 use crate::status::{InterDcStatus, StreamStatus};
 use crate::wan::{ReceiverSettings, WanShape};
@@ -53,6 +53,10 @@ pub struct InterDcConfig {
     pub metrics_addr: Option<SocketAddr>,
     /// How often the status record is written.
     pub status_interval: Duration,
+    /// The target sub-masters' put timeout: a reservation left by a crashed run
+    /// younger than this is given back at start (an older one expired already and
+    /// the key may be someone else's put now).
+    pub target_put_timeout: Duration,
 }
 
 impl InterDcConfig {
@@ -71,6 +75,7 @@ impl InterDcConfig {
             progress_retention: Duration::from_secs(7 * 24 * 3600),
             metrics_addr: None,
             status_interval: Duration::from_secs(1),
+            target_put_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -127,11 +132,23 @@ impl InterDc {
         )
         .await?;
         let mut diff = Diff::new();
-        let copied = progress.load_copied().await?;
-        tracing::info!(copied = copied.len(), "loaded the copies of earlier runs");
-        for hash in copied {
+        let loaded = progress.load().await?;
+        tracing::info!(
+            copied = loaded.copied.len(),
+            in_flight = loaded.in_flight.len(),
+            "loaded the progress of earlier runs"
+        );
+        for hash in loaded.copied {
             diff.mark_copied(hash);
         }
+        release_reservations(
+            &progress,
+            &target_nats,
+            &config.target.cluster,
+            loaded.in_flight,
+            config.target_put_timeout,
+        )
+        .await;
         let shared = Arc::new(Shared::new(config.policy.clone(), diff));
         let metrics_server = match config.metrics_addr {
             Some(addr) => Some(
@@ -170,6 +187,7 @@ impl InterDc {
                 impairment: config.impairment,
             },
             config.policy.clone(),
+            progress.clone(),
         );
         let initial = InterDcStatus {
             source: config.source.cluster.to_string(),
@@ -458,6 +476,46 @@ impl Runner {
             failures: self.totals.failures,
             given_up: self.totals.given_up,
             streams,
+        }
+    }
+}
+
+/// Gives back the target reservations of copies a stopped run left in flight, so
+/// the blocks can be copied now instead of after the reservations time out.
+async fn release_reservations(
+    progress: &Progress,
+    target_nats: &async_nats::Client,
+    target: &ClusterId,
+    in_flight: Vec<(u64, InFlightRecord)>,
+    put_timeout: Duration,
+) {
+    let now = now_unix_ms();
+    for (hash, record) in in_flight {
+        let young = now.saturating_sub(record.unix_ms) < put_timeout.as_millis() as u64;
+        if young {
+            match hkvm_events::SubclusterId::new(record.subcluster.clone()) {
+                Ok(subcluster) => {
+                    let client = hkvm_client::SubmasterClient::new(
+                        target_nats.clone(),
+                        target.clone(),
+                        subcluster,
+                    );
+                    // A reservation that was completed or expired answers
+                    // NoPendingPut: nothing to give back then.
+                    match client.put_revoke(vec![record.key.clone()]).await {
+                        Ok(_) => {
+                            tracing::info!(key = %record.key, "gave back a reservation of a stopped run")
+                        }
+                        Err(error) => {
+                            tracing::warn!(key = %record.key, %error, "giving back a reservation")
+                        }
+                    }
+                }
+                Err(error) => tracing::warn!(%error, "in-flight record with a bad sub-cluster"),
+            }
+        }
+        if let Err(error) = progress.clear_in_flight(hash).await {
+            tracing::warn!(%error, "clearing an in-flight record");
         }
     }
 }

@@ -1,7 +1,9 @@
 //! The replicator's progress, kept in a JetStream KV bucket of the target cluster
 //! (`hkvm_<target>_interdc-<source>`): one record per block it copied (so a
 //! restarted replicator never sends a finished block again, even one the target
-//! evicted since) and the latest [`InterDcStatus`].
+//! evicted since), one per copy in flight (so a restarted replicator gives back
+//! the target reservations a crash left behind instead of waiting for them to
+//! time out) and the latest [`InterDcStatus`].
 
 use std::time::Duration;
 
@@ -18,6 +20,36 @@ use crate::status::InterDcStatus;
 pub const STATUS_KEY: &str = "status";
 /// The prefix of copy records (`c.<key hash in hex>`).
 const COPIED_PREFIX: &str = "c.";
+/// The prefix of in-flight records (`f.<key hash in hex>`): a reservation at the
+/// target that a crash may have left behind.
+const IN_FLIGHT_PREFIX: &str = "f.";
+
+/// A copy in progress: its target reservation (MessagePack, named fields).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InFlightRecord {
+    /// The key.
+    pub key: String,
+    /// The target sub-cluster holding the reservation.
+    pub subcluster: String,
+    /// When the reservation was made, Unix milliseconds.
+    pub unix_ms: u64,
+}
+
+/// What earlier runs left in the bucket.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Loaded {
+    /// Key hashes of every block copied.
+    pub copied: Vec<u64>,
+    /// Copies that were in flight when a run stopped, by key hash.
+    pub in_flight: Vec<(u64, InFlightRecord)>,
+}
+
+fn parse_hash(key: &str, hex: &str) -> Result<u64, InterDcError> {
+    u64::from_str_radix(hex, 16).map_err(|e| InterDcError::Progress {
+        key: key.to_owned(),
+        reason: e.to_string(),
+    })
+}
 
 /// What was copied (MessagePack, named fields).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -92,43 +124,80 @@ impl Progress {
         Ok(Self { store })
     }
 
-    /// The key hashes of every block copied so far.
+    /// Everything earlier runs recorded: copied blocks and copies in flight.
     ///
     /// # Errors
     /// [`InterDcError::Nats`] when the bucket cannot be read,
-    /// [`InterDcError::Progress`] for a record with a bad key.
-    pub async fn load_copied(&self) -> Result<Vec<u64>, InterDcError> {
+    /// [`InterDcError::Progress`] for a record that does not decode.
+    pub async fn load(&self) -> Result<Loaded, InterDcError> {
         let status = self
             .store
             .status()
             .await
             .map_err(|e| InterDcError::nats("reading the progress bucket", e))?;
+        let mut loaded = Loaded::default();
         if status.values() == 0 {
-            return Ok(Vec::new());
+            return Ok(loaded);
         }
         let mut watch = self
             .store
             .watch_with_history(">")
             .await
             .map_err(|e| InterDcError::nats("reading the progress bucket", e))?;
-        let mut copied = Vec::new();
         while let Some(entry) = watch.next().await {
             let entry = entry.map_err(|e| InterDcError::nats("reading the progress bucket", e))?;
             if entry.operation == kv::Operation::Put {
                 if let Some(hex) = entry.key.strip_prefix(COPIED_PREFIX) {
-                    let hash =
-                        u64::from_str_radix(hex, 16).map_err(|e| InterDcError::Progress {
+                    loaded.copied.push(parse_hash(&entry.key, hex)?);
+                } else if let Some(hex) = entry.key.strip_prefix(IN_FLIGHT_PREFIX) {
+                    let record = rmp_serde::from_slice(&entry.value).map_err(|e| {
+                        InterDcError::Progress {
                             key: entry.key.clone(),
                             reason: e.to_string(),
-                        })?;
-                    copied.push(hash);
+                        }
+                    })?;
+                    loaded
+                        .in_flight
+                        .push((parse_hash(&entry.key, hex)?, record));
                 }
             }
             if entry.delta == 0 {
                 break;
             }
         }
-        Ok(copied)
+        Ok(loaded)
+    }
+
+    /// Records a reservation made at the target for a copy about to cross the WAN.
+    ///
+    /// # Errors
+    /// [`InterDcError::Nats`] when the write fails.
+    pub async fn record_in_flight(
+        &self,
+        hash: u64,
+        record: &InFlightRecord,
+    ) -> Result<(), InterDcError> {
+        let value = rmp_serde::to_vec_named(record).map_err(|e| InterDcError::Progress {
+            key: record.key.clone(),
+            reason: e.to_string(),
+        })?;
+        self.store
+            .put(format!("{IN_FLIGHT_PREFIX}{hash:016x}"), value.into())
+            .await
+            .map_err(|e| InterDcError::nats("recording a copy in flight", e))?;
+        Ok(())
+    }
+
+    /// Forgets an in-flight record (the copy ended one way or the other).
+    ///
+    /// # Errors
+    /// [`InterDcError::Nats`] when the delete fails.
+    pub async fn clear_in_flight(&self, hash: u64) -> Result<(), InterDcError> {
+        self.store
+            .purge(format!("{IN_FLIGHT_PREFIX}{hash:016x}"))
+            .await
+            .map_err(|e| InterDcError::nats("clearing a copy in flight", e))?;
+        Ok(())
     }
 
     /// Records a copied block.

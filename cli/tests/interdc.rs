@@ -1,0 +1,400 @@
+//! The inter-DC level end to end: two pools, each on its own nats-server (two
+//! "datacenters"), a gateway process in the source one and an inter-DC master
+//! process copying over UDP with 25 ms of delay and 1% loss each way (emulated in
+//! both processes' WAN egress). Every missing block arrives byte-exact within the
+//! time the bandwidth cap allows; the policy's filters and labels hold; a block
+//! the target already had is not copied; and a master killed with SIGKILL mid-run
+//! resumes without sending a finished block again.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt as _;
+use hkvm_client::{KvClient, NodeConfig, NodeHandle, SubmasterClient};
+use hkvm_events::log::{EventLog, JetStreamLog, ReadOptions};
+use hkvm_events::subject::{event_subject, stream_name};
+use hkvm_events::{decode_message, value_checksum, ClusterId, KvEvent, Limits, NodeId};
+use hkvm_events::{ProducerId, SubclusterId};
+use hkvm_interdc::diff::{Candidate, SourceBlock};
+use hkvm_interdc::wan::{fetch, Fetched, ReceiverSettings, WanShape};
+use hkvm_interdc::InterDcStatus;
+use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
+use hkvm_testkit::NatsServer;
+use hkvm_transfer::wan::Impairment;
+use hkvm_transfer::TcpTransport;
+
+/// A child process killed on drop.
+struct Process(Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// One pool: its own nats-server, sub-masters with labels, two nodes each.
+struct Pool {
+    server: NatsServer,
+    cluster: ClusterId,
+    kv: BTreeMap<String, KvClient>,
+    _masters: Vec<SubmasterHandle>,
+    _nodes: Vec<NodeHandle>,
+}
+
+impl Pool {
+    async fn start(cluster: &str, subclusters: &[(&str, &str)]) -> Self {
+        let server = NatsServer::start().await.unwrap();
+        let cluster = ClusterId::new(cluster).unwrap();
+        let mut masters = Vec::new();
+        let mut nodes = Vec::new();
+        let mut kv = BTreeMap::new();
+        for (name, pool_label) in subclusters {
+            let subcluster = SubclusterId::new(*name).unwrap();
+            let mut config = SubmasterConfig::new(
+                cluster.clone(),
+                subcluster.clone(),
+                ProducerId::new(format!("{name}-sm")).unwrap(),
+            );
+            config.registry_ttl = Duration::from_secs(3);
+            config
+                .labels
+                .insert("pool".to_owned(), (*pool_label).to_owned());
+            masters.push(SubmasterHandle::spawn(
+                server.connect().await.unwrap(),
+                config,
+            ));
+            let metadata =
+                SubmasterClient::new(server.connect().await.unwrap(), cluster.clone(), subcluster);
+            for n in 0..2 {
+                let config =
+                    NodeConfig::new(NodeId::new(format!("{name}-n{n}")).unwrap(), 32 << 20)
+                        .unwrap();
+                nodes.push(NodeHandle::start(config, metadata.clone()).await.unwrap());
+            }
+            kv.insert(
+                (*name).to_owned(),
+                KvClient::new(metadata, Arc::new(TcpTransport::default())),
+            );
+        }
+        Self {
+            server,
+            cluster,
+            kv,
+            _masters: masters,
+            _nodes: nodes,
+        }
+    }
+
+    fn address(&self) -> String {
+        format!("{}:{}", self.server.url(), self.cluster)
+    }
+
+    /// How many times each key was committed in `subcluster`'s stream.
+    async fn commits(&self, subcluster: &str) -> BTreeMap<String, u32> {
+        let subcluster = SubclusterId::new(subcluster).unwrap();
+        let js = async_nats::jetstream::new(self.server.connect().await.unwrap());
+        let log = JetStreamLog::new(
+            js,
+            stream_name(&self.cluster, &subcluster),
+            event_subject(&self.cluster, &subcluster),
+        );
+        let mut commits = BTreeMap::new();
+        let Ok(mut entries) = log.read(ReadOptions::from(1)).await else {
+            return commits;
+        };
+        while let Some(entry) = entries.next().await {
+            let entry = entry.unwrap();
+            let message = decode_message(&entry.payload, &Limits::default()).unwrap();
+            for event in message.events {
+                if let Ok(KvEvent::PutCommitted(put)) = event {
+                    *commits.entry(put.key).or_insert(0) += 1;
+                }
+            }
+        }
+        commits
+    }
+}
+
+fn hkvm(args: &[&str]) -> Process {
+    let child = Command::new(env!("CARGO_BIN_EXE_hkvm"))
+        .args(args)
+        .env("RUST_LOG", "warn,hkvm_interdc=info")
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    Process(child)
+}
+
+/// A deterministic value of `len` bytes for block `i`.
+fn value(i: usize, len: usize) -> Vec<u8> {
+    let mut state = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
+const RATE: u64 = 2_000_000;
+
+fn master_args<'a>(source: &'a str, target: &'a str, policy: &'a str) -> Vec<&'a str> {
+    vec![
+        "interdc",
+        "--source",
+        source,
+        "--target",
+        target,
+        "--policy",
+        policy,
+        "--wan-delay-ms",
+        "25",
+        "--wan-loss",
+        "0.01",
+    ]
+}
+
+async fn wait_exit(process: &mut Process, within: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(status) = process.0.try_wait().unwrap() {
+            return status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the inter-DC master did not finish within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn missing_blocks_cross_a_lossy_link_and_a_killed_master_resumes() {
+    let source = Pool::start("prefill", &[("p0", "prefill"), ("p1", "prefill")]).await;
+    let target = Pool::start("decode", &[("d0", "decode"), ("d1", "other")]).await;
+
+    // 40 blocks of 32..160 KiB spread over both source sub-clusters, three that
+    // the policy filters out, and one the target already holds.
+    let mut wanted = BTreeMap::new();
+    for i in 0..40 {
+        let key = format!("model-a/block-{i:03}");
+        let bytes = value(i, (32 + (i * 37) % 128) * 1024);
+        let subcluster = if i % 2 == 0 { "p0" } else { "p1" };
+        source.kv[subcluster].put(&key, &bytes, 1).await.unwrap();
+        wanted.insert(key, bytes);
+    }
+    for i in 0..3 {
+        let key = format!("scratch/tmp-{i}");
+        source.kv["p0"]
+            .put(&key, &value(100 + i, 4096), 1)
+            .await
+            .unwrap();
+    }
+    let shared = value(999, 50_000);
+    source.kv["p0"]
+        .put("model-a/shared", &shared, 1)
+        .await
+        .unwrap();
+    target.kv["d1"]
+        .put("model-a/shared", &shared, 1)
+        .await
+        .unwrap();
+    let total_bytes: usize = wanted.values().map(Vec::len).sum();
+
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("policy.toml");
+    std::fs::write(
+        &policy,
+        format!(
+            "exclude_prefixes = [\"scratch/\"]\nrate_bytes_per_sec = {RATE}\nlanes = 4\n\
+             [target_labels]\npool = \"decode\"\n"
+        ),
+    )
+    .unwrap();
+    let (src, dst) = (source.address(), target.address());
+    let policy = policy.to_str().unwrap();
+    let _gateway = hkvm(&[
+        "interdc",
+        "gateway",
+        "--source",
+        &src,
+        "--wan-delay-ms",
+        "25",
+        "--wan-loss",
+        "0.01",
+    ]);
+
+    // Run 1: kill -9 once about a third of the blocks are at the target.
+    let started = Instant::now();
+    let mut master = hkvm(&master_args(&src, &dst, policy));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let copied = target.commits("d0").await.len();
+        if copied >= wanted.len() / 3 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no progress: {copied} blocks copied"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    master.0.kill().unwrap();
+    master.0.wait().unwrap();
+    // A put_end sent just before the kill may still land: let it.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let before_kill: BTreeSet<String> = target.commits("d0").await.into_keys().collect();
+    assert!(
+        before_kill.len() < wanted.len(),
+        "killed after everything was copied"
+    );
+
+    // Run 2: resume and exit when nothing is left.
+    let mut args = master_args(&src, &dst, policy);
+    args.push("--until-idle");
+    let mut resumed = hkvm(&args);
+    // The cap allows the whole payload (with 25% recovery shards) in
+    // total_bytes * 1.25 / RATE seconds; allow generous slack for this machine.
+    let budget = Duration::from_secs_f64(total_bytes as f64 * 1.25 / RATE as f64);
+    let exit = wait_exit(&mut resumed, budget * 4 + Duration::from_secs(60)).await;
+    assert!(exit.success(), "the resumed master failed: {exit}");
+    let elapsed = started.elapsed();
+    println!(
+        "copied {total_bytes} bytes in {elapsed:?}; the cap allows {budget:?} \
+         ({:.2}x the budget, kill and restart included)",
+        elapsed.as_secs_f64() / budget.as_secs_f64()
+    );
+
+    // Every wanted block is at the target, in the allowed sub-cluster, byte-exact,
+    // committed exactly once; filtered blocks are not; the shared one stayed put.
+    let d0 = target.commits("d0").await;
+    let d1 = target.commits("d1").await;
+    for (key, bytes) in &wanted {
+        assert_eq!(d0.get(key), Some(&1), "{key} committed once in d0");
+        let fetched = target.kv["d0"].get(key).await.unwrap();
+        assert_eq!(fetched.value.as_ref(), bytes.as_slice(), "{key} byte-exact");
+    }
+    assert!(
+        !d0.keys().any(|k| k.starts_with("scratch/")),
+        "filtered blocks copied"
+    );
+    assert!(
+        !d0.contains_key("model-a/shared"),
+        "a block the target had was copied"
+    );
+    assert_eq!(d1.get("model-a/shared"), Some(&1));
+    assert_eq!(d1.len(), 1, "copies went outside the allowed target labels");
+
+    // The resumed run sent only what the killed one had not finished.
+    let output = Command::new(env!("CARGO_BIN_EXE_hkvm"))
+        .args([
+            "interdc",
+            "status",
+            "--target",
+            &dst,
+            "--source-cluster",
+            "prefill",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let status: InterDcStatus = serde_json::from_slice(&output.stdout).unwrap();
+    println!("{}", status.render(status.unix_ms));
+    assert_eq!(status.backlog_keys, 0);
+    assert_eq!(
+        status.copied_blocks as usize,
+        wanted.len() - before_kill.len(),
+        "the resumed run copied exactly the blocks the killed one had not finished"
+    );
+    // A block in flight at the kill may have left a reservation at the target: the
+    // resumed run meets it (without spending WAN bytes) until it times out.
+    let met_reservation = status
+        .settled
+        .get("already_at_target")
+        .copied()
+        .unwrap_or(0);
+    println!("blocks that met a reservation of the killed run: {met_reservation}");
+    assert!(status.copied_total >= status.copied_blocks);
+    assert_eq!(status.skipped.get("filtered"), Some(&3));
+    assert!(
+        status.fec_recoveries + status.stripes_retransmitted > 0,
+        "1% loss each way left no trace: is the loss emulated?"
+    );
+    assert!(status.wire_bytes >= status.copied_bytes * 5 / 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_evicted_at_the_source_mid_copy_is_a_clean_skip() {
+    let source = Pool::start("src", &[("s0", "prefill")]).await;
+    let bytes = value(1, 100_000);
+    source.kv["s0"].put("gone-soon", &bytes, 1).await.unwrap();
+    let nats = source.server.connect().await.unwrap();
+    let _gateway = hkvm_interdc::Gateway::start(
+        nats.clone(),
+        hkvm_interdc::GatewayConfig {
+            cluster: source.cluster.clone(),
+            bind_ip: "127.0.0.1".parse().unwrap(),
+            impairment: Impairment::none(),
+            max_concurrent: 4,
+        },
+    )
+    .await
+    .unwrap();
+    let settings = ReceiverSettings {
+        bind_ip: "127.0.0.1".parse().unwrap(),
+        advertise_host: "127.0.0.1".into(),
+        impairment: Impairment::none(),
+    };
+    let shape = WanShape {
+        rate_bytes_per_sec: 50_000_000,
+        data_shards: 64,
+        parity_shards: 16,
+        shard_bytes: 1024,
+    };
+    let mut candidate = Candidate {
+        hash: hkvm_events::key_hash("gone-soon"),
+        block: SourceBlock {
+            key: "gone-soon".into(),
+            size: bytes.len() as u64,
+            checksum: value_checksum(&bytes),
+            committed_unix_ms: 0,
+        },
+        subcluster: SubclusterId::new("s0").unwrap(),
+    };
+    let fetched = fetch(&nats, &source.cluster, &settings, &candidate, shape)
+        .await
+        .unwrap();
+    assert!(
+        matches!(&fetched, Fetched::Block { value, .. } if value.as_ref() == bytes.as_slice()),
+        "a present block arrives byte-exact"
+    );
+    // The checksum the master expects differs from the source's value: the
+    // gateway says so instead of sending.
+    candidate.block.checksum ^= 1;
+    let fetched = fetch(&nats, &source.cluster, &settings, &candidate, shape)
+        .await
+        .unwrap();
+    assert!(matches!(fetched, Fetched::Changed));
+    candidate.block.checksum ^= 1;
+    // Evicted (removed) at the source between the diff and the copy.
+    source.kv["s0"]
+        .metadata()
+        .remove(vec!["gone-soon".into()], true)
+        .await
+        .unwrap();
+    let fetched = fetch(&nats, &source.cluster, &settings, &candidate, shape)
+        .await
+        .unwrap();
+    assert!(matches!(fetched, Fetched::Gone), "got {fetched:?}");
+}
