@@ -275,6 +275,8 @@ impl Runner {
         let mut last_status = Instant::now() - self.config.status_interval;
         let mut last_copied_bytes = 0u64;
         let mut copying = false;
+        let mut copying_since = 0;
+        let mut was_idle = false;
         loop {
             tokio::select! {
                 Some(done) = tasks.join_next(), if !tasks.is_empty() => {
@@ -290,6 +292,7 @@ impl Runner {
             if caught_up && !copying {
                 tracing::info!("both pools caught up: copying");
                 copying = true;
+                copying_since = now_unix_ms();
             }
             let now = now_unix_ms();
             let free = lanes.saturating_sub(tasks.len());
@@ -306,13 +309,19 @@ impl Runner {
                 }
             }
             self.shared.metrics.in_flight.set(tasks.len() as i64);
+            // Publish at once when the last copy ended, so "idle" is seen without
+            // waiting for the next interval.
+            let idle = copying && backlog.keys == 0 && tasks.is_empty();
+            let became_idle = idle && !was_idle;
+            was_idle = idle;
             let elapsed = last_status.elapsed();
-            if elapsed >= self.config.status_interval {
+            if elapsed >= self.config.status_interval || became_idle {
                 let goodput =
                     (self.totals.copied_bytes - last_copied_bytes) as f64 / elapsed.as_secs_f64();
                 last_copied_bytes = self.totals.copied_bytes;
                 last_status = Instant::now();
-                let status = self.snapshot(&backlog, caught_up, goodput, tasks.len());
+                let mut status = self.snapshot(&backlog, copying, goodput, tasks.len());
+                status.copying_since_unix_ms = copying_since;
                 if let Err(error) = self.progress.write_status(&status).await {
                     tracing::warn!(%error, "writing the status record");
                 }
@@ -456,6 +465,7 @@ impl Runner {
             target: self.config.target.cluster.to_string(),
             unix_ms: now,
             copying,
+            copying_since_unix_ms: 0,
             backlog_keys: backlog.keys,
             backlog_bytes: backlog.bytes,
             in_flight: in_flight as u64,

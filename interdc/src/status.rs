@@ -31,6 +31,9 @@ pub struct InterDcStatus {
     pub unix_ms: u64,
     /// Whether both pools' streams were caught up and copying runs.
     pub copying: bool,
+    /// When copying started, Unix milliseconds (0 before).
+    #[serde(default)]
+    pub copying_since_unix_ms: u64,
     /// Blocks left to copy.
     pub backlog_keys: u64,
     /// Bytes left to copy.

@@ -8,6 +8,7 @@ mod cluster;
 mod events;
 mod exist;
 mod ingest;
+mod interdc;
 mod memory;
 mod put;
 mod raw;
@@ -65,6 +66,9 @@ enum Workload {
     Scale,
     /// Sub-master bytes per object against the design target.
     Memory,
+    /// The inter-DC replicator over an emulated WAN (25 ms, 1% loss): goodput
+    /// against the bandwidth cap, wire bytes against the FEC shape's overhead.
+    Interdc,
     /// Every workload.
     All,
 }
@@ -120,6 +124,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             Workload::Events,
             Workload::Put,
             Workload::Transfer,
+            Workload::Interdc,
             Workload::Ingest,
             Workload::Exist,
             Workload::Recover,
@@ -137,6 +142,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             Workload::Recover => recover::run(&nats, args.quick, &mut printer).await?,
             Workload::Scale => scale::run(&nats, args.quick, &args.scale, &mut printer).await?,
             Workload::Memory => memory::run(args.quick, &mut printer)?,
+            Workload::Interdc => interdc::run(&nats, args.quick, &mut printer).await?,
             Workload::All => {}
         }
     }
