@@ -1,5 +1,7 @@
 //! WAN mode for inter-datacenter copies over slow, lossy links: objects are cut into
-//! stripes protected by Reed–Solomon recovery shards ([`fec`]), sent paced to a
+//! stripes protected by Reed–Solomon recovery shards ([`fec`]; a short last stripe
+//! has proportionally fewer original and recovery shards, derived by both ends
+//! from the object's length, see [`FecConfig::shape_of_stripe`]), sent paced to a
 //! bandwidth cap ([`pacing`]), and stripes that lost more shards than the code can
 //! repair are sent again whole, in rounds driven by the receiver's lists of missing
 //! stripes ([`sender`], [`receiver`]). [`link`] is an in-process lossy link to test

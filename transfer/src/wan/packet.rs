@@ -40,7 +40,10 @@ pub enum Packet {
         round: u32,
         /// The stripe.
         stripe: u32,
-        /// The shard's index: originals first, then recovery shards.
+        /// The shard's index: originals first, then recovery shards. The stripe's
+        /// shape (smaller for a short last stripe) follows from `header.len`
+        /// ([`FecConfig::shape_of_stripe`](super::FecConfig::shape_of_stripe)); the
+        /// receiver drops a shard whose index is beyond it.
         index: u16,
         /// The shard's bytes.
         payload: Bytes,

@@ -1,7 +1,9 @@
 //! The receiving end of a WAN copy: gathers shards per stripe, rebuilds each stripe
-//! as soon as enough shards arrived (restoring lost originals from recovery shards),
-//! and answers every end-of-round probe with an acknowledgement or the list of
-//! stripes still missing.
+//! as soon as enough shards arrived (any `data` of its `data + parity`, restoring
+//! lost originals from recovery shards), and answers every end-of-round probe with
+//! an acknowledgement or the list of stripes still missing. The shape of each stripe,
+//! smaller for a short last one, follows from the object's length in the packet
+//! header ([`FecConfig::shape_of_stripe`](super::FecConfig::shape_of_stripe)).
 
 use std::collections::HashMap;
 
@@ -171,10 +173,11 @@ impl<S: PacketSink, R: PacketSource> WanReceiver<S, R> {
     ) -> Result<(), TransferError> {
         let fec = self.config.fec;
         let index = usize::from(index);
-        if stripe >= current.header.stripes
-            || index >= fec.total_shards()
-            || payload.len() != fec.shard_bytes
-        {
+        // The stripe's own shape: the configured one, or a smaller one for a short
+        // last stripe; an index beyond it is no shard of this object.
+        let (data, parity) = fec.shape_of_stripe(current.header.len, u64::from(stripe));
+        let total = data + parity;
+        if stripe >= current.header.stripes || index >= total || payload.len() != fec.shard_bytes {
             report.corrupt += 1;
             return Ok(());
         }
@@ -185,20 +188,22 @@ impl<S: PacketSink, R: PacketSource> WanReceiver<S, R> {
         let shards = current
             .partial
             .entry(stripe)
-            .or_insert_with(|| vec![None; fec.total_shards()]);
+            .or_insert_with(|| vec![None; total]);
         if shards[index].is_some() {
             report.duplicates += 1;
             return Ok(());
         }
         shards[index] = Some(payload);
-        if shards.iter().filter(|s| s.is_some()).count() < fec.data_shards {
+        if shards.iter().filter(|s| s.is_some()).count() < data {
             return Ok(());
         }
         let size = fec.stripe_bytes();
         let start = stripe as usize * size;
         let end = (start + size).min(current.out.len());
         let views: Vec<Option<&[u8]>> = shards.iter().map(|s| s.as_deref()).collect();
-        let restored = self.codec.decode(&views, &mut current.out[start..end])?;
+        let restored =
+            self.codec
+                .decode_shaped((data, parity), &views, &mut current.out[start..end])?;
         if restored > 0 {
             report.fec_recoveries += restored as u64;
             report.stripes_recovered += 1;
@@ -207,5 +212,168 @@ impl<S: PacketSink, R: PacketSource> WanReceiver<S, R> {
         current.done[stripe as usize] = true;
         current.remaining -= 1;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use std::time::Duration;
+
+    use rand::rngs::StdRng;
+    use rand::{Rng as _, SeedableRng as _};
+
+    use super::*;
+    use crate::wan::{lossy_link, FecConfig, LinkConfig, LinkRx, LinkTx, StripeCodec};
+
+    fn config() -> WanConfig {
+        WanConfig {
+            fec: FecConfig {
+                data_shards: 8,
+                parity_shards: 2,
+                shard_bytes: 1024,
+            },
+            idle_timeout: Duration::from_secs(1),
+            max_object_bytes: 1 << 20,
+            ..WanConfig::default()
+        }
+    }
+
+    /// A receiver fed by the returned `LinkTx` over a lossless link, answering on
+    /// the returned `LinkRx`.
+    fn receiver(config: WanConfig) -> (LinkTx, LinkRx, WanReceiver<LinkTx, LinkRx>) {
+        let (data_tx, data_rx) = lossy_link(LinkConfig::default()).unwrap();
+        let (feedback_tx, feedback_rx) = lossy_link(LinkConfig::default()).unwrap();
+        let receiver = WanReceiver::new(config, data_rx, feedback_tx).unwrap();
+        (data_tx, feedback_rx, receiver)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn shards_beyond_a_short_stripe_s_shape_are_dropped_and_it_rebuilds() {
+        let config = config();
+        let value: Vec<u8> = (0..3000u32).map(|i| (i * 31 + 7) as u8).collect();
+        let header = ObjectHeader {
+            object: 1,
+            stripes: 1,
+            len: value.len() as u64,
+        };
+        let shape = config.fec.shape_of_stripe(header.len, 0);
+        assert_eq!(shape, (3, 1));
+        let mut codec = StripeCodec::new(config.fec).unwrap();
+        let parity = codec.encode_shaped(shape, &value).unwrap();
+        let (mut tx, _answers, mut receiver) = receiver(config);
+        let shard = |index: u16, payload: &[u8]| Packet::shard(header, 0, 0, index, payload);
+        tx.send(shard(0, codec.original(&value, 0).unwrap()))
+            .unwrap();
+        // Indexes of the full shape but not of this stripe's, another stripe, a
+        // short shard, another length for the same object, garbage.
+        let junk = [
+            shard(4, &parity[0]),
+            shard(9, &parity[0]),
+            shard(u16::MAX, &parity[0]),
+            Packet::shard(header, 0, 1, 0, &parity[0]),
+            shard(1, &parity[0][..1023]),
+            Packet::shard(
+                ObjectHeader {
+                    len: 9000,
+                    stripes: 2,
+                    ..header
+                },
+                0,
+                0,
+                1,
+                &parity[0],
+            ),
+            Bytes::from_static(b"not a packet at all, but long enough to be checked"),
+        ];
+        for packet in &junk {
+            tx.send(packet.clone()).unwrap();
+        }
+        // Original 2 is lost: rebuilt from the one recovery shard.
+        tx.send(shard(1, codec.original(&value, 1).unwrap()))
+            .unwrap();
+        tx.send(shard(3, &parity[0])).unwrap();
+        tx.send(Packet::Probe { header, round: 0 }.encode())
+            .unwrap();
+        let (bytes, report) = receiver.receive().await.unwrap();
+        assert!(bytes == value);
+        assert_eq!(report.corrupt, junk.len() as u64, "{report:?}");
+        assert_eq!(report.fec_recoveries, 1);
+        assert_eq!(report.stripes_recovered, 1);
+        assert_eq!(report.duplicates, 0);
+        assert_eq!(report.nacks, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn random_packets_never_panic_the_receiver() {
+        let config = config();
+        let mut rng = StdRng::seed_from_u64(77);
+        let (mut tx, _answers, mut receiver) = receiver(config);
+        // Objects of believable shapes (a short last stripe in most), so shards
+        // reach the stripe logic, with random stripes, indexes, lengths and kinds.
+        let stripe = config.fec.stripe_bytes() as u64;
+        let lens = [
+            1,
+            1023,
+            1025,
+            3000,
+            stripe - 1,
+            stripe,
+            stripe + 1,
+            stripe * 5 / 2,
+        ];
+        for object in 1..=300u64 {
+            let len = lens[rng.gen_range(0..lens.len())];
+            let header = ObjectHeader {
+                object,
+                stripes: config.fec.stripes_for(len) as u32,
+                len,
+            };
+            for _ in 0..rng.gen_range(1..40) {
+                let payload: Vec<u8> = match rng.gen_range(0..4) {
+                    0 => vec![0u8; rng.gen_range(0..2048)],
+                    _ => vec![rng.gen(); config.fec.shard_bytes],
+                };
+                let stripe = match rng.gen_range(0..4) {
+                    0 => rng.gen(),
+                    _ => rng.gen_range(0..=header.stripes),
+                };
+                let index = match rng.gen_range(0..4) {
+                    0 => rng.gen(),
+                    _ => rng.gen_range(0..12),
+                };
+                let packet = match rng.gen_range(0..12) {
+                    0 => Packet::Probe { header, round: 0 }.encode(),
+                    1 => Packet::Nack {
+                        object,
+                        round: 0,
+                        missing: vec![stripe],
+                    }
+                    .encode(),
+                    2 => {
+                        let mut bytes = Packet::shard(header, 0, stripe, index, &payload).to_vec();
+                        let at = rng.gen_range(0..bytes.len());
+                        bytes[at] = rng.gen();
+                        Bytes::from(bytes)
+                    }
+                    _ => Packet::shard(header, 0, stripe, index, &payload),
+                };
+                tx.send(packet).unwrap();
+            }
+        }
+        drop(tx);
+        // Objects may complete by chance (a probe after enough shards); the rest
+        // ends in a timeout, never in a panic or another error.
+        let mut completed = 0;
+        loop {
+            match receiver.receive().await {
+                Ok(_) => completed += 1,
+                Err(error) => {
+                    assert_eq!(error.kind(), crate::ErrorKind::Timeout, "{error}");
+                    break;
+                }
+            }
+        }
+        assert!(completed <= 300);
     }
 }
