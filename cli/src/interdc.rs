@@ -146,11 +146,7 @@ pub async fn run(args: InterDcArgs) -> anyhow::Result<()> {
 }
 
 async fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
-    let nats = async_nats::ConnectOptions::new()
-        .name("hkvm-interdc-gateway")
-        .connect(args.source.url.as_str())
-        .await
-        .with_context(|| format!("connecting to {}", args.source.url))?;
+    let nats = args.source.connect("hkvm-interdc-gateway").await?;
     let gateway = Gateway::start(
         nats,
         GatewayConfig {

@@ -36,6 +36,35 @@ impl FromStr for ClusterAddress {
     }
 }
 
+impl ClusterAddress {
+    /// Connects to the pool's NATS, naming the connection `name`. `url` may be a
+    /// comma-separated list of servers; `user:password@` in one of them is used
+    /// for the connection.
+    ///
+    /// # Errors
+    /// [`InterDcError::Nats`] when the URLs do not parse or no server accepts.
+    pub async fn connect(&self, name: &str) -> Result<async_nats::Client, InterDcError> {
+        // A plain string is parsed as one URL; a list must be split first.
+        let servers = self
+            .url
+            .split(',')
+            .map(|url| url.trim().parse::<async_nats::ServerAddr>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| InterDcError::nats(format!("parsing the NATS URLs {}", self.url), e))?;
+        let mut options = async_nats::ConnectOptions::new().name(name);
+        if let Some((user, password)) = servers
+            .iter()
+            .find_map(|server| Some((server.username()?.to_owned(), server.password()?.to_owned())))
+        {
+            options = options.user_and_password(user, password);
+        }
+        options
+            .connect(servers)
+            .await
+            .map_err(|e| InterDcError::nats(format!("connecting to {}", self.url), e))
+    }
+}
+
 impl fmt::Display for ClusterAddress {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}:{}", self.url, self.cluster)
@@ -54,6 +83,13 @@ mod tests {
         assert_eq!(address.to_string(), "nats://10.0.0.1:4222:prefill");
         let short: ClusterAddress = "127.0.0.1:4222:pd".parse().unwrap();
         assert_eq!(short.url, "127.0.0.1:4222");
+    }
+
+    #[test]
+    fn server_lists_keep_their_commas() {
+        let address: ClusterAddress = "nats://a:4222,nats://b:4222:pd".parse().unwrap();
+        assert_eq!(address.url, "nats://a:4222,nats://b:4222");
+        assert_eq!(address.cluster.as_str(), "pd");
     }
 
     #[test]

@@ -104,11 +104,7 @@ impl Drop for InterDc {
 }
 
 async fn connect(address: &ClusterAddress) -> Result<async_nats::Client, InterDcError> {
-    async_nats::ConnectOptions::new()
-        .name("hkvm-interdc")
-        .connect(address.url.as_str())
-        .await
-        .map_err(|e| InterDcError::nats(format!("connecting to {}", address.url), e))
+    address.connect("hkvm-interdc").await
 }
 
 impl InterDc {

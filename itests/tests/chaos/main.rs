@@ -13,6 +13,7 @@ mod report;
 mod scenario_avalanche;
 mod scenario_bad_input;
 mod scenario_e2e;
+mod scenario_interdc;
 mod scenario_kill_global;
 mod scenario_kill_leader;
 mod scenario_nats_node;
