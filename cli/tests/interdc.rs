@@ -397,4 +397,18 @@ async fn a_block_evicted_at_the_source_mid_copy_is_a_clean_skip() {
         .await
         .unwrap();
     assert!(matches!(fetched, Fetched::Gone), "got {fetched:?}");
+
+    // Garbage on the fetch subject gets a typed answer, not silence or a crash.
+    let subject = hkvm_events::subject::interdc_fetch_subject(&source.cluster);
+    for garbage in [&b""[..], b"\xc1\xff", b"not msgpack at all"] {
+        let reply = nats
+            .request(subject.clone(), garbage.to_vec().into())
+            .await
+            .unwrap();
+        let reply: hkvm_interdc::wan::FetchReply = rmp_serde::from_slice(&reply.payload).unwrap();
+        assert!(
+            matches!(reply, hkvm_interdc::wan::FetchReply::BadRequest(_)),
+            "{reply:?}"
+        );
+    }
 }

@@ -65,7 +65,7 @@ impl Default for Policy {
             prefer_target_labels: BTreeMap::new(),
             target_replicas: 1,
             rate_bytes_per_sec: 50_000_000,
-            lanes: 4,
+            lanes: 16,
             max_age_secs: 0,
             source_pressure: 0.95,
             pressure_min_age_secs: 60,

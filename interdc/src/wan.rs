@@ -26,6 +26,8 @@ use tokio::net::UdpSocket;
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use crate::diff::Candidate;
 use crate::error::InterDcError;
 
@@ -257,7 +259,7 @@ impl GatewayState {
         let socket = UdpSocket::bind(SocketAddr::new(self.config.bind_ip, 0))
             .await
             .map_err(|e| InterDcError::Wan(format!("binding a UDP socket: {e}")))?;
-        let (sink, source) = udp_endpoint(socket, Some(peer), self.config.impairment)
+        let (sink, source) = udp_endpoint(socket, Some(peer), per_copy(self.config.impairment))
             .map_err(|e| InterDcError::Wan(e.to_string()))?;
         let mut sender = WanSender::new(request.shape.config(), sink, source)
             .map_err(|e| InterDcError::Wan(e.to_string()))?;
@@ -379,10 +381,108 @@ pub async fn fetch(
     })
 }
 
+/// The impairment of one copy's endpoint: the configured one with a seed of its
+/// own, so that emulated losses are independent from copy to copy (the same seed
+/// would drop the same packet positions of every block).
+fn per_copy(impairment: Impairment) -> Impairment {
+    static COPIES: AtomicU64 = AtomicU64::new(0);
+    let copy = COPIES.fetch_add(1, Ordering::Relaxed);
+    Impairment {
+        seed: impairment.seed ^ copy.wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(29),
+        ..impairment
+    }
+}
+
 struct AbortOnDrop(tokio::task::AbortHandle);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn request() -> FetchRequest {
+        FetchRequest {
+            subcluster: "sc-0".into(),
+            key: "model/block-1".into(),
+            checksum: 42,
+            reply_addr: "10.0.0.1:40000".into(),
+            shape: WanShape {
+                rate_bytes_per_sec: 1_000_000,
+                data_shards: 64,
+                parity_shards: 16,
+                shard_bytes: 1024,
+            },
+        }
+    }
+
+    #[test]
+    fn requests_and_replies_round_trip() {
+        let bytes = rmp_serde::to_vec_named(&request()).unwrap();
+        assert_eq!(
+            rmp_serde::from_slice::<FetchRequest>(&bytes).unwrap(),
+            request()
+        );
+        for reply in [
+            FetchReply::Sent(SentReport {
+                bytes: 1,
+                wire_bytes: 2,
+                rounds: 1,
+                stripes_retransmitted: 0,
+            }),
+            FetchReply::Gone,
+            FetchReply::Changed { checksum: 7 },
+            FetchReply::BadRequest("x".into()),
+            FetchReply::Failed("y".into()),
+        ] {
+            let bytes = rmp_serde::to_vec_named(&reply).unwrap();
+            assert_eq!(rmp_serde::from_slice::<FetchReply>(&bytes).unwrap(), reply);
+        }
+    }
+
+    #[test]
+    fn the_shape_keeps_the_rate_and_a_usable_burst() {
+        let config = request().shape.config();
+        assert_eq!(config.rate_bytes_per_sec, 1_000_000);
+        assert!(config.burst_bytes >= 16 * 1024);
+        let zero = WanShape {
+            rate_bytes_per_sec: 0,
+            ..request().shape
+        };
+        assert_eq!(
+            zero.config().rate_bytes_per_sec,
+            1,
+            "a zero rate is not a division by zero"
+        );
+    }
+
+    proptest! {
+        /// Whatever arrives on the fetch subject or as its reply decodes or is
+        /// refused with an error, never a panic.
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = rmp_serde::from_slice::<FetchRequest>(&bytes);
+            let _ = rmp_serde::from_slice::<FetchReply>(&bytes);
+            let _ = rmp_serde::from_slice::<crate::progress::CopiedRecord>(&bytes);
+            let _ = rmp_serde::from_slice::<crate::progress::InFlightRecord>(&bytes);
+            let _ = serde_json::from_slice::<crate::status::InterDcStatus>(&bytes);
+        }
+
+        /// A valid request with some bytes flipped still never panics the decoder.
+        #[test]
+        fn mutated_requests_never_panic(flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8)) {
+            let mut bytes = rmp_serde::to_vec_named(&request()).unwrap();
+            for (at, value) in flips {
+                let len = bytes.len();
+                bytes[at % len] = value;
+            }
+            let _ = rmp_serde::from_slice::<FetchRequest>(&bytes);
+        }
     }
 }

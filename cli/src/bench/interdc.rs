@@ -4,7 +4,8 @@
 //! loopback with 25 ms of delay and 1% loss each way (emulated in both ends'
 //! egress). Reported: goodput against the bandwidth cap, and bytes on the wire per
 //! payload byte against the stripe shape's nominal overhead — for the default
-//! 64+16 shape, a lighter 64+4 shape, and 64+16 on a clean link.
+//! 64+16 shape, a lighter 64+4 shape, 64+16 on a clean link, and 64+16 with more
+//! copies in flight (each lane waits one round trip per block).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -83,6 +84,7 @@ struct Case {
     target: &'static str,
     fec: FecConfig,
     loss: f64,
+    lanes: usize,
 }
 
 async fn replicate(
@@ -126,7 +128,7 @@ async fn replicate(
     );
     config.policy = Policy {
         rate_bytes_per_sec: rate,
-        lanes: 8,
+        lanes: case.lanes,
         ..Policy::default()
     };
     config.fec = fec;
@@ -185,7 +187,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     let (blocks, rate) = if quick {
         (24u64, 10_000_000)
     } else {
-        (200, 40_000_000)
+        (800, 40_000_000)
     };
     let segment = (blocks * BLOCK as u64).max(64 << 20);
     // The source pool lives on the benchmark's nats-server; each target on a second one.
@@ -216,22 +218,32 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     };
     let cases = [
         Case {
-            label: "64+16, 25 ms + 1% loss each way",
+            label: "64+16, 8 lanes, 25 ms + 1% loss each way",
             target: "bench-decode-a",
             fec: heavy,
             loss: 0.01,
+            lanes: 8,
         },
         Case {
-            label: "64+4, 25 ms + 1% loss each way",
+            label: "64+4, 8 lanes, 25 ms + 1% loss each way",
             target: "bench-decode-b",
             fec: light,
             loss: 0.01,
+            lanes: 8,
         },
         Case {
-            label: "64+16, 25 ms, no loss",
+            label: "64+16, 8 lanes, 25 ms, no loss",
             target: "bench-decode-c",
             fec: heavy,
             loss: 0.0,
+            lanes: 8,
+        },
+        Case {
+            label: "64+16, 32 lanes, 25 ms + 1% loss each way",
+            target: "bench-decode-d",
+            fec: heavy,
+            loss: 0.01,
+            lanes: 32,
         },
     ];
     for case in &cases {
