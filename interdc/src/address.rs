@@ -44,22 +44,7 @@ impl ClusterAddress {
     /// # Errors
     /// [`InterDcError::Nats`] when the URLs do not parse or no server accepts.
     pub async fn connect(&self, name: &str) -> Result<async_nats::Client, InterDcError> {
-        // A plain string is parsed as one URL; a list must be split first.
-        let servers = self
-            .url
-            .split(',')
-            .map(|url| url.trim().parse::<async_nats::ServerAddr>())
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| InterDcError::nats(format!("parsing the NATS URLs {}", self.url), e))?;
-        let mut options = async_nats::ConnectOptions::new().name(name);
-        if let Some((user, password)) = servers
-            .iter()
-            .find_map(|server| Some((server.username()?.to_owned(), server.password()?.to_owned())))
-        {
-            options = options.user_and_password(user, password);
-        }
-        options
-            .connect(servers)
+        hkvm_client::connect(&self.url, name)
             .await
             .map_err(|e| InterDcError::nats(format!("connecting to {}", self.url), e))
     }

@@ -4,17 +4,15 @@
 //! the target's own events record the copy. The target sub-cluster is chosen by
 //! the policy's labels (hard, then preferred), then by free space.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use hkvm_client::{KvClient, KvError, SubmasterClient};
+use hkvm_client::{KvClient, KvError};
 use hkvm_events::registry::now_unix_ms;
 use hkvm_events::rpc::submaster::ItemError;
 use hkvm_events::{ClusterId, SubclusterId};
 use hkvm_transfer::wan::ReceiveReport;
-use hkvm_transfer::TcpTransport;
 
+use crate::clients::PoolClients;
 use crate::diff::Candidate;
 use crate::policy::Policy;
 use crate::progress::{InFlightRecord, Progress};
@@ -61,18 +59,16 @@ impl CopyOutcome {
 
 /// Everything a copy needs.
 pub(crate) struct Copier {
-    pub source_nats: async_nats::Client,
-    pub source: ClusterId,
-    pub target_nats: async_nats::Client,
-    pub target: ClusterId,
-    pub receiver: ReceiverSettings,
-    pub policy: Policy,
+    source_nats: async_nats::Client,
+    source: ClusterId,
+    receiver: ReceiverSettings,
+    policy: Policy,
     progress: Progress,
-    clients: Mutex<HashMap<SubclusterId, KvClient>>,
-    transport: Arc<TcpTransport>,
+    targets: PoolClients,
 }
 
 impl Copier {
+    /// A copier from `source` (through its gateways) into `target`.
     pub fn new(
         source_nats: async_nats::Client,
         source: ClusterId,
@@ -85,32 +81,15 @@ impl Copier {
         Self {
             source_nats,
             source,
-            target_nats,
-            target,
             receiver,
             policy,
             progress,
-            clients: Mutex::default(),
-            transport: Arc::new(TcpTransport::default()),
+            targets: PoolClients::new(target_nats, target),
         }
     }
 
     fn target_client(&self, subcluster: &SubclusterId) -> KvClient {
-        let mut clients = self
-            .clients
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        clients
-            .entry(subcluster.clone())
-            .or_insert_with(|| {
-                let metadata = SubmasterClient::new(
-                    self.target_nats.clone(),
-                    self.target.clone(),
-                    subcluster.clone(),
-                );
-                KvClient::new(metadata, Arc::clone(&self.transport) as _)
-            })
-            .clone()
+        self.targets.get(subcluster)
     }
 
     /// Copies one block; `targets` is the target pool's registry view and `shape`

@@ -16,6 +16,7 @@
 //! [`diff::Diff`] is the pure core (no I/O, no clock); [`InterDc`] runs it.
 
 pub mod address;
+mod clients;
 pub mod copier;
 pub mod diff;
 mod error;

@@ -177,14 +177,26 @@ impl Progress {
         hash: u64,
         record: &InFlightRecord,
     ) -> Result<(), InterDcError> {
+        let entry = format!("{IN_FLIGHT_PREFIX}{hash:016x}");
+        self.put_record(entry, &record.key, record, "recording a copy in flight")
+            .await
+    }
+
+    async fn put_record<T: Serialize>(
+        &self,
+        entry: String,
+        key: &str,
+        record: &T,
+        what: &str,
+    ) -> Result<(), InterDcError> {
         let value = rmp_serde::to_vec_named(record).map_err(|e| InterDcError::Progress {
-            key: record.key.clone(),
+            key: key.to_owned(),
             reason: e.to_string(),
         })?;
         self.store
-            .put(format!("{IN_FLIGHT_PREFIX}{hash:016x}"), value.into())
+            .put(entry, value.into())
             .await
-            .map_err(|e| InterDcError::nats("recording a copy in flight", e))?;
+            .map_err(|e| InterDcError::nats(what, e))?;
         Ok(())
     }
 
@@ -209,15 +221,9 @@ impl Progress {
         hash: u64,
         record: &CopiedRecord,
     ) -> Result<(), InterDcError> {
-        let value = rmp_serde::to_vec_named(record).map_err(|e| InterDcError::Progress {
-            key: record.key.clone(),
-            reason: e.to_string(),
-        })?;
-        self.store
-            .put(format!("{COPIED_PREFIX}{hash:016x}"), value.into())
+        let entry = format!("{COPIED_PREFIX}{hash:016x}");
+        self.put_record(entry, &record.key, record, "recording a copy")
             .await
-            .map_err(|e| InterDcError::nats("recording a copy", e))?;
-        Ok(())
     }
 
     /// Reads a copy record, if there is one.

@@ -6,21 +6,19 @@
 //! with what the send cost. The master verifies the received bytes against the
 //! source checksum before writing them into the target pool.
 
-use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt as _;
-use hkvm_client::{KvClient, KvError, SubmasterClient};
+use hkvm_client::KvError;
 use hkvm_events::subject::interdc_fetch_subject;
 use hkvm_events::{value_checksum, ClusterId, SubclusterId};
 use hkvm_transfer::wan::{
     udp_endpoint, FecConfig, Impairment, ReceiveReport, SendReport, WanConfig, WanReceiver,
     WanSender,
 };
-use hkvm_transfer::TcpTransport;
 use serde::{Deserialize, Serialize};
 use tokio::net::UdpSocket;
 use tokio::sync::Semaphore;
@@ -28,6 +26,7 @@ use tokio::task::JoinHandle;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::clients::PoolClients;
 use crate::diff::Candidate;
 use crate::error::InterDcError;
 
@@ -170,7 +169,7 @@ impl Gateway {
         let state = Arc::new(GatewayState {
             nats: nats.clone(),
             config: config.clone(),
-            clients: Mutex::default(),
+            clients: PoolClients::new(nats.clone(), config.cluster.clone()),
             permits: Semaphore::new(config.max_concurrent.max(1)),
         });
         let task = tokio::spawn(async move {
@@ -198,29 +197,11 @@ impl Gateway {
 struct GatewayState {
     nats: async_nats::Client,
     config: GatewayConfig,
-    clients: Mutex<HashMap<SubclusterId, KvClient>>,
+    clients: PoolClients,
     permits: Semaphore,
 }
 
 impl GatewayState {
-    fn client(&self, subcluster: &SubclusterId) -> KvClient {
-        let mut clients = self
-            .clients
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        clients
-            .entry(subcluster.clone())
-            .or_insert_with(|| {
-                let metadata = SubmasterClient::new(
-                    self.nats.clone(),
-                    self.config.cluster.clone(),
-                    subcluster.clone(),
-                );
-                KvClient::new(metadata, Arc::new(TcpTransport::default()))
-            })
-            .clone()
-    }
-
     async fn handle(&self, payload: &[u8]) -> FetchReply {
         let request: FetchRequest = match rmp_serde::from_slice(payload) {
             Ok(request) => request,
@@ -233,7 +214,7 @@ impl GatewayState {
         let Ok(_permit) = self.permits.acquire().await else {
             return FetchReply::Failed("gateway stopping".into());
         };
-        let fetched = match self.client(&subcluster).get(&request.key).await {
+        let fetched = match self.clients.get(&subcluster).get(&request.key).await {
             Ok(fetched) => fetched,
             Err(KvError::NotFound { .. }) => return FetchReply::Gone,
             Err(error) => return FetchReply::Failed(error.to_string()),

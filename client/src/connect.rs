@@ -1,0 +1,68 @@
+//! Connecting to NATS from a URL list as operators write it (`--nats`,
+//! `NATS_URL:CLUSTER`): comma-separated servers, credentials in any of them.
+
+/// Why a connection could not be made.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ConnectError {
+    /// A URL of the list does not parse.
+    #[error("parsing the NATS URLs {urls}: {reason}")]
+    BadUrl {
+        /// The list as given.
+        urls: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// No server of the list accepted the connection.
+    #[error("connecting to NATS at {urls}: {reason}")]
+    Unreachable {
+        /// The list as given.
+        urls: String,
+        /// The client library's reason.
+        reason: String,
+    },
+}
+
+/// Connects to the servers of `urls` (comma-separated), naming the connection
+/// `name`. `user:password@` in one of the URLs is used for the connection (the
+/// client library applies credentials of a list only when told to).
+///
+/// # Errors
+/// [`ConnectError`].
+pub async fn connect(urls: &str, name: &str) -> Result<async_nats::Client, ConnectError> {
+    // A plain string is parsed as one URL; a list must be split first.
+    let servers = urls
+        .split(',')
+        .map(|url| url.trim().parse::<async_nats::ServerAddr>())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| ConnectError::BadUrl {
+            urls: urls.to_owned(),
+            reason: e.to_string(),
+        })?;
+    let mut options = async_nats::ConnectOptions::new().name(name);
+    if let Some((user, password)) = servers
+        .iter()
+        .find_map(|server| Some((server.username()?.to_owned(), server.password()?.to_owned())))
+    {
+        options = options.user_and_password(user, password);
+    }
+    options
+        .connect(servers)
+        .await
+        .map_err(|e| ConnectError::Unreachable {
+            urls: urls.to_owned(),
+            reason: e.to_string(),
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_bad_url_is_a_typed_error() {
+        let error = connect("nats://a:4222,nats://b:notaport", "t")
+            .await
+            .unwrap_err();
+        assert!(matches!(error, ConnectError::BadUrl { .. }), "{error}");
+    }
+}
