@@ -33,8 +33,9 @@ HOW_TO_READ = {
     "packet headers, probes and retransmissions. With 64+16 the payload can reach at "
     "most 1/1.30 = 0.77 of the cap; the rest of the gap is one probe round trip per "
     "block per lane (more lanes hide it: compare 8 and 32 lanes), and a lost probe or "
-    "acknowledgement costs a feedback timeout (600 ms), which is why 1% loss lowers "
-    "goodput even when FEC repairs every stripe.",
+    "acknowledgement costs a feedback timeout (three round trips plus 20 ms: 170 ms "
+    "here, from `--wan-rtt-ms 50`), which is why 1% loss lowers goodput a little even "
+    "when FEC repairs every stripe.",
     "ingest": "The projector's fold rate against a raw JetStream replay of the same "
     "streams; index bytes per key; a global master's restart to serving from a "
     "checkpoint against the same restart replaying every stream (this is the "

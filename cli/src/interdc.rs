@@ -83,6 +83,10 @@ struct RunArgs {
     wan_advertise: String,
     #[command(flatten)]
     impair: ImpairArgs,
+    /// The WAN's round trip, milliseconds: a lost probe or acknowledgement is
+    /// noticed after about three of them.
+    #[arg(long, default_value_t = 200)]
+    wan_rtt_ms: u64,
     /// Serve Prometheus metrics on this address.
     #[arg(long)]
     metrics: Option<SocketAddr>,
@@ -187,6 +191,7 @@ async fn run_master(args: RunArgs) -> anyhow::Result<()> {
     config.wan_bind_ip = args.wan_bind;
     config.wan_advertise_host = args.wan_advertise;
     config.impairment = args.impair.impairment();
+    config.wan_rtt = Duration::from_millis(args.wan_rtt_ms);
     config.metrics_addr = args.metrics;
     config.progress_replicas = args.progress_replicas;
     let mut master = InterDc::start(config).await?;

@@ -157,6 +157,8 @@ fn master_args<'a>(source: &'a str, target: &'a str, policy: &'a str) -> Vec<&'a
         "25",
         "--wan-loss",
         "0.01",
+        "--wan-rtt-ms",
+        "50",
     ]
 }
 
@@ -361,6 +363,7 @@ async fn a_block_evicted_at_the_source_mid_copy_is_a_clean_skip() {
         data_shards: 64,
         parity_shards: 16,
         shard_bytes: 1024,
+        feedback_timeout_ms: 0,
     };
     let mut candidate = Candidate {
         hash: hkvm_events::key_hash("gone-soon"),

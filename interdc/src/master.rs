@@ -43,6 +43,9 @@ pub struct InterDcConfig {
     pub wan_advertise_host: String,
     /// Emulated impairment of this end's WAN egress (tests, benchmarks).
     pub impairment: Impairment,
+    /// The WAN round trip (sets how long a sender waits for a lost probe's
+    /// answer before probing again).
+    pub wan_rtt: Duration,
     /// Liveness TTL of both registries.
     pub registry_ttl: Duration,
     /// Replicas of the progress bucket.
@@ -70,6 +73,7 @@ impl InterDcConfig {
             wan_bind_ip: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
             wan_advertise_host: "127.0.0.1".into(),
             impairment: Impairment::none(),
+            wan_rtt: Duration::from_millis(200),
             registry_ttl: hkvm_events::registry::DEFAULT_TTL,
             progress_replicas: 1,
             progress_retention: Duration::from_secs(7 * 24 * 3600),
@@ -333,6 +337,7 @@ impl Runner {
             data_shards: u16::try_from(self.config.fec.data_shards).unwrap_or(u16::MAX),
             parity_shards: u16::try_from(self.config.fec.parity_shards).unwrap_or(u16::MAX),
             shard_bytes: u32::try_from(self.config.fec.shard_bytes).unwrap_or(u32::MAX),
+            feedback_timeout_ms: WanShape::feedback_timeout_for(self.config.wan_rtt),
         }
     }
 

@@ -44,9 +44,25 @@ pub struct WanShape {
     pub parity_shards: u16,
     /// Bytes per shard.
     pub shard_bytes: u32,
+    /// How long the sender waits for the answer to an end-of-round probe before
+    /// probing again, milliseconds (0: 600). A few round trips of the WAN: a lost
+    /// probe or acknowledgement costs this much.
+    #[serde(default)]
+    pub feedback_timeout_ms: u32,
 }
 
+/// The feedback timeout when none is given.
+const DEFAULT_FEEDBACK_TIMEOUT: Duration = Duration::from_millis(600);
+
 impl WanShape {
+    /// The feedback timeout for a WAN round trip of `rtt`: three round trips and
+    /// some slack for the receiver, within 50 ms .. 2 s.
+    pub fn feedback_timeout_for(rtt: Duration) -> u32 {
+        let timeout = (rtt * 3 + Duration::from_millis(20))
+            .clamp(Duration::from_millis(50), Duration::from_secs(2));
+        u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX)
+    }
+
     /// The transfer crate's configuration for this shape (both ends use it).
     pub fn config(&self) -> WanConfig {
         let rate = self.rate_bytes_per_sec.max(1);
@@ -60,8 +76,13 @@ impl WanShape {
             // 20 ms worth of the rate, within sane bounds: enough for the
             // millisecond timer, small enough to stay near the cap.
             burst_bytes: (rate / 50).clamp(16 * 1024, 1 << 20),
-            feedback_timeout: Duration::from_millis(600),
-            probes: 8,
+            feedback_timeout: if self.feedback_timeout_ms == 0 {
+                DEFAULT_FEEDBACK_TIMEOUT
+            } else {
+                Duration::from_millis(u64::from(self.feedback_timeout_ms))
+            },
+            // Enough probes to ride out a few seconds of total loss at any timeout.
+            probes: (3_000 / self.feedback_timeout_ms.max(1)).clamp(8, 60),
             max_rounds: 30,
             idle_timeout: Duration::from_secs(20),
             ..WanConfig::default()
@@ -399,6 +420,7 @@ mod tests {
                 data_shards: 64,
                 parity_shards: 16,
                 shard_bytes: 1024,
+                feedback_timeout_ms: 170,
             },
         }
     }
@@ -432,6 +454,21 @@ mod tests {
         let config = request().shape.config();
         assert_eq!(config.rate_bytes_per_sec, 1_000_000);
         assert!(config.burst_bytes >= 16 * 1024);
+        assert_eq!(config.feedback_timeout, Duration::from_millis(170));
+        assert_eq!(
+            WanShape::feedback_timeout_for(Duration::from_millis(50)),
+            170
+        );
+        assert_eq!(WanShape::feedback_timeout_for(Duration::ZERO), 50);
+        assert_eq!(
+            WanShape::feedback_timeout_for(Duration::from_secs(10)),
+            2000
+        );
+        let unset = WanShape {
+            feedback_timeout_ms: 0,
+            ..request().shape
+        };
+        assert_eq!(unset.config().feedback_timeout, DEFAULT_FEEDBACK_TIMEOUT);
         let zero = WanShape {
             rate_bytes_per_sec: 0,
             ..request().shape

@@ -133,6 +133,7 @@ async fn replicate(
     };
     config.fec = fec;
     config.impairment = impairment;
+    config.wan_rtt = Duration::from_millis(50);
     config.status_interval = Duration::from_millis(200);
     let started = Instant::now();
     let mut master = InterDc::start(config).await?;

@@ -114,7 +114,19 @@ impl Running {
         for server in &self.servers {
             server.abort();
         }
-        let (code, stdout, stderr) = waited.expect("loadgen did not finish in two minutes");
+        let Ok((code, stdout, stderr)) = waited else {
+            // Say what it was doing: the last lines it wrote.
+            let (stdout, stderr) = docker::logs(&self.container).await;
+            let tail = |text: &str| {
+                let lines: Vec<&str> = text.lines().collect();
+                lines[lines.len().saturating_sub(20)..].join("\n")
+            };
+            panic!(
+                "loadgen did not finish in two minutes; stdout tail:\n{}\nstderr tail:\n{}",
+                tail(&stdout),
+                tail(&stderr)
+            );
+        };
         assert_eq!(code, 0, "loadgen failed: {stderr}");
         stdout
             .lines()

@@ -69,6 +69,8 @@ async fn master(target: &Topology, source_url: &str, rate: u64, until_idle: bool
         "25".to_owned(),
         "--wan-loss".to_owned(),
         "0.01".to_owned(),
+        "--wan-rtt-ms".to_owned(),
+        "50".to_owned(),
         "--progress-replicas".to_owned(),
         "3".to_owned(),
     ];
