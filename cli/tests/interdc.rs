@@ -47,6 +47,14 @@ struct Pool {
 
 impl Pool {
     async fn start(cluster: &str, subclusters: &[(&str, &str)]) -> Self {
+        Self::start_with(cluster, subclusters, |_| {}).await
+    }
+
+    async fn start_with(
+        cluster: &str,
+        subclusters: &[(&str, &str)],
+        tweak: impl Fn(&mut SubmasterConfig),
+    ) -> Self {
         let server = NatsServer::start().await.unwrap();
         let cluster = ClusterId::new(cluster).unwrap();
         let mut masters = Vec::new();
@@ -60,6 +68,7 @@ impl Pool {
                 ProducerId::new(format!("{name}-sm")).unwrap(),
             );
             config.registry_ttl = Duration::from_secs(3);
+            tweak(&mut config);
             config
                 .labels
                 .insert("pool".to_owned(), (*pool_label).to_owned());
@@ -413,5 +422,87 @@ async fn a_block_evicted_at_the_source_mid_copy_is_a_clean_skip() {
             matches!(reply, hkvm_interdc::wan::FetchReply::BadRequest(_)),
             "{reply:?}"
         );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_stream_purged_up_to_a_snapshot_is_seeded_from_it() {
+    let source = Pool::start_with("snap", &[("s0", "prefill")], |config| {
+        config.snapshot_every_events = 8;
+    })
+    .await;
+    let target = Pool::start("dst", &[("t0", "decode")]).await;
+    let mut wanted = BTreeMap::new();
+    for i in 0..30 {
+        let key = format!("old/{i}");
+        let bytes = value(i, 8192 + i);
+        source.kv["s0"].put(&key, &bytes, 1).await.unwrap();
+        wanted.insert(key, bytes);
+    }
+    // Wait for a snapshot covering every put above (more puts trigger snapshots).
+    let js = async_nats::jetstream::new(source.server.connect().await.unwrap());
+    let subcluster = SubclusterId::new("s0").unwrap();
+    let mut stream = js
+        .get_stream(stream_name(&source.cluster, &subcluster))
+        .await
+        .unwrap();
+    let needed = stream.info().await.unwrap().state.last_sequence;
+    let store = hkvm_submaster::snapshot::SnapshotStore::open(&js, &source.cluster, &subcluster, 1)
+        .await
+        .unwrap();
+    let mut filler = 0;
+    let covers = loop {
+        if let Some(state) = store.load_newest().await.unwrap() {
+            if state.applied_seq >= needed {
+                break state.applied_seq;
+            }
+        }
+        assert!(filler < 200, "no snapshot covered the puts");
+        let key = format!("new/{filler}");
+        let bytes = value(1000 + filler, 1024);
+        source.kv["s0"].put(&key, &bytes, 1).await.unwrap();
+        wanted.insert(key, bytes);
+        filler += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    stream.purge().sequence(covers + 1).await.unwrap();
+    assert_eq!(
+        stream.info().await.unwrap().state.first_sequence,
+        covers + 1
+    );
+
+    let nats = source.server.connect().await.unwrap();
+    let _gateway = hkvm_interdc::Gateway::start(
+        nats,
+        hkvm_interdc::GatewayConfig {
+            cluster: source.cluster.clone(),
+            bind_ip: "127.0.0.1".parse().unwrap(),
+            impairment: Impairment::none(),
+            max_concurrent: 8,
+        },
+    )
+    .await
+    .unwrap();
+    let mut config = hkvm_interdc::InterDcConfig::new(
+        source.address().parse().unwrap(),
+        target.address().parse().unwrap(),
+    );
+    config.policy.rate_bytes_per_sec = 50_000_000;
+    config.status_interval = Duration::from_millis(100);
+    let mut master = hkvm_interdc::InterDc::start(config).await.unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let status = master.status_changed().await;
+            if status.copying && status.backlog_keys == 0 && status.in_flight == 0 {
+                return status;
+            }
+        }
+    })
+    .await
+    .expect("the copy did not finish");
+    assert_eq!(status.copied_blocks as usize, wanted.len());
+    for (key, bytes) in &wanted {
+        let fetched = target.kv["t0"].get(key).await.unwrap();
+        assert_eq!(fetched.value.as_ref(), bytes.as_slice(), "{key}");
     }
 }

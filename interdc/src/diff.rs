@@ -258,6 +258,29 @@ impl Diff {
         }
     }
 
+    /// Replaces what `slot` holds with a sub-master snapshot's objects (`(key hash,
+    /// block)`), as of stream sequence `covers_seq`: used when the stream's history
+    /// before its first sequence was purged. Reading goes on from `covers_seq + 1`.
+    pub fn seed_slot(
+        &mut self,
+        slot: usize,
+        covers_seq: u64,
+        unix_ms: u64,
+        objects: impl IntoIterator<Item = (u64, SourceBlock)>,
+    ) {
+        let Some(side) = self.side_of(slot) else {
+            return;
+        };
+        self.reset_slot(slot);
+        for (hash, block) in objects {
+            self.index.insert(slot, hash);
+            if side == Side::Source {
+                self.blocks.insert(hash, block);
+            }
+        }
+        self.set_applied(slot, covers_seq, unix_ms);
+    }
+
     /// Forgets what `slot` holds (before re-reading its stream from the start).
     /// What was evicted at the target and what was copied is kept.
     pub fn reset_slot(&mut self, slot: usize) {
@@ -640,6 +663,41 @@ mod tests {
         diff.reset_slot(s);
         assert!(!diff.source_has("a"));
         assert_eq!(diff.slots()[s].applied_seq, 0);
+    }
+
+    #[test]
+    fn a_slot_seeded_from_a_snapshot_reads_on_after_it() {
+        let mut diff = Diff::new();
+        let s = diff.slot(Side::Source, &sc("s"));
+        let t = diff.slot(Side::Target, &sc("t"));
+        let block = |key: &str| {
+            (
+                key_hash(key),
+                SourceBlock {
+                    key: key.to_owned(),
+                    size: 3,
+                    checksum: 9,
+                    committed_unix_ms: 5,
+                },
+            )
+        };
+        diff.apply(s, 1, &put("gone-after-seed", 1));
+        diff.seed_slot(s, 40, 5, [block("a"), block("b")]);
+        diff.seed_slot(t, 7, 5, [block("b")]);
+        assert!(
+            !diff.source_has("gone-after-seed"),
+            "seeding replaces the slot"
+        );
+        assert_eq!(diff.slots()[s].applied_seq, 40);
+        assert_eq!(keys(&diff.backlog(&Policy::default(), 10, 10)), ["a"]);
+        let next = Decoded {
+            seq: 41,
+            unix_ms: 6,
+            events: vec![removed("a")],
+            skipped: 0,
+        };
+        diff.apply_decoded(s, &next).unwrap();
+        assert!(diff.backlog(&Policy::default(), 10, 10).next.is_empty());
     }
 
     #[derive(Debug, Clone)]

@@ -4,7 +4,9 @@
 //! sub-cluster's events into the shared [`Diff`](crate::diff::Diff) in bounded
 //! batches, and re-reads the stream from its start when it has a gap, was reset or
 //! purged past the position, or holds a message that does not decode (a message
-//! still undecodable after that is skipped, logged and counted).
+//! still undecodable after that is skipped, logged and counted). When the history
+//! before the stream's first sequence was purged, the sub-master's newest snapshot
+//! covering it seeds the slot.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -13,12 +15,14 @@ use std::time::Duration;
 use async_nats::jetstream;
 use futures::StreamExt as _;
 use hkvm_events::log::{EventLog, JetStreamLog, LogEntry, LogError, LogErrorKind, ReadOptions};
+use hkvm_events::registry::now_unix_ms;
 use hkvm_events::registry::{list, open_registry};
 use hkvm_events::subject::{event_subject, stream_name};
-use hkvm_events::{ClusterId, Limits, SubclusterId};
+use hkvm_events::{key_hash, ClusterId, Limits, SubclusterId};
 use hkvm_projector::decode;
+use hkvm_submaster::snapshot::SnapshotStore;
 
-use crate::diff::Side;
+use crate::diff::{Side, SourceBlock};
 use crate::metrics::label;
 use crate::policy::Policy;
 use crate::shared::{Shared, SubclusterInfo};
@@ -128,6 +132,8 @@ enum Outcome {
 
 struct Follower {
     shared: Arc<Shared>,
+    js: jetstream::Context,
+    cluster: ClusterId,
     side: Side,
     subcluster: SubclusterId,
     slot: usize,
@@ -143,6 +149,8 @@ async fn follow_stream(shared: Arc<Shared>, pool: Pool, subcluster: SubclusterId
     );
     let mut follower = Follower {
         shared,
+        js: pool.js.clone(),
+        cluster: pool.cluster.clone(),
         side: pool.side,
         subcluster,
         slot,
@@ -201,7 +209,7 @@ impl Follower {
                 return Outcome::Reopen;
             }
         };
-        let applied = self.applied_seq();
+        let mut applied = self.applied_seq();
         if bounds.last_seq < applied {
             return Outcome::Resync("stream reset");
         }
@@ -209,13 +217,17 @@ impl Follower {
             if applied > 0 {
                 return Outcome::Resync("stream purged past the position");
             }
-            tracing::warn!(
-                side = self.side.name(),
-                subcluster = %self.subcluster,
-                first_seq = bounds.first_seq,
-                "the stream's history before its first sequence was purged: blocks stored \
-                 before it are not known to the replicator"
-            );
+            if self.seed_from_snapshot(bounds.first_seq).await {
+                applied = self.applied_seq();
+            } else {
+                tracing::warn!(
+                    side = self.side.name(),
+                    subcluster = %self.subcluster,
+                    first_seq = bounds.first_seq,
+                    "the stream's history before its first sequence was purged and no \
+                     sub-master snapshot covers it: blocks stored before it are not known"
+                );
+            }
         }
         let target = bounds.last_seq;
         if applied >= target {
@@ -262,6 +274,61 @@ impl Follower {
                 },
             }
         }
+    }
+
+    /// Seeds the slot from the sub-master's newest snapshot when it reaches the
+    /// stream's first sequence (the history before it was purged). The snapshot
+    /// has no commit times: its blocks are dated by the first message left in the
+    /// stream (they are at least that old). Returns whether it seeded.
+    async fn seed_from_snapshot(&self, first_seq: u64) -> bool {
+        let loaded = match SnapshotStore::open(&self.js, &self.cluster, &self.subcluster, 1).await {
+            Ok(store) => store.load_newest().await,
+            Err(error) => Err(error),
+        };
+        let state = match loaded {
+            Ok(Some(state)) if state.applied_seq + 1 >= first_seq => state,
+            Ok(_) => return false,
+            Err(error) => {
+                tracing::warn!(subcluster = %self.subcluster, %error, "loading a sub-master snapshot");
+                return false;
+            }
+        };
+        let dated = self
+            .first_message_unix_ms(first_seq)
+            .await
+            .unwrap_or_else(now_unix_ms);
+        let objects = state.objects().map(|(key, object)| {
+            (
+                key_hash(key),
+                SourceBlock {
+                    key: key.to_owned(),
+                    size: object.size,
+                    checksum: object.checksum,
+                    committed_unix_ms: dated,
+                },
+            )
+        });
+        self.shared
+            .diff()
+            .seed_slot(self.slot, state.applied_seq, dated, objects);
+        tracing::info!(
+            side = self.side.name(),
+            subcluster = %self.subcluster,
+            covers_seq = state.applied_seq,
+            objects = state.object_count(),
+            "seeded from the sub-master's snapshot"
+        );
+        true
+    }
+
+    async fn first_message_unix_ms(&self, seq: u64) -> Option<u64> {
+        let options = ReadOptions {
+            from_seq: seq,
+            until_seq: Some(seq),
+            ..ReadOptions::default()
+        };
+        let mut entries = self.log.read(options).await.ok()?;
+        entries.next().await?.ok().map(|entry| entry.unix_ms)
     }
 
     fn fold_chunk(&mut self, chunk: Vec<Result<LogEntry, LogError>>) -> Option<Outcome> {
