@@ -272,8 +272,11 @@ impl Runner {
         let mut tasks: JoinSet<(Candidate, CopyOutcome)> = JoinSet::new();
         let mut tick = tokio::time::interval(Duration::from_millis(100));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut last_status = Instant::now() - self.config.status_interval;
+        let mut last_status = Instant::now()
+            .checked_sub(self.config.status_interval)
+            .unwrap_or_else(Instant::now);
         let mut last_copied_bytes = 0u64;
+        let mut goodput = 0.0;
         let mut copying = false;
         let mut copying_since = 0;
         let mut was_idle = false;
@@ -316,10 +319,13 @@ impl Runner {
             was_idle = idle;
             let elapsed = last_status.elapsed();
             if elapsed >= self.config.status_interval || became_idle {
-                let goodput =
-                    (self.totals.copied_bytes - last_copied_bytes) as f64 / elapsed.as_secs_f64();
-                last_copied_bytes = self.totals.copied_bytes;
-                last_status = Instant::now();
+                // Over a too short interval the rate says nothing: keep the last one.
+                if elapsed >= Duration::from_millis(100) {
+                    goodput = (self.totals.copied_bytes - last_copied_bytes) as f64
+                        / elapsed.as_secs_f64();
+                    last_copied_bytes = self.totals.copied_bytes;
+                    last_status = Instant::now();
+                }
                 let mut status = self.snapshot(&backlog, copying, goodput, tasks.len());
                 status.copying_since_unix_ms = copying_since;
                 if let Err(error) = self.progress.write_status(&status).await {
