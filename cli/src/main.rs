@@ -70,11 +70,26 @@ enum Command {
 #[global_allocator]
 static ALLOCATOR: bench::CountingAllocator = bench::CountingAllocator;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+/// How long a finished command waits for leftover blocking work (a name lookup
+/// stuck on a slow resolver, say) before the process exits anyway.
+const EXIT_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     logging::init(cli.log_format);
-    match cli.command {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let result = runtime.block_on(run(cli.command));
+    // Dropping a runtime waits for every blocking task without limit: a command
+    // whose work is done must not hang on one (seen: a load generator that printed
+    // its summary and never exited).
+    runtime.shutdown_timeout(EXIT_GRACE);
+    result
+}
+
+async fn run(command: Command) -> anyhow::Result<()> {
+    match command {
         Command::Local(args) => local::run(args).await,
         Command::Replay(args) => replay::run(args).await,
         Command::Bench(args) => bench::run(args).await,
