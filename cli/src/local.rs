@@ -5,6 +5,8 @@
 //! across sub-clusters — prints where everything is, and stops it all cleanly on
 //! Ctrl-C or SIGTERM.
 
+mod nats;
+
 use std::net::{SocketAddr, TcpListener};
 use std::time::Duration;
 
@@ -13,8 +15,9 @@ use hkvm_client::{KvClient, NodeConfig, NodeHandle, SubmasterClient};
 use hkvm_events::{ClusterId, NodeId, ProducerId, SubclusterId};
 use hkvm_globalmaster::{GlobalMaster, GlobalMasterConfig};
 use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
-use hkvm_testkit::{NatsServer, ServerOptions};
 use hkvm_transfer::TcpTransport;
+
+use nats::EmbeddedNats;
 
 /// Options of `hkvm local`.
 #[derive(Debug, clap::Args)]
@@ -79,12 +82,7 @@ fn port_is_free(port: u16) -> bool {
 /// # Errors
 /// When nats-server cannot be found or started, or a service fails to start.
 pub async fn run(args: LocalArgs) -> anyhow::Result<()> {
-    let options = ServerOptions {
-        name: format!("hkvm-{}", args.cluster),
-        client_port: port_is_free(args.port).then_some(args.port),
-        ..ServerOptions::default()
-    };
-    let mut nats = NatsServer::start_with(options)
+    let mut nats = EmbeddedNats::start(&format!("hkvm-{}", args.cluster), args.port)
         .await
         .context("starting the embedded nats-server")?;
     tracing::info!(url = %nats.url(), store = %nats.store_dir().display(), "nats-server with JetStream is up");

@@ -2,10 +2,10 @@
 //! sub-masters hold each key, with their RPC subjects) and [`exist_global`], the body
 //! of `hkvm exist --global KEY...`.
 
+use hkvm_client::GlobalClient;
 use hkvm_events::rpc::global::{
     BatchIsExist, BatchIsExistReply, GlobalOp, LabelFilter, Locate, LocateReply, Staleness,
 };
-use hkvm_globalmaster::GlobalClient;
 
 use crate::globalmaster::{label_filter, parse_label};
 use crate::target::Target;

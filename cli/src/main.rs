@@ -1,11 +1,11 @@
 //! `hkvm`: the command-line tool and service launcher of HKVM. Each subcommand lives
-//! in its own module; this file only parses arguments and dispatches.
+//! in its own module; this file only parses arguments and dispatches. `bench` and
+//! `loadgen` run the `hkvm-bench` binary (see [`forward`]).
 
-mod bench;
 mod data;
+mod forward;
 mod globalmaster;
 mod interdc;
-mod loadgen;
 mod local;
 mod locate;
 mod logging;
@@ -36,8 +36,10 @@ enum Command {
     Local(local::LocalArgs),
     /// Print the events of one or all sub-cluster streams, for debugging.
     Replay(replay::ReplayArgs),
-    /// Run a benchmark; every figure comes with a baseline measured in the same run.
-    Bench(bench::BenchArgs),
+    /// Run a benchmark; every figure comes with a baseline measured in the same run
+    /// (runs `hkvm-bench`; `hkvm bench --help` lists the workloads).
+    #[command(disable_help_flag = true)]
+    Bench(forward::Forwarded),
     /// Run the sub-master of one sub-cluster (leader, or hot standby if one leads).
     Submaster(submaster::SubmasterArgs),
     /// Whether keys exist in a sub-cluster.
@@ -62,13 +64,10 @@ enum Command {
     /// The registry (sub-masters, labels, liveness, usage) and the global master's lag.
     Status(status::StatusArgs),
     /// Drive puts, gets or global queries for a while and print one JSON line per
-    /// result (for integration and chaos tests).
-    Loadgen(loadgen::LoadgenArgs),
+    /// result (for integration and chaos tests; runs `hkvm-bench loadgen`).
+    #[command(disable_help_flag = true)]
+    Loadgen(forward::Forwarded),
 }
-
-/// Counts allocations so that benchmarks can report allocations per event.
-#[global_allocator]
-static ALLOCATOR: bench::CountingAllocator = bench::CountingAllocator;
 
 /// How long a finished command waits for leftover blocking work (a name lookup
 /// stuck on a slow resolver, say) before the process exits anyway.
@@ -76,11 +75,22 @@ const EXIT_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    let command = match cli.command {
+        // Another binary, with its own logging and runtime: hand over before
+        // setting up either.
+        Command::Bench(forwarded) => {
+            return forward::exec(forward::Tool::Bench, forwarded.args, cli.log_format)
+        }
+        Command::Loadgen(forwarded) => {
+            return forward::exec(forward::Tool::Loadgen, forwarded.args, cli.log_format)
+        }
+        command => command,
+    };
     logging::init(cli.log_format);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let result = runtime.block_on(run(cli.command));
+    let result = runtime.block_on(run(command));
     // Dropping a runtime waits for every blocking task without limit: a command
     // whose work is done must not hang on one (seen: a load generator that printed
     // its summary and never exited).
@@ -92,7 +102,6 @@ async fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Local(args) => local::run(args).await,
         Command::Replay(args) => replay::run(args).await,
-        Command::Bench(args) => bench::run(args).await,
         Command::Submaster(args) => submaster::run(args).await,
         Command::Exist(args) => meta::exist(args).await,
         Command::Rm(args) => meta::rm(args).await,
@@ -104,6 +113,8 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Interdc(args) => interdc::run(args).await,
         Command::Locate(args) => locate::run(args).await,
         Command::Status(args) => status::run(args).await,
-        Command::Loadgen(args) => loadgen::run(args).await,
+        Command::Bench(_) | Command::Loadgen(_) => {
+            unreachable!("forwarded to hkvm-bench before the runtime starts")
+        }
     }
 }

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use async_nats::jetstream;
+use hkvm_client::{GlobalClient, RetryPolicy};
 use hkvm_events::registry::{list, open_registry};
 use hkvm_events::rpc::global::{GlobalOp, GlobalStatus, GlobalStatusReply};
-use hkvm_globalmaster::GlobalClient;
 
 use crate::target::Target;
 
@@ -69,8 +69,15 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
         }
         Err(_) => println!("(no registry yet: no sub-master ever registered)"),
     }
-    let mut global = GlobalClient::new(client, cluster.clone());
-    global.busy_budget = Duration::ZERO;
+    // Ask once: a status report must not wait for a global master that is down.
+    let global = GlobalClient::with_policy(
+        client,
+        cluster.clone(),
+        RetryPolicy {
+            retry_deadline: Duration::ZERO,
+            ..RetryPolicy::default()
+        },
+    );
     let answer: Result<GlobalStatusReply, _> =
         global.call(GlobalOp::Status, &GlobalStatus {}).await;
     match answer {

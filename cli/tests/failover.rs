@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hkvm_client::{ClientConfig, SubmasterClient};
+use hkvm_client::{RetryPolicy, SubmasterClient};
 use hkvm_events::rpc::submaster::{ItemResult, MountSegment, PutEndItem, PutStartItem};
 use hkvm_events::{ClusterId, NodeId, SegmentId, SubclusterId};
 use hkvm_testkit::NatsServer;
@@ -96,14 +96,14 @@ async fn killing_the_leader_process_loses_no_acknowledged_put() {
     .unwrap();
 
     let mut leader = submaster(&server, "sm-a", &config);
-    let client = SubmasterClient::with_config(
+    let client = SubmasterClient::with_policy(
         server.connect().await.unwrap(),
         ClusterId::new("kill").unwrap(),
         SubclusterId::new("sc").unwrap(),
-        ClientConfig {
+        RetryPolicy {
             request_timeout: Duration::from_secs(1),
             retry_deadline: Duration::from_secs(30),
-            ..ClientConfig::default()
+            ..RetryPolicy::default()
         },
     );
     for node in ["n1", "n2", "n3"] {

@@ -1,9 +1,33 @@
 //! Errors of the client library.
 
-use hkvm_events::rpc::RpcError;
+use hkvm_events::rpc::{RpcError, RpcErrorCode};
+
+/// Why a call that was worth retrying was retried (the last such reason is what a
+/// call reports when its deadline passes).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RetryCause {
+    /// The server answered `Busy` (recovering or overloaded).
+    #[error("busy, asked to retry after {retry_after_ms} ms")]
+    Busy {
+        /// The server's suggested delay.
+        retry_after_ms: u64,
+    },
+    /// The server lost leadership while handling the request.
+    #[error("the server is not the leader")]
+    NotLeader,
+    /// Nobody subscribes to the subject (no server up, or a takeover in progress).
+    #[error("no responders on {subject}")]
+    NoResponders {
+        /// The subject asked.
+        subject: String,
+    },
+    /// A request that is safe to resend got no answer in time.
+    #[error("no answer in time")]
+    TimedOut,
+}
 
 /// Why a call failed.
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     /// The server answered with an error that retrying does not fix.
     #[error("{op}: {source}")]
@@ -11,6 +35,7 @@ pub enum ClientError {
         /// The operation.
         op: &'static str,
         /// The server's error.
+        #[source]
         source: RpcError,
     },
     /// No answer in time for a request that is not safe to resend; it may or may
@@ -22,35 +47,55 @@ pub enum ClientError {
         /// The request timeout.
         ms: u64,
     },
-    /// The server stayed busy or absent (no leader) until the retry deadline.
-    #[error("{op}: unavailable for {ms} ms ({last})")]
+    /// The server stayed busy or absent (no leader, no responder) until the retry
+    /// deadline.
+    #[error("{op}: unavailable for {ms} ms ({cause})")]
     Unavailable {
         /// The operation.
         op: &'static str,
-        /// How long we retried.
+        /// How long the call retried.
         ms: u64,
-        /// The last reason seen.
-        last: String,
+        /// The last reason it retried.
+        #[source]
+        cause: RetryCause,
+    },
+    /// NATS failed the request for a reason retrying does not fix.
+    #[error("{op}: {source}")]
+    Transport {
+        /// The operation.
+        op: &'static str,
+        /// The NATS client's error.
+        #[source]
+        source: async_nats::RequestError,
     },
     /// The request or reply could not be encoded or decoded.
-    #[error("{op}: {reason}")]
+    #[error("{op}: {source}")]
     Codec {
         /// The operation.
         op: &'static str,
-        /// What went wrong.
-        reason: String,
+        /// What the codec said.
+        #[source]
+        source: RpcError,
     },
 }
 
 /// The kind of a [`ClientError`], for matching.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ClientErrorKind {
-    /// See [`ClientError::Rpc`].
+    /// The server refused the request (see [`ClientError::Rpc`]).
     Rpc,
-    /// See [`ClientError::Timeout`].
+    /// No answer in time (see [`ClientError::Timeout`], or a resendable request
+    /// unanswered until the deadline).
     Timeout,
-    /// See [`ClientError::Unavailable`].
-    Unavailable,
+    /// The server answered `Busy` until the deadline.
+    Busy,
+    /// The server kept losing leadership until the deadline (fencing: a deposed
+    /// leader cannot serve).
+    NotLeader,
+    /// Nobody answered on the subject until the deadline.
+    NoResponders,
+    /// NATS itself failed (connection closed, say).
+    Transport,
     /// See [`ClientError::Codec`].
     Codec,
 }
@@ -61,8 +106,34 @@ impl ClientError {
         match self {
             Self::Rpc { .. } => ClientErrorKind::Rpc,
             Self::Timeout { .. } => ClientErrorKind::Timeout,
-            Self::Unavailable { .. } => ClientErrorKind::Unavailable,
+            Self::Unavailable { cause, .. } => match cause {
+                RetryCause::Busy { .. } => ClientErrorKind::Busy,
+                RetryCause::NotLeader => ClientErrorKind::NotLeader,
+                RetryCause::NoResponders { .. } => ClientErrorKind::NoResponders,
+                RetryCause::TimedOut => ClientErrorKind::Timeout,
+            },
+            Self::Transport { .. } => ClientErrorKind::Transport,
             Self::Codec { .. } => ClientErrorKind::Codec,
+        }
+    }
+
+    /// Whether the call gave up on a server that was absent, busy or slow (as
+    /// opposed to one that answered with a refusal): the request may succeed later.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(
+            self.kind(),
+            ClientErrorKind::Timeout
+                | ClientErrorKind::Busy
+                | ClientErrorKind::NotLeader
+                | ClientErrorKind::NoResponders
+        )
+    }
+
+    /// The server's error code, when the server answered with one.
+    pub fn rpc_code(&self) -> Option<&RpcErrorCode> {
+        match self {
+            Self::Rpc { source, .. } => Some(&source.code),
+            _ => None,
         }
     }
 }

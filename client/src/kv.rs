@@ -14,11 +14,11 @@ use hkvm_events::rpc::submaster::{
     ItemError, ItemResult, PutEndItem, PutStartItem, ReplicaList, ReplicaLocation,
 };
 use hkvm_events::rpc::RpcReply;
-use hkvm_events::subject::global_rpc_subject;
 use hkvm_events::{value_checksum, SubclusterId};
-use hkvm_transfer::{ReadOp, Transport, WriteOp};
+use hkvm_transfer::{ReadOp, TransferError, Transport, WriteOp};
 
-use crate::error::ClientError;
+use crate::error::{ClientError, ClientErrorKind};
+use crate::global::GlobalClient;
 use crate::submaster::SubmasterClient;
 
 /// Why a put or get failed.
@@ -36,12 +36,24 @@ pub enum KvError {
         error: ItemError,
     },
     /// Writing a replica failed (the put was revoked).
-    #[error("{key}: writing a replica failed: {reason}")]
+    #[error("{key}: writing a replica failed")]
     Write {
         /// The key.
         key: String,
         /// The transfer error.
-        reason: String,
+        #[source]
+        source: TransferError,
+    },
+    /// The value handed to [`KvClient::complete`] has another size than the
+    /// reservation (the put was revoked).
+    #[error("{key}: value of {len} bytes for a reservation of {reserved} bytes")]
+    SizeMismatch {
+        /// The key.
+        key: String,
+        /// The value's length.
+        len: u64,
+        /// The reserved size.
+        reserved: u64,
     },
     /// No replica returned bytes matching the recorded checksum.
     #[error("{key}: no intact replica ({tried} tried): {last}")]
@@ -59,6 +71,37 @@ pub enum KvError {
         /// The key.
         key: String,
     },
+}
+
+/// The kind of a [`KvError`], for matching.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvErrorKind {
+    /// A metadata call failed; the inner kind says how.
+    Metadata(ClientErrorKind),
+    /// The sub-master refused the item.
+    Item,
+    /// A replica write failed.
+    Write,
+    /// The value does not fit its reservation.
+    SizeMismatch,
+    /// No replica held intact bytes.
+    Integrity,
+    /// The key exists nowhere the client can see.
+    NotFound,
+}
+
+impl KvError {
+    /// The kind.
+    pub fn kind(&self) -> KvErrorKind {
+        match self {
+            Self::Metadata(error) => KvErrorKind::Metadata(error.kind()),
+            Self::Item { .. } => KvErrorKind::Item,
+            Self::Write { .. } => KvErrorKind::Write,
+            Self::SizeMismatch { .. } => KvErrorKind::SizeMismatch,
+            Self::Integrity { .. } => KvErrorKind::Integrity,
+            Self::NotFound { .. } => KvErrorKind::NotFound,
+        }
+    }
 }
 
 /// Where a value was read from.
@@ -263,18 +306,17 @@ impl KvClient {
     /// outcome is unknown removes the key, as [`KvClient::put`] does.
     ///
     /// # Errors
-    /// [`KvError::Write`] (also for a value of another size than reserved),
+    /// [`KvError::Write`], [`KvError::SizeMismatch`],
     /// [`KvError::Item`] or a metadata failure.
     pub async fn complete(&self, pending: PendingPut, value: &[u8]) -> Result<(), KvError> {
         if value.len() as u64 != pending.size {
             let key = pending.key.clone();
+            let reserved = pending.size;
             self.abandon(pending).await;
-            return Err(KvError::Write {
+            return Err(KvError::SizeMismatch {
                 key,
-                reason: format!(
-                    "value of {} bytes for a reservation of another size",
-                    value.len()
-                ),
+                len: value.len() as u64,
+                reserved,
             });
         }
         if let Err(error) = self
@@ -328,9 +370,9 @@ impl KvClient {
             self.transport.write_batch(&replica.endpoint, &op).await
         });
         for result in join_all(writes).await {
-            result.map_err(|e| KvError::Write {
+            result.map_err(|source| KvError::Write {
                 key: key.to_owned(),
-                reason: e.to_string(),
+                source,
             })?;
         }
         Ok(())
@@ -362,17 +404,23 @@ impl KvClient {
             keys: vec![key.to_owned()],
             labels: None,
         };
-        let subject = global_rpc_subject(self.metadata.cluster(), GlobalOp::GetReplicaList.name());
-        let reply: ProxyGetReplicaListReply =
-            match self.metadata.raw_request(subject, &request).await {
-                Ok(RpcReply::Ok(reply)) => reply,
-                // No global master, or it has nothing: the key is nowhere we can see.
-                Ok(RpcReply::Err(_)) | Err(_) => {
-                    return Err(KvError::NotFound {
-                        key: key.to_owned(),
-                    })
-                }
-            };
+        let global = GlobalClient::with_caller(
+            self.metadata.caller().clone(),
+            self.metadata.cluster().clone(),
+        );
+        // One attempt: a global master that is absent or busy is reported as the key
+        // being nowhere we can see (the caller's miss path), as before.
+        let reply: ProxyGetReplicaListReply = match global
+            .call_once(GlobalOp::GetReplicaList, &request)
+            .await
+        {
+            Ok(RpcReply::Ok(reply)) => reply,
+            Ok(RpcReply::Err(_)) | Err(_) => {
+                return Err(KvError::NotFound {
+                    key: key.to_owned(),
+                })
+            }
+        };
         match (
             reply.from.into_iter().next().flatten(),
             reply.items.into_iter().next(),

@@ -1,14 +1,20 @@
-//! The client library used by inference processes: metadata RPCs to sub-masters and
-//! the global master, and the checksummed data path to nodes.
+//! The client library used by inference processes, tools and the masters
+//! themselves: metadata RPCs to sub-masters and the global master (all through one
+//! retry policy), and the checksummed data path to nodes. It depends on no server
+//! crate: every request and reply is a wire type of `hkvm-events`.
 
 pub mod connect;
 pub mod error;
+pub mod global;
 pub mod kv;
 pub mod node;
+pub mod retry;
 pub mod submaster;
 
 pub use connect::{connect, ConnectError};
-pub use error::{ClientError, ClientErrorKind};
-pub use kv::{Fetched, KvClient, KvError, PendingPut};
+pub use error::{ClientError, ClientErrorKind, RetryCause};
+pub use global::GlobalClient;
+pub use kv::{Fetched, KvClient, KvError, KvErrorKind, PendingPut};
 pub use node::{NodeConfig, NodeError, NodeHandle};
-pub use submaster::{ClientConfig, ClientStats, SubmasterClient, MAX_BATCH};
+pub use retry::{ClientStats, Resend, RetryPolicy, RpcCaller};
+pub use submaster::SubmasterClient;

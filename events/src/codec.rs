@@ -226,6 +226,82 @@ pub fn decode_message<'a>(
     })
 }
 
+/// A stored message decoded and validated, ready to fold. Decoding needs no access
+/// to what it is folded into, so it can run outside that state's lock.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decoded {
+    /// The message's stream sequence.
+    pub seq: u64,
+    /// When it was stored, Unix milliseconds.
+    pub unix_ms: u64,
+    /// Its events.
+    pub events: Vec<KvEvent>,
+    /// Events skipped because they did not decode (unknown kinds, bad bodies).
+    pub skipped: usize,
+}
+
+/// Why a stored message was refused whole.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UndecodableCause {
+    /// The envelope does not decode.
+    #[error(transparent)]
+    Envelope(#[from] DecodeError),
+    /// An event frame is broken, so the events after it cannot be found.
+    #[error(transparent)]
+    Frame(#[from] EventError),
+}
+
+/// A stored message that does not decode.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("message {seq} does not decode")]
+pub struct UndecodableMessage {
+    /// Its stream sequence.
+    pub seq: u64,
+    /// Why.
+    #[source]
+    pub cause: UndecodableCause,
+}
+
+/// Decodes the message stored at `seq`. Events that do not decode are skipped and
+/// counted; a message whose envelope or an event frame is broken is refused whole,
+/// so nothing of it is folded.
+///
+/// # Errors
+/// [`UndecodableMessage`] (a follower re-reads the stream, then skips it).
+pub fn decode_stored(
+    seq: u64,
+    unix_ms: u64,
+    payload: &[u8],
+    limits: &Limits,
+) -> Result<Decoded, UndecodableMessage> {
+    let message = decode_message(payload, limits).map_err(|e| UndecodableMessage {
+        seq,
+        cause: e.into(),
+    })?;
+    let mut decoded = Decoded {
+        seq,
+        unix_ms,
+        events: Vec::with_capacity(message.events.remaining()),
+        skipped: 0,
+    };
+    for event in message.events {
+        match event {
+            Ok(event) => decoded.events.push(event),
+            Err(error) if error.is_skippable() => {
+                tracing::warn!(seq, %error, "skipping an event that does not decode");
+                decoded.skipped += 1;
+            }
+            Err(error) => {
+                return Err(UndecodableMessage {
+                    seq,
+                    cause: error.into(),
+                })
+            }
+        }
+    }
+    Ok(decoded)
+}
+
 /// The events of one message, decoded lazily. An event whose kind is unknown or
 /// whose body is bad yields a skippable [`EventError`] and the iteration goes on; a
 /// broken frame yields a final, non-skippable error and ends the iteration.

@@ -2,15 +2,18 @@
 //! validation limits, every subject and stream name, stream settings, the
 //! [`log::EventLog`] trait (in-memory and JetStream) and group commit.
 
+pub mod checkpoint;
 pub mod codec;
 pub mod commit;
 pub mod error;
 pub mod event;
+pub mod follow;
 pub mod id;
 pub mod limits;
 pub mod log;
 pub mod registry;
 pub mod rpc;
+pub mod snapshot;
 pub mod stream;
 pub mod subject;
 

@@ -13,10 +13,8 @@ use futures::{Stream, StreamExt as _};
 use serde::{Deserialize, Serialize};
 
 use crate::id::{ClusterId, ProducerId, SubclusterId};
-use crate::subject::bucket_name;
+use crate::subject::Bucket;
 
-/// The purpose part of the registry bucket name.
-pub const REGISTRY_PURPOSE: &str = "registry";
 /// The liveness TTL used when none is configured.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(10);
 
@@ -167,7 +165,7 @@ pub async fn ensure_replicated_registry_bucket(
     ttl: Duration,
     replicas: usize,
 ) -> Result<kv::Store, RegistryError> {
-    let bucket = bucket_name(cluster, REGISTRY_PURPOSE);
+    let bucket = Bucket::Registry.name(cluster);
     if let Ok(store) = js.get_key_value(&bucket).await {
         return Ok(store);
     }
@@ -192,7 +190,7 @@ pub async fn open_registry(
     js: &jetstream::Context,
     cluster: &ClusterId,
 ) -> Result<kv::Store, RegistryError> {
-    let bucket = bucket_name(cluster, REGISTRY_PURPOSE);
+    let bucket = Bucket::Registry.name(cluster);
     js.get_key_value(&bucket)
         .await
         .map_err(|_| RegistryError::new(&bucket, RegistryErrorKind::BucketNotFound))

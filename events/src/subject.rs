@@ -8,7 +8,11 @@
 //! | its stream | `HKVM_<cluster>_<subcluster>` |
 //! | sub-master RPC | `hkvm.<cluster>.<subcluster>.rpc.<op>` |
 //! | global-master RPC | `hkvm.<cluster>.global.rpc.<op>` |
-//! | KV buckets / object stores | `hkvm_<cluster>_<purpose>` |
+//! | inter-DC fetch RPC | `hkvm.<cluster>.interdc.fetch` |
+//! | KV buckets / object stores | `hkvm_<cluster>_<purpose>` ([`Bucket`]) |
+//! | a sub-master snapshot | `<subcluster>.<covered sequence, 20 digits>` |
+//! | a global-master checkpoint | `projection-<replica>` |
+//! | a sub-cluster's bloom filter | `<subcluster>` |
 
 use crate::id::{ClusterId, ProducerId, SubclusterId};
 
@@ -61,6 +65,80 @@ pub fn bucket_name(cluster: &ClusterId, purpose: &str) -> String {
     format!("{}_{cluster}_{purpose}", SUBJECT_PREFIX)
 }
 
+/// Every cluster-wide KV bucket and object store, by purpose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Bucket {
+    /// KV: each sub-cluster's leader lease.
+    Leader,
+    /// KV: the sub-master registry (labels, capacity, liveness).
+    Registry,
+    /// Object store: sub-master snapshots.
+    Snapshots,
+    /// Object store: global-master checkpoints.
+    Checkpoints,
+    /// Object store: per-sub-cluster bloom filters published by the global master.
+    Blooms,
+}
+
+impl Bucket {
+    /// Every bucket.
+    pub const ALL: [Bucket; 5] = [
+        Bucket::Leader,
+        Bucket::Registry,
+        Bucket::Snapshots,
+        Bucket::Checkpoints,
+        Bucket::Blooms,
+    ];
+
+    /// The purpose part of its name.
+    pub fn purpose(self) -> &'static str {
+        match self {
+            Self::Leader => "leader",
+            Self::Registry => "registry",
+            Self::Snapshots => "snapshots",
+            Self::Checkpoints => "checkpoints",
+            Self::Blooms => "blooms",
+        }
+    }
+
+    /// Whether it is an object store (otherwise a KV bucket).
+    pub fn is_object_store(self) -> bool {
+        matches!(self, Self::Snapshots | Self::Checkpoints | Self::Blooms)
+    }
+
+    /// Its full name in `cluster`.
+    pub fn name(self, cluster: &ClusterId) -> String {
+        bucket_name(cluster, self.purpose())
+    }
+}
+
+/// The inter-DC progress KV bucket, kept in the `target` cluster, of copies from
+/// `source` into `target`.
+pub fn interdc_progress_bucket(source: &ClusterId, target: &ClusterId) -> String {
+    bucket_name(target, &format!("interdc-{source}"))
+}
+
+/// The prefix of every snapshot object name of `subcluster`.
+pub fn snapshot_object_prefix(subcluster: &SubclusterId) -> String {
+    format!("{subcluster}.")
+}
+
+/// The object name of `subcluster`'s snapshot covering `covers_seq` (zero-padded,
+/// so lexical order is sequence order).
+pub fn snapshot_object_name(subcluster: &SubclusterId, covers_seq: u64) -> String {
+    format!("{}{covers_seq:020}", snapshot_object_prefix(subcluster))
+}
+
+/// The object name of a global-master replica's checkpoint.
+pub fn checkpoint_object_name(replica: &str) -> String {
+    format!("projection-{replica}")
+}
+
+/// The object name of a sub-cluster's bloom filter.
+pub fn bloom_object_name(subcluster: &SubclusterId) -> String {
+    subcluster.to_string()
+}
+
 /// The `Nats-Msg-Id` of the `counter`-th message a producer appended in an epoch:
 /// a retried append reuses it, so JetStream stores the message once.
 pub fn message_id(producer: &ProducerId, epoch: u64, counter: u64) -> String {
@@ -98,5 +176,17 @@ mod tests {
         assert_eq!(subcluster_of_stream(&cluster, "HKVM_other_sc-0"), None);
         let producer = ProducerId::new("sm-a").unwrap();
         assert_eq!(message_id(&producer, 3, 17), "sm-a-3-17");
+        assert_eq!(Bucket::Snapshots.name(&cluster), "hkvm_prod_snapshots");
+        assert_eq!(
+            snapshot_object_name(&sc, 42),
+            "sc-0.00000000000000000042"
+        );
+        assert_eq!(checkpoint_object_name("r1"), "projection-r1");
+        assert_eq!(bloom_object_name(&sc), "sc-0");
+        assert_eq!(
+            interdc_progress_bucket(&ClusterId::new("a").unwrap(), &cluster),
+            "hkvm_prod_interdc-a"
+        );
+        assert_eq!(interdc_fetch_subject(&cluster), "hkvm.prod.interdc.fetch");
     }
 }

@@ -5,7 +5,7 @@
 
 use async_nats::jetstream::{self, object_store};
 use futures::StreamExt as _;
-use hkvm_events::subject::bucket_name;
+use hkvm_events::subject::{bloom_object_name, checkpoint_object_name, Bucket};
 use hkvm_events::ClusterId;
 use hkvm_projector::{checkpoint, Projection};
 use tokio::io::AsyncReadExt as _;
@@ -13,10 +13,6 @@ use tokio::io::AsyncReadExt as _;
 use crate::state::Shared;
 use crate::GlobalMasterError;
 
-/// The purpose part of the checkpoint bucket name.
-pub const CHECKPOINT_PURPOSE: &str = "checkpoints";
-/// The purpose part of the bloom filter bucket name.
-pub const BLOOM_PURPOSE: &str = "blooms";
 
 /// Opens or creates an object store.
 ///
@@ -25,9 +21,9 @@ pub const BLOOM_PURPOSE: &str = "blooms";
 pub async fn object_store(
     js: &jetstream::Context,
     cluster: &ClusterId,
-    purpose: &str,
+    bucket: Bucket,
 ) -> Result<object_store::ObjectStore, GlobalMasterError> {
-    let bucket = bucket_name(cluster, purpose);
+    let bucket = bucket.name(cluster);
     if let Ok(store) = js.get_object_store(&bucket).await {
         return Ok(store);
     }
@@ -36,7 +32,7 @@ pub async fn object_store(
         ..Default::default()
     })
     .await
-    .map_err(GlobalMasterError::nats)
+    .map_err(GlobalMasterError::nats("creating an object store"))
 }
 
 /// Loads the newest valid checkpoint; `None` when there is none.
@@ -46,10 +42,13 @@ pub async fn object_store(
 pub async fn load_newest(
     store: &object_store::ObjectStore,
 ) -> Result<Option<(String, Projection)>, GlobalMasterError> {
-    let mut list = store.list().await.map_err(GlobalMasterError::nats)?;
+    let mut list = store
+        .list()
+        .await
+        .map_err(GlobalMasterError::nats("listing checkpoints"))?;
     let mut infos = Vec::new();
     while let Some(info) = list.next().await {
-        let info = info.map_err(GlobalMasterError::nats)?;
+        let info = info.map_err(GlobalMasterError::nats("listing checkpoints"))?;
         if !info.deleted {
             infos.push(info);
         }
@@ -87,14 +86,14 @@ pub(crate) async fn write(
     let bytes = {
         let projection = shared.read();
         checkpoint::encode(&projection).map_err(|e| {
-            GlobalMasterError::new(crate::GlobalMasterErrorKind::Checkpoint(e.to_string()))
+            GlobalMasterError::caused(crate::GlobalMasterErrorKind::Checkpoint, "encoding", e)
         })?
     };
-    let name = format!("projection-{}", shared.config.replica);
+    let name = checkpoint_object_name(&shared.config.replica);
     store
         .put(name.as_str(), &mut bytes.as_slice())
         .await
-        .map_err(GlobalMasterError::nats)?;
+        .map_err(GlobalMasterError::nats("storing a checkpoint"))?;
     shared.metrics.checkpoints.inc();
     tracing::info!(name, bytes = bytes.len(), "checkpoint written");
     Ok(bytes.len())
@@ -116,7 +115,7 @@ pub(crate) async fn publish_blooms(
             .enumerate()
             .filter_map(|(source, state)| {
                 let subcluster = state.subcluster.as_ref()?;
-                Some((subcluster.to_string(), projection.bloom(source).to_bytes()))
+                Some((bloom_object_name(subcluster), projection.bloom(source).to_bytes()))
             })
             .collect()
     };
@@ -124,7 +123,7 @@ pub(crate) async fn publish_blooms(
         store
             .put(name.as_str(), &mut bytes.as_slice())
             .await
-            .map_err(GlobalMasterError::nats)?;
+            .map_err(GlobalMasterError::nats("storing a bloom filter"))?;
     }
     Ok(())
 }

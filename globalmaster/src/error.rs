@@ -1,54 +1,72 @@
-//! The global master's error type, with a [`GlobalMasterErrorKind`] to match on.
+//! The global master's error type, with a [`GlobalMasterErrorKind`] to match on and
+//! the underlying error kept as the source.
+
+/// The underlying error of a [`GlobalMasterError`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A global-master failure.
 #[derive(Debug, thiserror::Error)]
-#[error("{kind}")]
+#[error("{kind}: {what}")]
 pub struct GlobalMasterError {
     kind: GlobalMasterErrorKind,
+    what: String,
+    #[source]
+    source: Option<BoxError>,
 }
 
 /// What went wrong.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum GlobalMasterErrorKind {
     /// The configuration is invalid.
-    #[error("configuration: {0}")]
-    Config(String),
+    #[error("configuration")]
+    Config,
     /// NATS or JetStream failed (subscribing, buckets, object store).
-    #[error("nats: {0}")]
-    Nats(String),
+    #[error("nats")]
+    Nats,
     /// The registry failed.
-    #[error("registry: {0}")]
-    Registry(String),
+    #[error("registry")]
+    Registry,
     /// A checkpoint could not be encoded.
-    #[error("checkpoint: {0}")]
-    Checkpoint(String),
+    #[error("checkpoint")]
+    Checkpoint,
     /// Binding the metrics port failed.
-    #[error("metrics listener: {0}")]
-    Metrics(String),
+    #[error("metrics listener")]
+    Metrics,
 }
 
 impl GlobalMasterError {
-    /// An error of `kind`.
-    pub fn new(kind: GlobalMasterErrorKind) -> Self {
-        Self { kind }
+    /// An error of `kind` while doing `what`, caused by `source`.
+    pub fn caused(
+        kind: GlobalMasterErrorKind,
+        what: impl Into<String>,
+        source: impl Into<BoxError>,
+    ) -> Self {
+        Self {
+            kind,
+            what: what.into(),
+            source: Some(source.into()),
+        }
     }
 
     /// What went wrong.
-    pub fn kind(&self) -> &GlobalMasterErrorKind {
-        &self.kind
+    pub fn kind(&self) -> GlobalMasterErrorKind {
+        self.kind
     }
 
-    pub(crate) fn config(reason: impl Into<String>) -> Self {
-        Self::new(GlobalMasterErrorKind::Config(reason.into()))
+    pub(crate) fn config(what: impl Into<String>, source: impl Into<BoxError>) -> Self {
+        Self::caused(GlobalMasterErrorKind::Config, what, source)
     }
 
-    pub(crate) fn nats(cause: impl std::fmt::Display) -> Self {
-        Self::new(GlobalMasterErrorKind::Nats(cause.to_string()))
+    /// A NATS failure while doing `what`.
+    pub(crate) fn nats<E: std::error::Error + Send + Sync + 'static>(
+        what: &'static str,
+    ) -> impl FnOnce(E) -> Self {
+        move |source| Self::caused(GlobalMasterErrorKind::Nats, what, source)
     }
 }
 
 impl From<hkvm_events::registry::RegistryError> for GlobalMasterError {
     fn from(error: hkvm_events::registry::RegistryError) -> Self {
-        Self::new(GlobalMasterErrorKind::Registry(error.to_string()))
+        Self::caused(GlobalMasterErrorKind::Registry, "the registry", error)
     }
 }

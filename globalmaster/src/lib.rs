@@ -9,7 +9,6 @@
 //! resolves; [`GlobalMaster::start`] gives a handle (tests, `hkvm local`).
 
 pub mod checkpoints;
-pub mod client;
 mod config;
 mod error;
 mod follower;
@@ -25,9 +24,9 @@ use std::sync::Arc;
 
 use async_nats::jetstream;
 use hkvm_events::rpc::global::GlobalStatusReply;
+use hkvm_events::subject::Bucket;
 use hkvm_projector::Projection;
 
-pub use client::GlobalClient;
 pub use config::GlobalMasterConfig;
 pub use error::{GlobalMasterError, GlobalMasterErrorKind};
 pub use rpc::QUEUE_GROUP;
@@ -62,7 +61,7 @@ impl GlobalMaster {
         let mut projection = Projection::new();
         if config.restore_checkpoint {
             let store =
-                checkpoints::object_store(&js, &config.cluster, checkpoints::CHECKPOINT_PURPOSE)
+                checkpoints::object_store(&js, &config.cluster, Bucket::Checkpoints)
                     .await?;
             if let Some((name, restored)) = checkpoints::load_newest(&store).await? {
                 tracing::info!(
@@ -86,7 +85,7 @@ impl GlobalMaster {
                 hkvm_telemetry::MetricsServer::start(addr, shared.metrics.registry())
                     .await
                     .map_err(|e| {
-                        GlobalMasterError::new(GlobalMasterErrorKind::Metrics(e.to_string()))
+                        GlobalMasterError::caused(GlobalMasterErrorKind::Metrics, format!("binding {addr}"), e)
                     })?,
             ),
             None => None,
@@ -149,7 +148,7 @@ impl GlobalMaster {
         let store = checkpoints::object_store(
             &self.js,
             &self.shared.config.cluster,
-            checkpoints::CHECKPOINT_PURPOSE,
+            Bucket::Checkpoints,
         )
         .await?;
         checkpoints::write(&self.shared, &store).await

@@ -14,9 +14,10 @@ use hkvm_events::rpc::global::{
     GlobalOp, GlobalStatusReply, LabelFilter, Locate, LocateReply, PrefixHit, PrefixHitReply,
     ProxyGetReplicaList, ProxyGetReplicaListReply,
 };
-use hkvm_events::rpc::submaster::{GetReplicaList, GetReplicaListReply, ItemError, ItemResult, Op};
+use hkvm_client::{ClientError, RetryPolicy, RpcCaller, SubmasterClient};
+use hkvm_events::rpc::submaster::{GetReplicaListReply, ItemError, ItemResult};
 use hkvm_events::rpc::{decode, encode, RpcError, RpcErrorCode, RpcReply};
-use hkvm_events::subject::{global_rpc_subject, submaster_rpc_subject};
+use hkvm_events::subject::global_rpc_subject;
 use hkvm_events::SubclusterId;
 use serde::Serialize;
 
@@ -37,7 +38,7 @@ pub(crate) async fn serve(
     let mut requests = client
         .queue_subscribe(subject, QUEUE_GROUP.to_owned())
         .await
-        .map_err(GlobalMasterError::nats)?;
+        .map_err(GlobalMasterError::nats("subscribing to queries"))?;
     Ok(tokio::spawn(async move {
         while let Some(message) = requests.next().await {
             let shared = Arc::clone(&shared);
@@ -57,24 +58,10 @@ async fn handle(shared: Arc<Shared>, client: async_nats::Client, message: Messag
     };
     let started = Instant::now();
     let name = message.subject.rsplit('.').next().unwrap_or_default();
-    let op = GlobalOp::from_name(name);
-    let label = op_label(op.map_or("unknown", GlobalOp::name));
-    let body = match op {
-        None => reply_bytes::<()>(Err(RpcError::invalid(format!("unknown operation {name}")))),
-        Some(op) if op != GlobalOp::Status && shared.is_replaying() => {
-            shared.metrics.busy.get_or_create(&label).inc();
-            reply_bytes::<()>(Err(RpcError::busy(
-                shared.config.busy_retry_ms,
-                "replaying the event streams",
-            )))
-        }
-        Some(GlobalOp::BatchIsExist) => reply_bytes(batch_is_exist(&shared, &message.payload)),
-        Some(GlobalOp::PrefixHit) => reply_bytes(prefix_hit(&shared, &message.payload)),
-        Some(GlobalOp::Locate) => reply_bytes(locate(&shared, &message.payload)),
-        Some(GlobalOp::Status) => reply_bytes(Ok::<_, RpcError>(status(&shared))),
-        Some(GlobalOp::GetReplicaList) => {
-            reply_bytes(proxy(&shared, &client, &message.payload).await)
-        }
+    let label = op_label(GlobalOp::from_name(name).map_or("unknown", GlobalOp::name));
+    let body = match answer_locally(&shared, name, &message.payload) {
+        Some(body) => body,
+        None => reply_bytes(proxy(&shared, &client, &message.payload).await),
     };
     if let Err(error) = client.publish(reply_to, body.into()).await {
         tracing::debug!(%error, "replying");
@@ -84,6 +71,29 @@ async fn handle(shared: Arc<Shared>, client: async_nats::Client, message: Messag
         .query_seconds
         .get_or_create(&label)
         .observe(started.elapsed().as_secs_f64());
+}
+
+/// The encoded reply to operation `name`, when the projection answers it alone;
+/// `None` for the proxied `get_replica_list`, which asks a sub-master.
+fn answer_locally(shared: &Shared, name: &str, payload: &[u8]) -> Option<Vec<u8>> {
+    let op = GlobalOp::from_name(name);
+    let body = match op {
+        None => reply_bytes::<()>(Err(RpcError::invalid(format!("unknown operation {name}")))),
+        Some(op) if op != GlobalOp::Status && shared.is_replaying() => {
+            let label = op_label(op.name());
+            shared.metrics.busy.get_or_create(&label).inc();
+            reply_bytes::<()>(Err(RpcError::busy(
+                shared.config.busy_retry_ms,
+                "replaying the event streams",
+            )))
+        }
+        Some(GlobalOp::BatchIsExist) => reply_bytes(batch_is_exist(shared, payload)),
+        Some(GlobalOp::PrefixHit) => reply_bytes(prefix_hit(shared, payload)),
+        Some(GlobalOp::Locate) => reply_bytes(locate(shared, payload)),
+        Some(GlobalOp::Status) => reply_bytes(Ok::<_, RpcError>(status(shared))),
+        Some(GlobalOp::GetReplicaList) => return None,
+    };
+    Some(body)
 }
 
 /// A `BatchIsExist` request decoded without copying its keys.
@@ -194,23 +204,30 @@ async fn proxy(
     let mut items: GetReplicaListReply = (0..request.keys.len())
         .map(|_| ItemResult::Err(ItemError::NotFound))
         .collect();
+    // The proxy asks through the client library's retry policy, bounded by the
+    // proxy timeout: a sub-master in a takeover is waited for, briefly.
     let timeout = Duration::from_millis(shared.config.proxy_timeout_ms.max(1));
+    let caller = RpcCaller::new(
+        client.clone(),
+        RetryPolicy {
+            request_timeout: timeout,
+            retry_deadline: timeout,
+            ..RetryPolicy::default()
+        },
+    );
     let retry_ms = shared.config.busy_retry_ms;
     let asks = groups.into_iter().map(|(subcluster, indexes)| {
         let keys: Vec<String> = indexes.iter().map(|&i| request.keys[i].clone()).collect();
-        let subject = submaster_rpc_subject(
-            &shared.config.cluster,
-            &subcluster,
-            Op::GetReplicaList.name(),
+        let submaster = SubmasterClient::with_caller(
+            caller.clone(),
+            shared.config.cluster.clone(),
+            subcluster.clone(),
         );
         async move {
-            let payload = encode(&GetReplicaList { keys })?;
-            let answer = tokio::time::timeout(timeout, client.request(subject, payload.into()))
+            let reply = submaster
+                .get_replica_list(keys)
                 .await
-                .map_err(|_| unanswered(retry_ms, &subcluster, "timed out"))?
-                .map_err(|e| unanswered(retry_ms, &subcluster, &e.to_string()))?;
-            let reply: RpcReply<GetReplicaListReply> = decode(&answer.payload)?;
-            let reply = reply.into_result()?;
+                .map_err(|error| proxy_failure(retry_ms, &subcluster, error))?;
             if reply.len() != indexes.len() {
                 return Err(RpcError::new(
                     RpcErrorCode::Internal,
@@ -241,56 +258,72 @@ async fn proxy(
     })
 }
 
-fn unanswered(retry_ms: u64, subcluster: &SubclusterId, why: &str) -> RpcError {
-    RpcError::busy(
-        retry_ms,
-        format!("sub-master of {subcluster} did not answer: {why}"),
-    )
+/// What the proxy answers when a sub-master call failed: the sub-master's own
+/// refusal as it is, `Busy` when it was unavailable (the caller retries).
+fn proxy_failure(retry_ms: u64, subcluster: &SubclusterId, error: ClientError) -> RpcError {
+    match error {
+        ClientError::Rpc { source, .. } => source,
+        error => RpcError::busy(
+            retry_ms,
+            format!("sub-master of {subcluster} did not answer: {error}"),
+        ),
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalStatus};
+    use hkvm_events::rpc::global::{BatchIsExist, GlobalStatus};
     use hkvm_projector::Projection;
 
     use super::*;
-    use crate::{GlobalClient, GlobalMasterConfig};
+    use crate::GlobalMasterConfig;
 
-    #[tokio::test]
-    async fn a_replaying_replica_answers_busy_except_status() {
-        let server = hkvm_testkit::NatsServer::start().await.unwrap();
-        let client = server.connect().await.unwrap();
+    fn ask<Rep: serde::de::DeserializeOwned>(
+        shared: &Shared,
+        op: GlobalOp,
+        request: &impl Serialize,
+    ) -> RpcReply<Rep> {
+        let body = encode(request).unwrap();
+        let reply = answer_locally(shared, op.name(), &body).unwrap();
+        decode(&reply).unwrap()
+    }
+
+    #[test]
+    fn a_replaying_replica_answers_busy_except_status() {
         let config = GlobalMasterConfig {
             busy_retry_ms: 321,
             ..GlobalMasterConfig::default()
         };
-        let cluster = config.cluster.clone();
-        let shared = Arc::new(Shared::new(config, Projection::new()));
+        let shared = Shared::new(config, Projection::new());
         assert!(shared.is_replaying());
-        let task = serve(Arc::clone(&shared), client.clone()).await.unwrap();
-        client.flush().await.unwrap();
-        let global = GlobalClient::new(client, cluster);
-        let busy = global
-            .call_once::<_, BatchIsExistReply>(
-                GlobalOp::BatchIsExist,
-                &BatchIsExist {
-                    keys: vec!["k".into()],
-                    labels: None,
-                },
-            )
-            .await
-            .unwrap_err();
+        let request = BatchIsExist {
+            keys: vec!["k".into()],
+            labels: None,
+        };
+        let busy: RpcReply<hkvm_events::rpc::global::BatchIsExistReply> =
+            ask(&shared, GlobalOp::BatchIsExist, &request);
+        let RpcReply::Err(error) = busy else {
+            panic!("a replaying replica answered {busy:?}");
+        };
         assert_eq!(
-            busy.code,
+            error.code,
             RpcErrorCode::Busy {
                 retry_after_ms: 321
             }
         );
-        let status: GlobalStatusReply = global
-            .call_once(GlobalOp::Status, &GlobalStatus {})
-            .await
-            .unwrap();
-        assert!(status.replaying);
-        task.abort();
+        let status: RpcReply<GlobalStatusReply> = ask(&shared, GlobalOp::Status, &GlobalStatus {});
+        assert!(matches!(status, RpcReply::Ok(status) if status.replaying));
+    }
+
+    #[test]
+    fn an_unknown_operation_is_an_invalid_request() {
+        let shared = Shared::new(GlobalMasterConfig::default(), Projection::new());
+        let reply = answer_locally(&shared, "no_such_op", b"").unwrap();
+        let reply: RpcReply<()> = decode(&reply).unwrap();
+        assert!(
+            matches!(&reply, RpcReply::Err(e) if e.code == RpcErrorCode::InvalidRequest),
+            "{reply:?}"
+        );
+        assert!(answer_locally(&shared, GlobalOp::GetReplicaList.name(), b"").is_none());
     }
 }

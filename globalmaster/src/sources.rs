@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use futures::StreamExt as _;
+use hkvm_events::subject::Bucket;
 use hkvm_events::log::{EventLog, JetStreamLog};
 use hkvm_events::registry::{self, Registered, RegistryChange};
 use hkvm_events::subject::{event_subject, stream_name};
@@ -211,10 +212,10 @@ impl Sources {
 
         self.spawn_periodic(
             config.checkpoint_interval_ms,
-            checkpoints::CHECKPOINT_PURPOSE,
+            Bucket::Checkpoints,
         )
         .await?;
-        self.spawn_periodic(config.bloom_interval_ms, checkpoints::BLOOM_PURPOSE)
+        self.spawn_periodic(config.bloom_interval_ms, Bucket::Blooms)
             .await
     }
 
@@ -262,13 +263,13 @@ impl Sources {
     async fn spawn_periodic(
         self: &Arc<Self>,
         interval_ms: u64,
-        purpose: &'static str,
+        bucket: Bucket,
     ) -> Result<(), GlobalMasterError> {
         if interval_ms == 0 {
             return Ok(());
         }
         let store =
-            checkpoints::object_store(&self.js, &self.shared.config.cluster, purpose).await?;
+            checkpoints::object_store(&self.js, &self.shared.config.cluster, bucket).await?;
         let shared = Arc::clone(&self.shared);
         self.keep(tokio::spawn(async move {
             let mut ticks = tokio::time::interval(Duration::from_millis(interval_ms));
@@ -280,13 +281,13 @@ impl Sources {
                 if shared.is_replaying() {
                     continue;
                 }
-                let result = if purpose == checkpoints::BLOOM_PURPOSE {
+                let result = if bucket == Bucket::Blooms {
                     checkpoints::publish_blooms(&shared, &store).await
                 } else {
                     checkpoints::write(&shared, &store).await.map(|_| ())
                 };
                 if let Err(error) = result {
-                    tracing::warn!(%error, purpose, "periodic write failed");
+                    tracing::warn!(%error, bucket = bucket.purpose(), "periodic write failed");
                 }
             }
         }));

@@ -17,7 +17,9 @@ use crate::diff::Candidate;
 use crate::policy::Policy;
 use crate::progress::{InFlightRecord, Progress};
 use crate::shared::SubclusterInfo;
-use crate::wan::{fetch, Fetched, ReceiverSettings, SentReport, WanShape};
+use hkvm_events::rpc::interdc::{SentReport, WanShape};
+
+use crate::wan::{fetch, Fetched, ReceiverSettings};
 
 /// How a copy ended.
 #[derive(Debug, Clone)]

@@ -1,26 +1,19 @@
 //! Following both pools: a registry watcher per pool starts one stream follower per
 //! sub-master (on the source side only those the policy's labels allow) and keeps
-//! each sub-cluster's labels and fill current; a stream follower folds its
-//! sub-cluster's events into the shared [`Diff`](crate::diff::Diff) in bounded
-//! batches, and re-reads the stream from its start when it has a gap, was reset or
-//! purged past the position, or holds a message that does not decode (a message
-//! still undecodable after that is skipped, logged and counted). When the history
-//! before the stream's first sequence was purged, the sub-master's newest snapshot
-//! covering it seeds the slot.
+//! each sub-cluster's labels and fill current. Each stream is read by the shared
+//! follower of [`hkvm_events::follow`] (gaps, resets, re-created streams, purges,
+//! undecodable messages, seeding from a snapshot), folding into one slot of the
+//! shared [`Diff`](crate::diff::Diff) through [`DiffSlot`].
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
-use futures::StreamExt as _;
-use hkvm_events::log::{EventLog, JetStreamLog, LogEntry, LogError, LogErrorKind, ReadOptions};
+use hkvm_events::codec::Decoded;
+use hkvm_events::follow::{FoldTarget, FollowConfig, Follower, OutOfOrder, ResyncReason, Seed};
 use hkvm_events::registry::now_unix_ms;
 use hkvm_events::registry::{list, open_registry};
-use hkvm_events::subject::{event_subject, stream_name};
-use hkvm_events::{key_hash, ClusterId, Limits, SubclusterId};
-use hkvm_projector::decode;
-use hkvm_submaster::snapshot::SnapshotStore;
+use hkvm_events::{key_hash, ClusterId};
 
 use crate::diff::{Side, SourceBlock};
 use crate::metrics::label;
@@ -29,12 +22,6 @@ use crate::shared::{Shared, SubclusterInfo};
 
 /// How often the registry is listed.
 const REGISTRY_POLL: Duration = Duration::from_secs(1);
-/// Messages folded under one lock.
-const CHUNK: usize = 64;
-/// How long a read may be idle before the stream's bounds are checked again.
-const IDLE_CHECK: Duration = Duration::from_secs(1);
-/// Pause before reopening after a transient failure.
-const RETRY: Duration = Duration::from_millis(500);
 
 /// One pool as seen from the replicator.
 #[derive(Debug, Clone)]
@@ -47,6 +34,8 @@ pub(crate) struct Pool {
     pub js: jetstream::Context,
     /// The registry liveness TTL.
     pub registry_ttl: Duration,
+    /// How its streams are read.
+    pub follow: FollowConfig,
 }
 
 /// Lists the pool's registry once and starts followers for sub-masters not yet
@@ -101,12 +90,19 @@ pub(crate) async fn discover(shared: &Arc<Shared>, pool: &Pool) -> usize {
         if new {
             shared.catching_up().insert(slot);
             tracing::info!(side = pool.side.name(), subcluster = %info.subcluster, slot, "following");
-            let task = tokio::spawn(follow_stream(
-                Arc::clone(shared),
-                pool.clone(),
-                info.subcluster.clone(),
+            let target = DiffSlot {
+                shared: Arc::clone(shared),
+                side: pool.side,
                 slot,
-            ));
+            };
+            let follower = Follower::new(
+                pool.js.clone(),
+                pool.cluster.clone(),
+                info.subcluster.clone(),
+                target,
+                pool.follow,
+            );
+            let task = tokio::spawn(follower.run());
             shared.keep(task);
             started += 1;
         }
@@ -122,50 +118,14 @@ pub(crate) async fn watch_pool(shared: Arc<Shared>, pool: Pool) {
     }
 }
 
-/// Why a read loop ended.
-enum Outcome {
-    /// Start over from the current position (transient failure).
-    Reopen,
-    /// Forget the slot and re-read the stream from its start.
-    Resync(&'static str),
-}
-
-struct Follower {
+/// One slot of the diff (one sub-cluster of one pool) as a [`FoldTarget`].
+struct DiffSlot {
     shared: Arc<Shared>,
-    js: jetstream::Context,
-    cluster: ClusterId,
     side: Side,
-    subcluster: SubclusterId,
     slot: usize,
-    log: JetStreamLog,
-    known_corrupt: BTreeSet<u64>,
 }
 
-async fn follow_stream(shared: Arc<Shared>, pool: Pool, subcluster: SubclusterId, slot: usize) {
-    let log = JetStreamLog::new(
-        pool.js.clone(),
-        stream_name(&pool.cluster, &subcluster),
-        event_subject(&pool.cluster, &subcluster),
-    );
-    let mut follower = Follower {
-        shared,
-        js: pool.js.clone(),
-        cluster: pool.cluster.clone(),
-        side: pool.side,
-        subcluster,
-        slot,
-        log,
-        known_corrupt: BTreeSet::new(),
-    };
-    loop {
-        match follower.run_once().await {
-            Outcome::Reopen => tokio::time::sleep(RETRY).await,
-            Outcome::Resync(reason) => follower.resync(reason),
-        }
-    }
-}
-
-impl Follower {
+impl FoldTarget for DiffSlot {
     fn applied_seq(&self) -> u64 {
         self.shared
             .diff()
@@ -174,134 +134,22 @@ impl Follower {
             .map_or(0, |s| s.applied_seq)
     }
 
-    fn caught_up(&self) {
-        self.shared.catching_up().remove(&self.slot);
-    }
-
-    fn resync(&mut self, reason: &'static str) {
-        tracing::warn!(
-            side = self.side.name(),
-            subcluster = %self.subcluster,
-            reason,
-            "re-reading the sub-cluster's stream from its start"
-        );
-        if reason == "stream reset" {
-            self.known_corrupt.clear();
-        }
+    fn reset(&mut self, reason: ResyncReason) {
         self.shared.diff().reset_slot(self.slot);
-        self.shared
-            .metrics
-            .resyncs
-            .get_or_create(&label("side", self.side.name()))
-            .inc();
+        let mut labels = label("side", self.side.name());
+        labels.push(("reason".to_owned(), reason.as_str().to_owned()));
+        self.shared.metrics.resyncs.get_or_create(&labels).inc();
     }
 
-    async fn run_once(&mut self) -> Outcome {
-        let bounds = match self.log.bounds().await {
-            Ok(bounds) => bounds,
-            Err(error) if *error.kind() == LogErrorKind::StreamNotFound => {
-                // Registered but nothing appended yet: nothing to catch up with.
-                self.caught_up();
-                return Outcome::Reopen;
-            }
-            Err(error) => {
-                tracing::warn!(subcluster = %self.subcluster, %error, "reading stream bounds");
-                return Outcome::Reopen;
-            }
-        };
-        let mut applied = self.applied_seq();
-        if bounds.last_seq < applied {
-            return Outcome::Resync("stream reset");
-        }
-        if applied + 1 < bounds.first_seq {
-            if applied > 0 {
-                return Outcome::Resync("stream purged past the position");
-            }
-            if self.seed_from_snapshot(bounds.first_seq).await {
-                applied = self.applied_seq();
-            } else {
-                tracing::warn!(
-                    side = self.side.name(),
-                    subcluster = %self.subcluster,
-                    first_seq = bounds.first_seq,
-                    "the stream's history before its first sequence was purged and no \
-                     sub-master snapshot covers it: blocks stored before it are not known"
-                );
-            }
-        }
-        let target = bounds.last_seq;
-        if applied >= target {
-            self.caught_up();
-        }
-        let options = ReadOptions {
-            from_seq: (applied + 1).max(bounds.first_seq),
-            until_seq: None,
-            follow: true,
-            batch_messages: 1024,
-            batch_bytes: 8 << 20,
-        };
-        let entries = match self.log.read(options).await {
-            Ok(entries) => entries,
-            Err(error) => {
-                return match error.kind() {
-                    LogErrorKind::Truncated { .. } => Outcome::Resync("stream purged"),
-                    _ => {
-                        tracing::warn!(subcluster = %self.subcluster, %error, "opening a read");
-                        Outcome::Reopen
-                    }
-                };
-            }
-        };
-        let mut chunks = entries.ready_chunks(CHUNK);
-        loop {
-            match tokio::time::timeout(IDLE_CHECK, chunks.next()).await {
-                Ok(Some(chunk)) => {
-                    if let Some(outcome) = self.fold_chunk(chunk) {
-                        return outcome;
-                    }
-                    if self.applied_seq() >= target {
-                        self.caught_up();
-                    }
-                }
-                Ok(None) => return Outcome::Reopen,
-                Err(_) => match self.log.bounds().await {
-                    Ok(now) if now.last_seq >= self.applied_seq() => {}
-                    Ok(_) => return Outcome::Reopen,
-                    Err(error) if *error.kind() == LogErrorKind::StreamNotFound => {
-                        return Outcome::Reopen
-                    }
-                    Err(_) => {}
-                },
-            }
-        }
-    }
-
-    /// Seeds the slot from the sub-master's newest snapshot when it reaches the
-    /// stream's first sequence (the history before it was purged). The snapshot
-    /// has no commit times: its blocks are dated by the first message left in the
-    /// stream (they are at least that old). Returns whether it seeded.
-    async fn seed_from_snapshot(&self, first_seq: u64) -> bool {
-        let loaded = match SnapshotStore::open(&self.js, &self.cluster, &self.subcluster, 1).await {
-            Ok(store) => store.load_newest().await,
-            Err(error) => Err(error),
-        };
-        let state = match loaded {
-            Ok(Some(state)) if state.applied_seq + 1 >= first_seq => state,
-            Ok(_) => return false,
-            Err(error) => {
-                tracing::warn!(subcluster = %self.subcluster, %error, "loading a sub-master snapshot");
-                return false;
-            }
-        };
-        let dated = self
-            .first_message_unix_ms(first_seq)
-            .await
-            .unwrap_or_else(now_unix_ms);
-        let objects = state.objects().map(|(key, object)| {
+    /// The snapshot has no commit times: its blocks are dated by the first message
+    /// left in the stream (they are at least that old).
+    fn seed(&mut self, seed: Seed<'_>) {
+        let dated = seed.first_unix_ms.unwrap_or_else(now_unix_ms);
+        let objects = seed.snapshot.objects.iter().map(|object| {
             (
-                key_hash(key),
+                key_hash(&object.key),
                 SourceBlock {
-                    key: key.to_owned(),
+                    key: object.key.clone(),
                     size: object.size,
                     checksum: object.checksum,
                     committed_unix_ms: dated,
@@ -310,69 +158,23 @@ impl Follower {
         });
         self.shared
             .diff()
-            .seed_slot(self.slot, state.applied_seq, dated, objects);
-        tracing::info!(
-            side = self.side.name(),
-            subcluster = %self.subcluster,
-            covers_seq = state.applied_seq,
-            objects = state.object_count(),
-            "seeded from the sub-master's snapshot"
-        );
-        true
+            .seed_slot(self.slot, seed.snapshot.covers_seq, dated, objects);
     }
 
-    async fn first_message_unix_ms(&self, seq: u64) -> Option<u64> {
-        let options = ReadOptions {
-            from_seq: seq,
-            until_seq: Some(seq),
-            ..ReadOptions::default()
-        };
-        let mut entries = self.log.read(options).await.ok()?;
-        entries.next().await?.ok().map(|entry| entry.unix_ms)
-    }
-
-    fn fold_chunk(&mut self, chunk: Vec<Result<LogEntry, LogError>>) -> Option<Outcome> {
-        let limits = Limits::default();
+    fn apply(&mut self, messages: Vec<Decoded>) -> Result<(), OutOfOrder> {
         let mut events = 0u64;
-        for item in chunk {
-            let entry = match item {
-                Ok(entry) => entry,
-                Err(error) => {
-                    return Some(match error.kind() {
-                        LogErrorKind::Gap { .. } => Outcome::Resync("sequence gap"),
-                        LogErrorKind::Truncated { .. } => Outcome::Resync("stream purged"),
-                        LogErrorKind::StreamNotFound => Outcome::Resync("stream reset"),
-                        _ => {
-                            tracing::warn!(subcluster = %self.subcluster, %error, "read failed");
-                            Outcome::Reopen
-                        }
+        let mut result = Ok(());
+        {
+            let mut diff = self.shared.diff();
+            for message in &messages {
+                if let Err(error) = diff.apply_decoded(self.slot, message) {
+                    result = Err(OutOfOrder {
+                        expected: error.expected,
+                        found: error.found,
                     });
+                    break;
                 }
-            };
-            match decode(entry.seq, entry.unix_ms, &entry.payload, &limits) {
-                Ok(decoded) => {
-                    events += decoded.events.len() as u64;
-                    if let Err(error) = self.shared.diff().apply_decoded(self.slot, &decoded) {
-                        tracing::warn!(subcluster = %self.subcluster, %error, "out of order");
-                        return Some(Outcome::Resync("sequence gap"));
-                    }
-                }
-                Err(error) if self.known_corrupt.contains(&entry.seq) => {
-                    tracing::error!(
-                        side = self.side.name(),
-                        subcluster = %self.subcluster,
-                        %error,
-                        "message still undecodable after a re-read: skipping it"
-                    );
-                    self.shared
-                        .diff()
-                        .set_applied(self.slot, entry.seq, entry.unix_ms);
-                }
-                Err(error) => {
-                    tracing::warn!(subcluster = %self.subcluster, %error, "undecodable message");
-                    self.known_corrupt.insert(entry.seq);
-                    return Some(Outcome::Resync("undecodable message"));
-                }
+                events += message.events.len() as u64;
             }
         }
         self.shared
@@ -380,6 +182,17 @@ impl Follower {
             .events_applied
             .get_or_create(&label("side", self.side.name()))
             .inc_by(events);
-        None
+        result
+    }
+
+    fn skip(&mut self, seq: u64, unix_ms: u64) {
+        self.shared.diff().set_applied(self.slot, seq, unix_ms);
+        let mut labels = label("side", self.side.name());
+        labels.push(("reason".to_owned(), "corrupt message skipped".to_owned()));
+        self.shared.metrics.resyncs.get_or_create(&labels).inc();
+    }
+
+    fn caught_up(&mut self) {
+        self.shared.catching_up().remove(&self.slot);
     }
 }

@@ -30,7 +30,7 @@ pub mod status;
 pub mod wan;
 
 pub use address::ClusterAddress;
-pub use error::InterDcError;
+pub use error::{InterDcError, InterDcErrorKind};
 pub use master::{read_status, serve, InterDc, InterDcConfig};
 pub use policy::Policy;
 pub use status::InterDcStatus;

@@ -3,6 +3,7 @@
 //! newest blocks first, each paced to its share of the bandwidth cap, and write a
 //! status record every second.
 
+use hkvm_events::follow::FollowConfig;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -24,7 +25,8 @@ use crate::policy::Policy;
 use crate::progress::{CopiedRecord, InFlightRecord, Progress};
 use crate::shared::Shared;
 use crate::status::{InterDcStatus, StreamStatus};
-use crate::wan::{ReceiverSettings, WanShape};
+use crate::wan::ReceiverSettings;
+use hkvm_events::rpc::interdc::WanShape;
 
 /// Settings of an inter-DC master.
 #[derive(Debug, Clone)]
@@ -60,6 +62,8 @@ pub struct InterDcConfig {
     /// younger than this is given back at start (an older one expired already and
     /// the key may be someone else's put now).
     pub target_put_timeout: Duration,
+    /// How both pools' streams are read (batch sizes, resync bounds).
+    pub follow: FollowConfig,
 }
 
 impl InterDcConfig {
@@ -80,6 +84,7 @@ impl InterDcConfig {
             metrics_addr: None,
             status_interval: Duration::from_secs(1),
             target_put_timeout: Duration::from_secs(30),
+            follow: FollowConfig::default(),
         }
     }
 }
@@ -154,7 +159,10 @@ impl InterDc {
             Some(addr) => Some(
                 hkvm_telemetry::MetricsServer::start(addr, shared.metrics.registry())
                     .await
-                    .map_err(|e| InterDcError::Metrics(e.to_string()))?,
+                    .map_err(|e| InterDcError::Metrics {
+                        addr,
+                        source: e,
+                    })?,
             ),
             None => None,
         };
@@ -164,12 +172,14 @@ impl InterDc {
                 cluster: config.source.cluster.clone(),
                 js: jetstream::new(source_nats.clone()),
                 registry_ttl: config.registry_ttl,
+                follow: config.follow,
             },
             Pool {
                 side: Side::Target,
                 cluster: config.target.cluster.clone(),
                 js: target_js,
                 registry_ttl: config.registry_ttl,
+                follow: config.follow,
             },
         ];
         for pool in pools {

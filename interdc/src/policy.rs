@@ -110,9 +110,15 @@ impl Policy {
     /// [`InterDcError::Policy`] when the file cannot be read or is invalid.
     pub fn from_file(path: &Path) -> Result<Self, InterDcError> {
         let text = std::fs::read_to_string(path)
-            .map_err(|e| InterDcError::Policy(format!("{}: {e}", path.display())))?;
+            .map_err(|e| InterDcError::PolicyFile {
+                path: path.display().to_string(),
+                source: e.into(),
+            })?;
         let policy: Self = toml::from_str(&text)
-            .map_err(|e| InterDcError::Policy(format!("{}: {e}", path.display())))?;
+            .map_err(|e| InterDcError::PolicyFile {
+                path: path.display().to_string(),
+                source: e.into(),
+            })?;
         policy.validate()?;
         Ok(policy)
     }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt as _;
-use hkvm_events::subject::bucket_name;
+use hkvm_events::subject::interdc_progress_bucket;
 use hkvm_events::ClusterId;
 use serde::{Deserialize, Serialize};
 
@@ -45,10 +45,7 @@ pub struct Loaded {
 }
 
 fn parse_hash(key: &str, hex: &str) -> Result<u64, InterDcError> {
-    u64::from_str_radix(hex, 16).map_err(|e| InterDcError::Progress {
-        key: key.to_owned(),
-        reason: e.to_string(),
-    })
+    u64::from_str_radix(hex, 16).map_err(|e| InterDcError::progress(key.to_owned(), e))
 }
 
 /// What was copied (MessagePack, named fields).
@@ -66,7 +63,7 @@ pub struct CopiedRecord {
 
 /// The progress bucket name for copies from `source` into `target`.
 pub fn bucket(source: &ClusterId, target: &ClusterId) -> String {
-    bucket_name(target, &format!("interdc-{source}"))
+    interdc_progress_bucket(source, target)
 }
 
 /// The progress bucket.
@@ -151,10 +148,7 @@ impl Progress {
                     loaded.copied.push(parse_hash(&entry.key, hex)?);
                 } else if let Some(hex) = entry.key.strip_prefix(IN_FLIGHT_PREFIX) {
                     let record = rmp_serde::from_slice(&entry.value).map_err(|e| {
-                        InterDcError::Progress {
-                            key: entry.key.clone(),
-                            reason: e.to_string(),
-                        }
+                        InterDcError::progress(entry.key.clone(), e)
                     })?;
                     loaded
                         .in_flight
@@ -189,10 +183,7 @@ impl Progress {
         record: &T,
         what: &str,
     ) -> Result<(), InterDcError> {
-        let value = rmp_serde::to_vec_named(record).map_err(|e| InterDcError::Progress {
-            key: key.to_owned(),
-            reason: e.to_string(),
-        })?;
+        let value = rmp_serde::to_vec_named(record).map_err(|e| InterDcError::progress(key.to_owned(), e))?;
         self.store
             .put(entry, value.into())
             .await
@@ -243,10 +234,7 @@ impl Progress {
         };
         rmp_serde::from_slice(&bytes)
             .map(Some)
-            .map_err(|e| InterDcError::Progress {
-                key,
-                reason: e.to_string(),
-            })
+            .map_err(|e| InterDcError::progress(key, e))
     }
 
     /// Writes the status record.
@@ -254,10 +242,7 @@ impl Progress {
     /// # Errors
     /// [`InterDcError::Nats`] when the write fails.
     pub async fn write_status(&self, status: &InterDcStatus) -> Result<(), InterDcError> {
-        let value = serde_json::to_vec(status).map_err(|e| InterDcError::Progress {
-            key: STATUS_KEY.into(),
-            reason: e.to_string(),
-        })?;
+        let value = serde_json::to_vec(status).map_err(|e| InterDcError::progress(STATUS_KEY, e))?;
         self.store
             .put(STATUS_KEY, value.into())
             .await
@@ -281,9 +266,6 @@ impl Progress {
         };
         serde_json::from_slice(&bytes)
             .map(Some)
-            .map_err(|e| InterDcError::Progress {
-                key: STATUS_KEY.into(),
-                reason: e.to_string(),
-            })
+            .map_err(|e| InterDcError::progress(STATUS_KEY, e))
     }
 }

@@ -13,13 +13,15 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::StreamExt as _;
 use hkvm_client::KvError;
+use hkvm_events::rpc::interdc::{
+    FetchReply, FetchRequest, SentReport, WanShape, GATEWAY_QUEUE,
+};
 use hkvm_events::subject::interdc_fetch_subject;
 use hkvm_events::{value_checksum, ClusterId, SubclusterId};
 use hkvm_transfer::wan::{
     udp_endpoint, FecConfig, Impairment, ReceiveReport, SendReport, WanConfig, WanReceiver,
     WanSender,
 };
-use serde::{Deserialize, Serialize};
 use tokio::net::UdpSocket;
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
@@ -30,121 +32,43 @@ use crate::clients::PoolClients;
 use crate::diff::Candidate;
 use crate::error::InterDcError;
 
-/// The queue group every gateway of a cluster joins.
-pub const GATEWAY_QUEUE: &str = "hkvm-interdc-gateway";
-
-/// The stripe shape and pacing of one copy, chosen by the master.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WanShape {
-    /// Bytes per second on the wire for this copy.
-    pub rate_bytes_per_sec: u64,
-    /// Original shards per stripe.
-    pub data_shards: u16,
-    /// Recovery shards per stripe.
-    pub parity_shards: u16,
-    /// Bytes per shard.
-    pub shard_bytes: u32,
-    /// How long the sender waits for the answer to an end-of-round probe before
-    /// probing again, milliseconds (0: 600). A few round trips of the WAN: a lost
-    /// probe or acknowledgement costs this much.
-    #[serde(default)]
-    pub feedback_timeout_ms: u32,
-}
-
-/// The feedback timeout when none is given.
+/// The feedback timeout when a shape gives none.
 const DEFAULT_FEEDBACK_TIMEOUT: Duration = Duration::from_millis(600);
 
-impl WanShape {
-    /// The feedback timeout for a WAN round trip of `rtt`: three round trips and
-    /// some slack for the receiver, within 50 ms .. 2 s.
-    pub fn feedback_timeout_for(rtt: Duration) -> u32 {
-        let timeout = (rtt * 3 + Duration::from_millis(20))
-            .clamp(Duration::from_millis(50), Duration::from_secs(2));
-        u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX)
-    }
-
-    /// The transfer crate's configuration for this shape (both ends use it).
-    pub fn config(&self) -> WanConfig {
-        let rate = self.rate_bytes_per_sec.max(1);
-        WanConfig {
-            fec: FecConfig {
-                data_shards: usize::from(self.data_shards),
-                parity_shards: usize::from(self.parity_shards),
-                shard_bytes: self.shard_bytes as usize,
-            },
-            rate_bytes_per_sec: rate,
-            // 20 ms worth of the rate, within sane bounds: enough for the
-            // millisecond timer, small enough to stay near the cap.
-            burst_bytes: (rate / 50).clamp(16 * 1024, 1 << 20),
-            feedback_timeout: if self.feedback_timeout_ms == 0 {
-                DEFAULT_FEEDBACK_TIMEOUT
-            } else {
-                Duration::from_millis(u64::from(self.feedback_timeout_ms))
-            },
-            // Enough probes to ride out a few seconds of total loss at any timeout.
-            probes: (3_000 / self.feedback_timeout_ms.max(1)).clamp(8, 60),
-            max_rounds: 30,
-            idle_timeout: Duration::from_secs(20),
-            ..WanConfig::default()
-        }
+/// The transfer crate's configuration for a copy of `shape` (both ends use it).
+pub fn wan_config(shape: &WanShape) -> WanConfig {
+    let rate = shape.rate_bytes_per_sec.max(1);
+    WanConfig {
+        fec: FecConfig {
+            data_shards: usize::from(shape.data_shards),
+            parity_shards: usize::from(shape.parity_shards),
+            shard_bytes: shape.shard_bytes as usize,
+        },
+        rate_bytes_per_sec: rate,
+        // 20 ms worth of the rate, within sane bounds: enough for the millisecond
+        // timer, small enough to stay near the cap.
+        burst_bytes: (rate / 50).clamp(16 * 1024, 1 << 20),
+        feedback_timeout: if shape.feedback_timeout_ms == 0 {
+            DEFAULT_FEEDBACK_TIMEOUT
+        } else {
+            Duration::from_millis(u64::from(shape.feedback_timeout_ms))
+        },
+        // Enough probes to ride out a few seconds of total loss at any timeout.
+        probes: (3_000 / shape.feedback_timeout_ms.max(1)).clamp(8, 60),
+        max_rounds: 30,
+        idle_timeout: Duration::from_secs(20),
+        ..WanConfig::default()
     }
 }
 
-/// A fetch request (MessagePack, named fields).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FetchRequest {
-    /// The source sub-cluster holding the block.
-    pub subcluster: String,
-    /// The key.
-    pub key: String,
-    /// The checksum the master expects (from the source's events).
-    pub checksum: u64,
-    /// Where to send the packets (`host:port`, UDP).
-    pub reply_addr: String,
-    /// How to send them.
-    pub shape: WanShape,
-}
-
-/// What a gateway's send cost.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SentReport {
-    /// Payload bytes.
-    pub bytes: u64,
-    /// Bytes on the wire.
-    pub wire_bytes: u64,
-    /// Rounds.
-    pub rounds: u32,
-    /// Stripes sent again.
-    pub stripes_retransmitted: u64,
-}
-
-impl From<SendReport> for SentReport {
-    fn from(report: SendReport) -> Self {
-        Self {
-            bytes: report.bytes,
-            wire_bytes: report.wire_bytes,
-            rounds: report.rounds,
-            stripes_retransmitted: report.stripes_retransmitted,
-        }
+/// What a send cost, as the fetch reply carries it.
+fn sent_report(report: &SendReport) -> SentReport {
+    SentReport {
+        bytes: report.bytes,
+        wire_bytes: report.wire_bytes,
+        rounds: report.rounds,
+        stripes_retransmitted: report.stripes_retransmitted,
     }
-}
-
-/// A gateway's answer.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum FetchReply {
-    /// The block was sent and acknowledged by the receiver.
-    Sent(SentReport),
-    /// The source no longer holds the key (evicted or removed).
-    Gone,
-    /// The source holds a different value under the key now.
-    Changed {
-        /// Its checksum.
-        checksum: u64,
-    },
-    /// The request was malformed.
-    BadRequest(String),
-    /// Reading or sending failed.
-    Failed(String),
 }
 
 /// Settings of a gateway.
@@ -245,7 +169,7 @@ impl GatewayState {
             return FetchReply::Changed { checksum };
         }
         match self.send(&request, &fetched.value).await {
-            Ok(report) => FetchReply::Sent(report.into()),
+            Ok(report) => FetchReply::Sent(sent_report(&report)),
             Err(error) => FetchReply::Failed(error.to_string()),
         }
     }
@@ -253,22 +177,22 @@ impl GatewayState {
     async fn send(&self, request: &FetchRequest, value: &[u8]) -> Result<SendReport, InterDcError> {
         let peer = tokio::net::lookup_host(&request.reply_addr)
             .await
-            .map_err(|e| InterDcError::Wan(format!("resolving {}: {e}", request.reply_addr)))?
+            .map_err(|e| InterDcError::wan_caused(format!("resolving {}", request.reply_addr), e))?
             .next()
             .ok_or_else(|| {
-                InterDcError::Wan(format!("{} resolves to nothing", request.reply_addr))
+                InterDcError::wan(format!("{} resolves to nothing", request.reply_addr))
             })?;
         let socket = UdpSocket::bind(SocketAddr::new(self.config.bind_ip, 0))
             .await
-            .map_err(|e| InterDcError::Wan(format!("binding a UDP socket: {e}")))?;
+            .map_err(|e| InterDcError::wan_caused("binding a UDP socket", e))?;
         let (sink, source) = udp_endpoint(socket, Some(peer), per_copy(self.config.impairment))
-            .map_err(|e| InterDcError::Wan(e.to_string()))?;
-        let mut sender = WanSender::new(request.shape.config(), sink, source)
-            .map_err(|e| InterDcError::Wan(e.to_string()))?;
+            .map_err(|e| InterDcError::wan_caused("opening the UDP endpoint", e))?;
+        let mut sender = WanSender::new(wan_config(&request.shape), sink, source)
+            .map_err(|e| InterDcError::wan_caused("setting up the sender", e))?;
         sender
             .send(value)
             .await
-            .map_err(|e| InterDcError::Wan(e.to_string()))
+            .map_err(|e| InterDcError::wan_caused("sending", e))
     }
 }
 
@@ -318,15 +242,15 @@ pub async fn fetch(
     let size = candidate.block.size;
     let socket = UdpSocket::bind(SocketAddr::new(settings.bind_ip, 0))
         .await
-        .map_err(|e| InterDcError::Wan(format!("binding a UDP socket: {e}")))?;
+        .map_err(|e| InterDcError::wan_caused("binding a UDP socket", e))?;
     let port = socket
         .local_addr()
-        .map_err(|e| InterDcError::Wan(e.to_string()))?
+        .map_err(|e| InterDcError::wan_caused("reading the socket's address", e))?
         .port();
     let (sink, packets) = udp_endpoint(socket, None, settings.impairment)
-        .map_err(|e| InterDcError::Wan(e.to_string()))?;
-    let mut receiver = WanReceiver::new(shape.config(), packets, sink)
-        .map_err(|e| InterDcError::Wan(e.to_string()))?;
+        .map_err(|e| InterDcError::wan_caused("opening the UDP endpoint", e))?;
+    let mut receiver = WanReceiver::new(wan_config(&shape), packets, sink)
+        .map_err(|e| InterDcError::wan_caused("setting up the receiver", e))?;
     let receiving = tokio::spawn(async move { receiver.receive().await });
     let _abort_receiver = AbortOnDrop(receiving.abort_handle());
     let request = FetchRequest {
@@ -337,7 +261,7 @@ pub async fn fetch(
         shape,
     };
     let payload =
-        rmp_serde::to_vec_named(&request).map_err(|e| InterDcError::Wan(e.to_string()))?;
+        rmp_serde::to_vec_named(&request).map_err(|e| InterDcError::wan_caused("encoding the fetch request", e))?;
     // Room for the whole send at the paced rate (with recovery shards and a few
     // rounds) plus the LAN read on the far side.
     let expected =
@@ -352,27 +276,27 @@ pub async fn fetch(
         .await
         .map_err(|e| InterDcError::nats(format!("fetch request on {subject}"), e))?;
     let reply: FetchReply = rmp_serde::from_slice(&message.payload)
-        .map_err(|e| InterDcError::Wan(format!("undecodable fetch reply: {e}")))?;
+        .map_err(|e| InterDcError::wan_caused("undecodable fetch reply", e))?;
     let sent = match reply {
         FetchReply::Sent(sent) => sent,
         FetchReply::Gone => return Ok(Fetched::Gone),
         FetchReply::Changed { .. } => return Ok(Fetched::Changed),
         FetchReply::BadRequest(reason) | FetchReply::Failed(reason) => {
-            return Err(InterDcError::Wan(format!("gateway: {reason}")))
+            return Err(InterDcError::Gateway(reason))
         }
     };
     // The gateway answers after the receiver acknowledged, so the bytes are here
     // or about to be.
     let (value, received) = tokio::time::timeout(Duration::from_secs(10), receiving)
         .await
-        .map_err(|_| {
-            InterDcError::Wan("the receiver did not finish after the gateway's answer".into())
+        .map_err(|e| {
+            InterDcError::wan_caused("the receiver did not finish after the gateway's answer", e)
         })?
-        .map_err(|e| InterDcError::Wan(format!("receiver task: {e}")))?
-        .map_err(|e| InterDcError::Wan(e.to_string()))?;
+        .map_err(|e| InterDcError::wan_caused("receiver task", e))?
+        .map_err(|e| InterDcError::wan_caused("receiving", e))?;
     let got = value_checksum(&value);
     if got != checksum {
-        return Err(InterDcError::Wan(format!(
+        return Err(InterDcError::wan(format!(
             "{key}: received bytes have checksum {got:016x}, the source's is {checksum:016x}"
         )));
     }
@@ -409,98 +333,46 @@ mod tests {
 
     use super::*;
 
-    fn request() -> FetchRequest {
-        FetchRequest {
-            subcluster: "sc-0".into(),
-            key: "model/block-1".into(),
-            checksum: 42,
-            reply_addr: "10.0.0.1:40000".into(),
-            shape: WanShape {
-                rate_bytes_per_sec: 1_000_000,
-                data_shards: 64,
-                parity_shards: 16,
-                shard_bytes: 1024,
-                feedback_timeout_ms: 170,
-            },
-        }
-    }
-
-    #[test]
-    fn requests_and_replies_round_trip() {
-        let bytes = rmp_serde::to_vec_named(&request()).unwrap();
-        assert_eq!(
-            rmp_serde::from_slice::<FetchRequest>(&bytes).unwrap(),
-            request()
-        );
-        for reply in [
-            FetchReply::Sent(SentReport {
-                bytes: 1,
-                wire_bytes: 2,
-                rounds: 1,
-                stripes_retransmitted: 0,
-            }),
-            FetchReply::Gone,
-            FetchReply::Changed { checksum: 7 },
-            FetchReply::BadRequest("x".into()),
-            FetchReply::Failed("y".into()),
-        ] {
-            let bytes = rmp_serde::to_vec_named(&reply).unwrap();
-            assert_eq!(rmp_serde::from_slice::<FetchReply>(&bytes).unwrap(), reply);
+    fn shape() -> WanShape {
+        WanShape {
+            rate_bytes_per_sec: 1_000_000,
+            data_shards: 64,
+            parity_shards: 16,
+            shard_bytes: 1024,
+            feedback_timeout_ms: 170,
         }
     }
 
     #[test]
     fn the_shape_keeps_the_rate_and_a_usable_burst() {
-        let config = request().shape.config();
+        let config = wan_config(&shape());
         assert_eq!(config.rate_bytes_per_sec, 1_000_000);
         assert!(config.burst_bytes >= 16 * 1024);
         assert_eq!(config.feedback_timeout, Duration::from_millis(170));
-        assert_eq!(
-            WanShape::feedback_timeout_for(Duration::from_millis(50)),
-            170
-        );
-        assert_eq!(WanShape::feedback_timeout_for(Duration::ZERO), 50);
-        assert_eq!(
-            WanShape::feedback_timeout_for(Duration::from_secs(10)),
-            2000
-        );
         let unset = WanShape {
             feedback_timeout_ms: 0,
-            ..request().shape
+            ..shape()
         };
-        assert_eq!(unset.config().feedback_timeout, DEFAULT_FEEDBACK_TIMEOUT);
+        assert_eq!(wan_config(&unset).feedback_timeout, DEFAULT_FEEDBACK_TIMEOUT);
         let zero = WanShape {
             rate_bytes_per_sec: 0,
-            ..request().shape
+            ..shape()
         };
         assert_eq!(
-            zero.config().rate_bytes_per_sec,
+            wan_config(&zero).rate_bytes_per_sec,
             1,
             "a zero rate is not a division by zero"
         );
     }
 
     proptest! {
-        /// Whatever arrives on the fetch subject or as its reply decodes or is
-        /// refused with an error, never a panic.
+        /// Whatever is read back from the progress bucket decodes or is refused
+        /// with an error, never a panic.
         #[test]
-        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
-            let _ = rmp_serde::from_slice::<FetchRequest>(&bytes);
-            let _ = rmp_serde::from_slice::<FetchReply>(&bytes);
+        fn arbitrary_records_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
             let _ = rmp_serde::from_slice::<crate::progress::CopiedRecord>(&bytes);
             let _ = rmp_serde::from_slice::<crate::progress::InFlightRecord>(&bytes);
             let _ = serde_json::from_slice::<crate::status::InterDcStatus>(&bytes);
-        }
-
-        /// A valid request with some bytes flipped still never panics the decoder.
-        #[test]
-        fn mutated_requests_never_panic(flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8)) {
-            let mut bytes = rmp_serde::to_vec_named(&request()).unwrap();
-            for (at, value) in flips {
-                let len = bytes.len();
-                bytes[at % len] = value;
-            }
-            let _ = rmp_serde::from_slice::<FetchRequest>(&bytes);
         }
     }
 }

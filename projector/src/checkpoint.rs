@@ -2,47 +2,20 @@
 //! as one self-checking blob. Restoring one and folding each source's messages
 //! after its recorded sequence gives the same projection as folding everything.
 //!
-//! Layout (little endian):
-//! ```text
-//! "HKVMPRJ1" | header length u32 | header (MessagePack map)
-//! | hashes u64 x ids | masks u32 x ids | free ids u32 x free
-//! | per source: bitmap length u32, roaring bitmap (portable format)
-//! | xxh3-64 of everything before
-//! ```
+//! The bytes are [`hkvm_events::checkpoint`]'s format; this module converts a
+//! projection to and from a [`Checkpoint`] and checks that a decoded index is
+//! consistent.
 
 use std::collections::BTreeMap;
 
-use roaring::RoaringBitmap;
-use serde::{Deserialize, Serialize};
-
-use hkvm_events::{NodeId, SegmentId, SubclusterId};
+use hkvm_events::checkpoint::{
+    Checkpoint, CheckpointError, CheckpointHeader, CheckpointSource, CheckpointView,
+};
+use hkvm_events::SubclusterId;
 
 use crate::error::ProjectorError;
 use crate::index::KeyIndex;
 use crate::projection::{Projection, SourceState};
-
-const MAGIC: &[u8; 8] = b"HKVMPRJ1";
-
-/// One source in a checkpoint header.
-#[derive(Debug, Serialize, Deserialize)]
-struct SourceRecord {
-    subcluster: Option<SubclusterId>,
-    stream: String,
-    applied_seq: u64,
-    applied_unix_ms: u64,
-    #[serde(default)]
-    stream_epoch: u64,
-    segments: Vec<(SegmentId, NodeId, u64)>,
-    snapshot: Option<(u64, String)>,
-}
-
-/// The checkpoint header: what the blob covers and the array lengths.
-#[derive(Debug, Serialize, Deserialize)]
-struct Header {
-    sources: Vec<SourceRecord>,
-    ids: u64,
-    free: u64,
-}
 
 /// Where a checkpoint stands, without decoding its index.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,10 +24,78 @@ pub struct CheckpointStamp {
     pub sources: Vec<(Option<SubclusterId>, u64)>,
 }
 
-fn put_u32(out: &mut Vec<u8>, value: usize) -> Result<(), ProjectorError> {
-    let value = u32::try_from(value).map_err(|_| ProjectorError::checkpoint("section too big"))?;
-    out.extend_from_slice(&value.to_le_bytes());
-    Ok(())
+fn source_record(state: &SourceState) -> CheckpointSource {
+    CheckpointSource {
+        subcluster: state.subcluster.clone(),
+        stream: state.stream.clone(),
+        applied_seq: state.applied_seq,
+        applied_unix_ms: state.applied_unix_ms,
+        stream_epoch: state.stream_epoch,
+        segments: state
+            .segments
+            .iter()
+            .map(|(segment, (node, size))| (segment.clone(), node.clone(), *size))
+            .collect(),
+        snapshot: state.snapshot.clone(),
+    }
+}
+
+fn source_state(record: CheckpointSource) -> SourceState {
+    SourceState {
+        subcluster: record.subcluster,
+        stream: record.stream,
+        applied_seq: record.applied_seq,
+        applied_unix_ms: record.applied_unix_ms,
+        stream_epoch: record.stream_epoch,
+        segments: record
+            .segments
+            .into_iter()
+            .map(|(segment, node, size)| (segment, (node, size)))
+            .collect::<BTreeMap<_, _>>(),
+        snapshot: record.snapshot,
+        events_applied: 0,
+        events_skipped: 0,
+    }
+}
+
+/// The checkpoint of `projection`, as plain data (copies the index arrays; to
+/// write one, [`encode`] does without the copy).
+pub fn to_checkpoint(projection: &Projection) -> Checkpoint {
+    let (hashes, masks, free, bitmaps) = projection.index.parts();
+    let sources: Vec<CheckpointSource> = projection.sources.iter().map(source_record).collect();
+    let mut bitmaps = bitmaps[..bitmaps.len().min(sources.len())].to_vec();
+    bitmaps.resize_with(sources.len(), Default::default);
+    Checkpoint {
+        sources,
+        hashes: hashes.to_vec(),
+        masks: masks.to_vec(),
+        free: free.to_vec(),
+        bitmaps,
+    }
+}
+
+/// Restores a projection from a decoded checkpoint.
+///
+/// # Errors
+/// [`crate::ProjectorErrorKind::BadCheckpoint`] (with
+/// [`CheckpointError::Malformed`]) when the index parts are inconsistent: lengths
+/// differ, an id is out of range, a hash appears twice or a bitmap holds ids its
+/// mask bit lacks.
+pub fn from_checkpoint(checkpoint: Checkpoint) -> Result<Projection, ProjectorError> {
+    let Checkpoint {
+        sources,
+        hashes,
+        masks,
+        free,
+        bitmaps,
+    } = checkpoint;
+    let index =
+        KeyIndex::from_parts(hashes, masks, free, bitmaps).map_err(CheckpointError::Malformed)?;
+    Ok(Projection {
+        sources: sources.into_iter().map(source_state).collect(),
+        index,
+        limits: hkvm_events::Limits::default(),
+    })
 }
 
 /// Encodes `projection` as a checkpoint.
@@ -63,120 +104,17 @@ fn put_u32(out: &mut Vec<u8>, value: usize) -> Result<(), ProjectorError> {
 /// [`crate::ProjectorErrorKind::BadCheckpoint`] if a section exceeds 4 GiB.
 pub fn encode(projection: &Projection) -> Result<Vec<u8>, ProjectorError> {
     let (hashes, masks, free, bitmaps) = projection.index.parts();
-    let header = Header {
-        sources: projection
-            .sources
-            .iter()
-            .map(|s| SourceRecord {
-                subcluster: s.subcluster.clone(),
-                stream: s.stream.clone(),
-                applied_seq: s.applied_seq,
-                applied_unix_ms: s.applied_unix_ms,
-                stream_epoch: s.stream_epoch,
-                segments: s
-                    .segments
-                    .iter()
-                    .map(|(segment, (node, size))| (segment.clone(), node.clone(), *size))
-                    .collect(),
-                snapshot: s.snapshot.clone(),
-            })
-            .collect(),
-        ids: hashes.len() as u64,
-        free: free.len() as u64,
+    let sources: Vec<CheckpointSource> = projection.sources.iter().map(source_record).collect();
+    // One bitmap per source: sources without one are written empty.
+    let bitmaps = &bitmaps[..bitmaps.len().min(sources.len())];
+    let view = CheckpointView {
+        sources: &sources,
+        hashes,
+        masks,
+        free,
+        bitmaps,
     };
-    let header = rmp_serde::to_vec_named(&header)
-        .map_err(|e| ProjectorError::checkpoint(format!("header: {e}")))?;
-    let bitmap_bytes: usize = bitmaps.iter().map(|b| b.serialized_size() + 4).sum();
-    let mut out =
-        Vec::with_capacity(24 + header.len() + hashes.len() * 12 + free.len() * 4 + bitmap_bytes);
-    out.extend_from_slice(MAGIC);
-    put_u32(&mut out, header.len())?;
-    out.extend_from_slice(&header);
-    for hash in hashes {
-        out.extend_from_slice(&hash.to_le_bytes());
-    }
-    for mask in masks {
-        out.extend_from_slice(&mask.to_le_bytes());
-    }
-    for id in free {
-        out.extend_from_slice(&id.to_le_bytes());
-    }
-    for source in 0..projection.sources.len() {
-        let empty = RoaringBitmap::new();
-        let bitmap = bitmaps.get(source).unwrap_or(&empty);
-        put_u32(&mut out, bitmap.serialized_size())?;
-        bitmap
-            .serialize_into(&mut out)
-            .map_err(|e| ProjectorError::checkpoint(format!("bitmap: {e}")))?;
-    }
-    let sum = xxhash_rust::xxh3::xxh3_64(&out);
-    out.extend_from_slice(&sum.to_le_bytes());
-    Ok(out)
-}
-
-/// A cursor over checkpoint bytes that fails cleanly when they run out.
-struct Reader<'a> {
-    rest: &'a [u8],
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, len: usize) -> Result<&'a [u8], ProjectorError> {
-        if len > self.rest.len() {
-            return Err(ProjectorError::checkpoint("truncated"));
-        }
-        let (head, rest) = self.rest.split_at(len);
-        self.rest = rest;
-        Ok(head)
-    }
-
-    fn u32(&mut self) -> Result<u32, ProjectorError> {
-        let bytes = self.take(4)?;
-        Ok(u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]))
-    }
-
-    fn array<const N: usize, T>(
-        &mut self,
-        count: u64,
-        convert: fn([u8; N]) -> T,
-    ) -> Result<Vec<T>, ProjectorError> {
-        let count = usize::try_from(count).map_err(|_| ProjectorError::checkpoint("too big"))?;
-        let bytes = self.take(
-            count
-                .checked_mul(N)
-                .ok_or_else(|| ProjectorError::checkpoint("too big"))?,
-        )?;
-        Ok(bytes
-            .chunks_exact(N)
-            .map(|chunk| {
-                let mut word = [0u8; N];
-                word.copy_from_slice(chunk);
-                convert(word)
-            })
-            .collect())
-    }
-}
-
-/// Checks the checksum and magic; returns the body (without the checksum) and the
-/// decoded header, positioned after the header.
-fn open(bytes: &[u8]) -> Result<(Header, Reader<'_>), ProjectorError> {
-    let body_len = bytes
-        .len()
-        .checked_sub(8)
-        .ok_or_else(|| ProjectorError::checkpoint("too short"))?;
-    let (body, sum) = bytes.split_at(body_len);
-    let mut sum_bytes = [0u8; 8];
-    sum_bytes.copy_from_slice(sum);
-    if xxhash_rust::xxh3::xxh3_64(body) != u64::from_le_bytes(sum_bytes) {
-        return Err(ProjectorError::checkpoint("checksum mismatch"));
-    }
-    let mut reader = Reader { rest: body };
-    if reader.take(MAGIC.len())? != MAGIC {
-        return Err(ProjectorError::checkpoint("not a projection checkpoint"));
-    }
-    let header_len = reader.u32()? as usize;
-    let header: Header = rmp_serde::from_slice(reader.take(header_len)?)
-        .map_err(|e| ProjectorError::checkpoint(format!("header: {e}")))?;
-    Ok((header, reader))
+    Ok(view.encode()?)
 }
 
 /// The sources and sequences a checkpoint covers (checks the checksum).
@@ -185,7 +123,7 @@ fn open(bytes: &[u8]) -> Result<(Header, Reader<'_>), ProjectorError> {
 /// [`crate::ProjectorErrorKind::BadCheckpoint`] when the bytes are not a valid
 /// checkpoint.
 pub fn stamp(bytes: &[u8]) -> Result<CheckpointStamp, ProjectorError> {
-    let (header, _) = open(bytes)?;
+    let header = CheckpointHeader::read(bytes)?;
     Ok(CheckpointStamp {
         sources: header
             .sources
@@ -201,44 +139,84 @@ pub fn stamp(bytes: &[u8]) -> Result<CheckpointStamp, ProjectorError> {
 /// [`crate::ProjectorErrorKind::BadCheckpoint`] when the bytes are truncated,
 /// corrupt or inconsistent; never panics on bad input.
 pub fn decode(bytes: &[u8]) -> Result<Projection, ProjectorError> {
-    let (header, mut reader) = open(bytes)?;
-    let hashes = reader.array(header.ids, u64::from_le_bytes)?;
-    let masks = reader.array(header.ids, u32::from_le_bytes)?;
-    let free = reader.array(header.free, u32::from_le_bytes)?;
-    let mut bitmaps = Vec::with_capacity(header.sources.len());
-    for _ in 0..header.sources.len() {
-        let len = reader.u32()? as usize;
-        let bitmap = RoaringBitmap::deserialize_from(reader.take(len)?)
-            .map_err(|e| ProjectorError::checkpoint(format!("bitmap: {e}")))?;
-        bitmaps.push(bitmap);
+    from_checkpoint(Checkpoint::decode(bytes)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use hkvm_events::checkpoint::CheckpointErrorKind;
+    use hkvm_events::{NodeId, SegmentId};
+
+    use super::*;
+    use crate::ProjectorErrorKind;
+
+    fn projection() -> Projection {
+        let mut projection = Projection::new();
+        let a = projection.source_index(&SubclusterId::new("sc-a").unwrap(), "A");
+        let b = projection.source_index(&SubclusterId::new("sc-b").unwrap(), "B");
+        projection.sources[a].segments.insert(
+            SegmentId::new("s1").unwrap(),
+            (NodeId::new("n1").unwrap(), 10),
+        );
+        projection.sources[b].applied_seq = 4;
+        projection.index.insert(a, 1);
+        projection.index.insert(b, 1);
+        projection.index.insert(b, 2);
+        projection.index.insert(a, 3);
+        projection.index.remove(a, 3);
+        projection
     }
-    if !reader.rest.is_empty() {
-        return Err(ProjectorError::checkpoint("trailing bytes"));
+
+    #[test]
+    fn encode_is_the_format_of_to_checkpoint() {
+        let projection = projection();
+        let checkpoint = to_checkpoint(&projection);
+        assert_eq!(encode(&projection).unwrap(), checkpoint.encode().unwrap());
+        let restored = from_checkpoint(checkpoint).unwrap();
+        assert_eq!(restored.content(), projection.content());
+        assert_eq!(restored.sources(), projection.sources());
     }
-    let index =
-        KeyIndex::from_parts(hashes, masks, free, bitmaps).map_err(ProjectorError::checkpoint)?;
-    let sources = header
-        .sources
-        .into_iter()
-        .map(|s| SourceState {
-            subcluster: s.subcluster,
-            stream: s.stream,
-            applied_seq: s.applied_seq,
-            applied_unix_ms: s.applied_unix_ms,
-            stream_epoch: s.stream_epoch,
-            segments: s
-                .segments
-                .into_iter()
-                .map(|(segment, node, size)| (segment, (node, size)))
-                .collect::<BTreeMap<_, _>>(),
-            snapshot: s.snapshot,
-            events_applied: 0,
-            events_skipped: 0,
-        })
-        .collect();
-    Ok(Projection {
-        sources,
-        index,
-        limits: hkvm_events::Limits::default(),
-    })
+
+    #[test]
+    fn sources_without_a_bitmap_get_an_empty_one() {
+        let mut projection = projection();
+        projection.source_index(&SubclusterId::new("sc-c").unwrap(), "C");
+        let checkpoint = Checkpoint::decode(&encode(&projection).unwrap()).unwrap();
+        assert_eq!(checkpoint.bitmaps.len(), 3);
+        assert!(checkpoint.bitmaps[2].is_empty());
+        assert_eq!(to_checkpoint(&projection), checkpoint);
+    }
+
+    #[test]
+    fn an_inconsistent_index_is_a_bad_checkpoint() {
+        let mut checkpoint = to_checkpoint(&projection());
+        // Source 1 claims an id whose mask lacks its bit.
+        checkpoint.bitmaps[1].insert(2);
+        let bytes = checkpoint.encode().unwrap();
+        let error = decode(&bytes).unwrap_err();
+        let ProjectorErrorKind::BadCheckpoint(inner) = error.kind() else {
+            panic!("{error}");
+        };
+        assert_eq!(inner.kind(), CheckpointErrorKind::Malformed);
+        let source = std::error::Error::source(&error).map(ToString::to_string);
+        assert_eq!(source, Some(inner.to_string()));
+    }
+
+    #[test]
+    fn format_errors_keep_their_kind() {
+        let bytes = encode(&projection()).unwrap();
+        let error = decode(&bytes[..bytes.len() - 1]).unwrap_err();
+        assert!(matches!(
+            error.kind(),
+            ProjectorErrorKind::BadCheckpoint(e) if e.kind() == CheckpointErrorKind::ChecksumMismatch
+        ));
+        let error = stamp(b"not a checkpoint at all").unwrap_err();
+        assert!(matches!(
+            error.kind(),
+            ProjectorErrorKind::BadCheckpoint(e) if e.kind() == CheckpointErrorKind::BadMagic
+        ));
+        let stamp = stamp(&bytes).unwrap();
+        assert_eq!(stamp.sources.len(), 2);
+        assert_eq!(stamp.sources[1].1, 4);
+    }
 }

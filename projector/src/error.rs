@@ -19,13 +19,8 @@ pub enum ProjectorErrorKind {
         found: u64,
     },
     /// A stream message whose envelope or event frames do not decode.
-    #[error("message {seq} does not decode: {reason}")]
-    Undecodable {
-        /// Its stream sequence.
-        seq: u64,
-        /// The decoder's complaint.
-        reason: String,
-    },
+    #[error(transparent)]
+    Undecodable(#[from] hkvm_events::codec::UndecodableMessage),
     /// A checkpoint that is truncated, corrupt (checksum) or inconsistent.
     #[error("invalid checkpoint: {0}")]
     BadCheckpoint(String),

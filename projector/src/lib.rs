@@ -14,4 +14,4 @@ mod table;
 
 pub use error::{ProjectorError, ProjectorErrorKind};
 pub use index::{Holders, KeyIndex};
-pub use projection::{decode, Applied, Decoded, Projection, SourceContent, SourceState};
+pub use projection::{Applied, Projection, SourceContent, SourceState};

@@ -5,7 +5,8 @@
 use std::collections::BTreeMap;
 
 use hkvm_events::rpc::global::BloomFilter;
-use hkvm_events::{decode_message, key_hash, KvEvent, Limits, NodeId, SegmentId, SubclusterId};
+use hkvm_events::codec::{decode_stored, Decoded};
+use hkvm_events::{key_hash, KvEvent, Limits, NodeId, SegmentId, SubclusterId};
 
 use crate::error::{ProjectorError, ProjectorErrorKind};
 use crate::index::KeyIndex;
@@ -53,54 +54,6 @@ pub struct Applied {
     pub events: usize,
     /// Events skipped (unknown kind or bad body; the rest of the message was used).
     pub skipped: usize,
-}
-
-/// A stream message decoded and validated, ready to fold. Decoding needs no
-/// access to the projection, so it can run outside its lock.
-#[derive(Debug, Clone)]
-pub struct Decoded {
-    /// The message's stream sequence.
-    pub seq: u64,
-    /// When it was stored, Unix milliseconds.
-    pub unix_ms: u64,
-    /// Its events.
-    pub events: Vec<KvEvent>,
-    /// Events skipped because they did not decode (unknown kinds, bad bodies).
-    pub skipped: usize,
-}
-
-/// Decodes the message stored at `seq`. Events that do not decode are skipped and
-/// counted; a message whose envelope or an event frame is broken is refused whole,
-/// so nothing of it is folded.
-///
-/// # Errors
-/// [`ProjectorErrorKind::Undecodable`] (the caller resynchronizes).
-pub fn decode(
-    seq: u64,
-    unix_ms: u64,
-    payload: &[u8],
-    limits: &Limits,
-) -> Result<Decoded, ProjectorError> {
-    let undecodable =
-        |reason: String| ProjectorError::new(ProjectorErrorKind::Undecodable { seq, reason });
-    let message = decode_message(payload, limits).map_err(|e| undecodable(e.to_string()))?;
-    let mut decoded = Decoded {
-        seq,
-        unix_ms,
-        events: Vec::with_capacity(message.events.remaining()),
-        skipped: 0,
-    };
-    for event in message.events {
-        match event {
-            Ok(event) => decoded.events.push(event),
-            Err(error) if error.is_skippable() => {
-                tracing::warn!(seq, %error, "skipping an event that does not decode");
-                decoded.skipped += 1;
-            }
-            Err(error) => return Err(undecodable(error.to_string())),
-        }
-    }
-    Ok(decoded)
 }
 
 /// The projection of every source.
@@ -195,10 +148,10 @@ impl Projection {
     }
 
     /// Decodes the message stored at `seq` of `source`'s stream and folds its
-    /// events: [`decode`] then [`Projection::apply_decoded`].
+    /// events: [`decode_stored`] then [`Projection::apply_decoded`].
     ///
     /// # Errors
-    /// As for [`decode`] and [`Projection::apply_decoded`].
+    /// [`ProjectorErrorKind::Undecodable`], or as for [`Projection::apply_decoded`].
     pub fn apply_message(
         &mut self,
         source: usize,
@@ -206,7 +159,8 @@ impl Projection {
         unix_ms: u64,
         payload: &[u8],
     ) -> Result<Applied, ProjectorError> {
-        let decoded = decode(seq, unix_ms, payload, &self.limits)?;
+        let decoded = decode_stored(seq, unix_ms, payload, &self.limits)
+            .map_err(|e| ProjectorError::new(ProjectorErrorKind::Undecodable(e)))?;
         self.apply_decoded(source, decoded)
     }
 

@@ -122,7 +122,7 @@ fn messages_must_come_in_order_and_decode() {
         .unwrap_err();
     assert!(matches!(
         garbage.kind(),
-        ProjectorErrorKind::Undecodable { seq: 2, .. }
+        ProjectorErrorKind::Undecodable(hkvm_events::codec::UndecodableMessage { seq: 2, .. })
     ));
     let mut truncated = message(&[put("t1"), put("t2")]);
     truncated.truncate(truncated.len() - 3);

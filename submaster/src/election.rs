@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
-use hkvm_events::subject::bucket_name;
+use hkvm_events::subject::Bucket;
 use hkvm_events::{ClusterId, ProducerId, SubclusterId};
 use serde::{Deserialize, Serialize};
 
@@ -29,8 +29,11 @@ pub struct LeaderLease {
     key: String,
 }
 
-fn lease_error(what: &str, error: impl std::fmt::Display) -> SubmasterError {
-    SubmasterError::new(SubmasterErrorKind::Lease, format!("{what}: {error}"))
+fn lease_error(
+    what: &str,
+    error: impl std::error::Error + Send + Sync + 'static,
+) -> SubmasterError {
+    SubmasterError::caused(SubmasterErrorKind::Lease, what, error)
 }
 
 impl LeaderLease {
@@ -46,7 +49,7 @@ impl LeaderLease {
         ttl: Duration,
         replicas: usize,
     ) -> Result<Self, SubmasterError> {
-        let bucket = bucket_name(cluster, "leader");
+        let bucket = Bucket::Leader.name(cluster);
         let store = match js.get_key_value(&bucket).await {
             Ok(store) => store,
             Err(_) => js

@@ -1,6 +1,11 @@
-//! Errors of the sub-master driver, with a [`SubmasterErrorKind`] to match on.
+//! Errors of the sub-master driver, with a [`SubmasterErrorKind`] to match on and
+//! the underlying error kept as the source.
 
 use hkvm_events::log::LogError;
+use hkvm_events::snapshot::SnapshotError;
+
+/// The underlying error of a [`SubmasterError`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A sub-master failure.
 #[derive(Debug, thiserror::Error)]
@@ -8,6 +13,8 @@ use hkvm_events::log::LogError;
 pub struct SubmasterError {
     kind: SubmasterErrorKind,
     message: String,
+    #[source]
+    source: Option<BoxError>,
 }
 
 /// What failed.
@@ -17,6 +24,8 @@ pub enum SubmasterErrorKind {
     Setup,
     /// The event log failed (stream vanished, append refused).
     Log,
+    /// Another writer appended: this sub-master is no longer the leader.
+    Fenced,
     /// The leader lease bucket failed.
     Lease,
     /// A snapshot could not be written or read.
@@ -26,11 +35,25 @@ pub enum SubmasterErrorKind {
 }
 
 impl SubmasterError {
-    /// An error of `kind`.
+    /// An error of `kind` without an underlying error.
     pub fn new(kind: SubmasterErrorKind, message: impl Into<String>) -> Self {
         Self {
             kind,
             message: message.into(),
+            source: None,
+        }
+    }
+
+    /// An error of `kind` while doing `what`, caused by `source`.
+    pub fn caused(
+        kind: SubmasterErrorKind,
+        what: impl Into<String>,
+        source: impl Into<BoxError>,
+    ) -> Self {
+        Self {
+            kind,
+            message: what.into(),
+            source: Some(source.into()),
         }
     }
 
@@ -42,6 +65,16 @@ impl SubmasterError {
 
 impl From<LogError> for SubmasterError {
     fn from(error: LogError) -> Self {
-        Self::new(SubmasterErrorKind::Log, error.to_string())
+        let kind = match error.kind() {
+            hkvm_events::log::LogErrorKind::Fenced { .. } => SubmasterErrorKind::Fenced,
+            _ => SubmasterErrorKind::Log,
+        };
+        Self::caused(kind, "event log", error)
+    }
+}
+
+impl From<SnapshotError> for SubmasterError {
+    fn from(error: SnapshotError) -> Self {
+        Self::caused(SubmasterErrorKind::Snapshot, "snapshot", error)
     }
 }

@@ -48,6 +48,26 @@ impl JetStreamLog {
         &self.subject
     }
 
+    /// The stream's bounds and its identity: its creation time (Unix ns), which
+    /// changes when the stream is deleted and created again under the same name.
+    ///
+    /// # Errors
+    /// [`LogErrorKind::StreamNotFound`] when the stream vanished, or a transport
+    /// error.
+    pub async fn bounds_and_epoch(&self) -> Result<(LogBounds, u64), LogError> {
+        let mut stream = self.get_stream().await?;
+        let info = stream
+            .info()
+            .await
+            .map_err(|e| LogError::other(&self.stream, e))?;
+        let epoch = u64::try_from(info.created.unix_timestamp_nanos()).unwrap_or_default();
+        let bounds = LogBounds {
+            first_seq: info.state.first_sequence,
+            last_seq: info.state.last_sequence,
+        };
+        Ok((bounds, epoch))
+    }
+
     async fn get_stream(&self) -> Result<stream::Stream, LogError> {
         use async_nats::jetstream::context::GetStreamErrorKind;
         use async_nats::jetstream::ErrorCode;

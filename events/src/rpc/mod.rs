@@ -5,6 +5,7 @@
 //! an [`RpcError`] with a code the caller can act on (`Busy` means retry later).
 
 pub mod global;
+pub mod interdc;
 pub mod submaster;
 
 use serde::de::DeserializeOwned;

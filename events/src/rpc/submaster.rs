@@ -6,6 +6,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::id::{NodeId, SegmentId};
 
+/// Most items in one batch request a sub-master accepts by default; clients split
+/// longer batches into requests of at most this many items.
+pub const MAX_BATCH_ITEMS: usize = 4096;
+
 /// The sub-master operations and their subject suffixes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Op {

@@ -53,7 +53,7 @@ impl Default for Policy {
             evict_ratio: 0.05,
             strategy: PlacementStrategy::Random,
             max_replicas: 8,
-            max_batch: 4096,
+            max_batch: hkvm_events::rpc::submaster::MAX_BATCH_ITEMS,
             limits: Limits::default(),
         }
     }

@@ -8,7 +8,7 @@ use tokio::time::Instant;
 
 use crate::error::SubmasterError;
 use crate::metrics::{gauge_value, SubmasterMetrics};
-use crate::snapshot::SnapshotStore;
+use hkvm_events::snapshot::SnapshotStore;
 use crate::state::State;
 
 /// Applies one stored message. Undecodable messages or events are skipped with an
@@ -105,7 +105,7 @@ pub(crate) async fn restore(
     metrics: &SubmasterMetrics,
 ) -> Result<State, SubmasterError> {
     let started = Instant::now();
-    let mut state = match snapshots.load_newest().await {
+    let mut state = match crate::snapshot::load_newest(snapshots).await {
         Ok(Some(state)) => state,
         Ok(None) => State::new(),
         Err(error) => {

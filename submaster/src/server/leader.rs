@@ -107,7 +107,7 @@ async fn open_epoch(ctx: &Context, state: &mut State) -> Result<u64, SubmasterEr
             unix_ms: registry::now_unix_ms(),
         };
         let payload = encode_message(&header, &[], &ctx.config.policy.limits)
-            .map_err(|e| SubmasterError::new(SubmasterErrorKind::Log, e.to_string()))?;
+            .map_err(|e| SubmasterError::caused(SubmasterErrorKind::Log, "encoding the epoch marker", e))?;
         let append = Append {
             expected_last_seq: Some(state.applied_seq),
             msg_id: epoch_marker_id(&ctx.config.producer, epoch),
@@ -334,7 +334,7 @@ impl Leadership<'_> {
             return Ok(());
         }
         state.applied_seq = self.committer.durable_seq();
-        match self.ctx.snapshots.save(state).await {
+        match crate::snapshot::save(&self.ctx.snapshots, state).await {
             Ok((object, checksum)) => {
                 self.ctx.metrics.snapshots.inc();
                 tracing::info!(

@@ -27,7 +27,7 @@ use crate::config::SubmasterConfig;
 use crate::election::{LeaderLease, LeaseHolder};
 use crate::error::{SubmasterError, SubmasterErrorKind};
 use crate::metrics::{gauge_value, SubmasterMetrics};
-use crate::snapshot::SnapshotStore;
+use hkvm_events::snapshot::SnapshotStore;
 use crate::state::State;
 use leader::LeadEnd;
 
@@ -45,8 +45,11 @@ pub(crate) struct Context {
     metrics: SubmasterMetrics,
 }
 
-fn setup_error(what: &str, error: impl std::fmt::Display) -> SubmasterError {
-    SubmasterError::new(SubmasterErrorKind::Setup, format!("{what}: {error}"))
+fn setup_error(
+    what: &str,
+    error: impl std::error::Error + Send + Sync + 'static,
+) -> SubmasterError {
+    SubmasterError::caused(SubmasterErrorKind::Setup, what, error)
 }
 
 impl Context {
@@ -257,7 +260,7 @@ pub async fn load_state(
             config.stream.replicas,
         )
         .await?;
-        snapshots.load_newest().await?.unwrap_or_default()
+        crate::snapshot::load_newest(&snapshots).await?.unwrap_or_default()
     } else {
         State::new()
     };
@@ -297,7 +300,7 @@ impl SubmasterHandle {
         let _ = self.shutdown.send(true);
         self.task
             .await
-            .map_err(|e| SubmasterError::new(SubmasterErrorKind::Setup, e.to_string()))?
+            .map_err(|e| SubmasterError::caused(SubmasterErrorKind::Setup, "the sub-master task", e))?
     }
 
     /// Stops abruptly, as a crash would: no lease hand-over, in-flight work dropped.

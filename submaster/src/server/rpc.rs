@@ -117,10 +117,7 @@ pub(crate) async fn subscribe(
             .queue_subscribe(subject.clone(), QUEUE_GROUP.to_owned())
             .await
             .map_err(|e| {
-                SubmasterError::new(
-                    SubmasterErrorKind::Rpc,
-                    format!("subscribing {subject}: {e}"),
-                )
+                SubmasterError::caused(SubmasterErrorKind::Rpc, format!("subscribing {subject}"), e)
             })?;
         let (client, jobs, ready, metrics) =
             (client.clone(), jobs.clone(), ready.clone(), metrics.clone());

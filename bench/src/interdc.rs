@@ -1,4 +1,4 @@
-//! `hkvm bench interdc`: the inter-DC replicator end to end. A source pool and a
+//! `hkvm bench interdc` (`hkvm-bench interdc`): the inter-DC replicator end to end. A source pool and a
 //! target pool, each on its own nats-server with a sub-master and two nodes; a
 //! gateway and an inter-DC master in this process, the WAN between them over UDP
 //! loopback with 25 ms of delay and 1% loss each way (emulated in both ends'

@@ -1,4 +1,4 @@
-//! Allocation counting for benchmarks: the `hkvm` binary's global allocator counts
+//! Allocation counting for benchmarks: the `hkvm-bench` binary's global allocator counts
 //! allocations and the bytes in use with one relaxed atomic each (about a
 //! nanosecond), so a benchmark can report allocations per event and bytes per
 //! object.

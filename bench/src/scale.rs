@@ -2,23 +2,24 @@
 //! segment: one ping a second plus a mix of puts, gets and global
 //! `batch_is_exist` at a configurable total rate) against N sub-clusters for N in
 //! 1, 2, 4, 8, each client in sub-cluster `client % N`. The masters run as
-//! `hkvm submaster` / `hkvm globalmaster` child processes so their CPU time
-//! (utime + stime) and RSS are read from `/proc`. N = 1 is the centralized
-//! baseline: every figure is compared with N = 1 in the same run.
+//! `hkvm submaster` / `hkvm globalmaster` child processes (the `hkvm` binary next to
+//! this one, or `$HKVM_BIN`) so their CPU time (utime + stime) and RSS are read from
+//! `/proc`. N = 1 is the centralized baseline: every figure is compared with N = 1
+//! in the same run.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use async_nats::jetstream;
 use futures::StreamExt as _;
-use hkvm_client::SubmasterClient;
+use hkvm_client::{GlobalClient, SubmasterClient};
 use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp};
 use hkvm_events::rpc::submaster::{ItemResult, MountSegment, Ping, PutEndItem, PutStartItem};
+use hkvm_events::rpc::RpcReply;
 use hkvm_events::subject::{bucket_name, stream_name};
 use hkvm_events::{ClusterId, NodeId, SegmentId, SubclusterId};
-use hkvm_globalmaster::GlobalClient;
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
@@ -47,6 +48,55 @@ pub struct ScaleArgs {
     /// Percentages of puts, gets and batch_is_exist (`scale`).
     #[arg(long, default_value = "20,60,20", value_parser = parse_mix)]
     pub mix: Mix,
+}
+
+/// Env var naming the `hkvm` binary whose `submaster` and `globalmaster` commands
+/// run the masters; by default the `hkvm` next to this binary.
+pub const HKVM_BIN_ENV: &str = "HKVM_BIN";
+
+/// What the workload needs before it starts: its options and the `hkvm` binary.
+#[derive(Debug)]
+pub struct Setup {
+    args: ScaleArgs,
+    hkvm: PathBuf,
+}
+
+impl Setup {
+    /// Locates the `hkvm` binary (before any workload runs, so that a missing one
+    /// fails at once rather than after the other workloads of `all`).
+    ///
+    /// # Errors
+    /// When `$HKVM_BIN` names no file, or no `hkvm` is next to this binary.
+    pub fn new(args: ScaleArgs) -> anyhow::Result<Self> {
+        Ok(Self {
+            args,
+            hkvm: hkvm_binary()?,
+        })
+    }
+}
+
+/// The `hkvm` binary: `$HKVM_BIN`, else `hkvm` in this executable's directory.
+fn hkvm_binary() -> anyhow::Result<PathBuf> {
+    if let Some(explicit) = std::env::var_os(HKVM_BIN_ENV) {
+        let path = PathBuf::from(explicit);
+        anyhow::ensure!(
+            path.is_file(),
+            "${HKVM_BIN_ENV} is {}, which is not a file",
+            path.display()
+        );
+        return Ok(path);
+    }
+    let exe = std::env::current_exe().context("locating the hkvm-bench binary")?;
+    let beside = exe.with_file_name(format!("hkvm{}", std::env::consts::EXE_SUFFIX));
+    anyhow::ensure!(
+        beside.is_file(),
+        "the scale workload runs `hkvm submaster` and `hkvm globalmaster`, but there is \
+         no hkvm binary at {} (next to {}); build it (cargo build -p hkvm-cli) or set \
+         ${HKVM_BIN_ENV}",
+        beside.display(),
+        exe.display()
+    );
+    Ok(beside)
 }
 
 /// Percentages of puts, gets and batch_is_exist among the operations.
@@ -220,11 +270,11 @@ impl Client {
                         _ => format!("c{}/{}", rng.next() % 10_000, rng.next() % 8),
                     })
                     .collect();
-                let reply: Result<BatchIsExistReply, _> = self
+                let reply: Result<RpcReply<BatchIsExistReply>, _> = self
                     .global
                     .call_once(GlobalOp::BatchIsExist, &BatchIsExist { keys, labels: None })
                     .await;
-                reply.is_ok()
+                matches!(reply, Ok(RpcReply::Ok(_)))
             }
         }
     }
@@ -359,8 +409,12 @@ async fn clean(js: &jetstream::Context, cluster: &ClusterId, subclusters: usize)
 /// Starts the masters of `subclusters` sub-clusters and a global master, waits
 /// until they serve, mounts one segment per client, runs the clients and reads
 /// the masters' CPU time and memory over the measured window.
-async fn run_point(nats: &BenchNats, sweep: &Sweep, subclusters: usize) -> anyhow::Result<Point> {
-    let exe = std::env::current_exe().context("locating the hkvm binary")?;
+async fn run_point(
+    nats: &BenchNats,
+    exe: &Path,
+    sweep: &Sweep,
+    subclusters: usize,
+) -> anyhow::Result<Point> {
     let cluster = ClusterId::new(format!("bscale{subclusters}"))?;
     let control = nats.connect().await?;
     clean(&jetstream::new(control.clone()), &cluster, subclusters).await;
@@ -381,11 +435,11 @@ async fn run_point(nats: &BenchNats, sweep: &Sweep, subclusters: usize) -> anyho
     for id in &ids {
         let mut args = vec!["submaster".to_owned()];
         args.extend(target(&["--subcluster".to_owned(), id.to_string()]));
-        submasters.push(Master::spawn(&exe, &args)?);
+        submasters.push(Master::spawn(exe, &args)?);
     }
     let mut args = vec!["globalmaster".to_owned()];
     args.extend(target(&["--no-restore".to_owned()]));
-    let global_master = Master::spawn(&exe, &args)?;
+    let global_master = Master::spawn(exe, &args)?;
 
     let connections =
         futures::future::try_join_all((0..CONNECTIONS).map(|_| nats.connect())).await?;
@@ -503,9 +557,10 @@ async fn run_point(nats: &BenchNats, sweep: &Sweep, subclusters: usize) -> anyho
 pub async fn run(
     nats: &BenchNats,
     quick: bool,
-    args: &ScaleArgs,
+    setup: &Setup,
     printer: &mut Printer,
 ) -> anyhow::Result<()> {
+    let args = &setup.args;
     let (sweep, points) = if quick {
         let sweep = Sweep {
             clients: (args.clients / 20).max(1),
@@ -534,7 +589,7 @@ pub async fn run(
             sweep.rate,
             sweep.window.as_secs_f64()
         );
-        let point = run_point(nats, &sweep, n).await?;
+        let point = run_point(nats, &setup.hkvm, &sweep, n).await?;
         results.push((n, point));
     }
     let base = results.first().map(|(_, p)| *p).unwrap_or_default();

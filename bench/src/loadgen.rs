@@ -1,4 +1,4 @@
-//! `hkvm loadgen`: a load generator that runs next to the nodes (inside the cluster
+//! `hkvm loadgen` (`hkvm-bench loadgen`): a load generator that runs next to the nodes (inside the cluster
 //! network), drives puts, gets and `batch_is_exist` through the client library for a
 //! while, and prints one JSON line per result on stdout, so that a test can assert on
 //! data: which puts were acknowledged (with the value's checksum), which failed or
@@ -13,15 +13,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context as _;
-use hkvm_client::{ClientConfig, ClientErrorKind, KvClient, KvError, SubmasterClient};
+use hkvm_client::{ClientErrorKind, GlobalClient, KvClient, KvError, RetryPolicy, SubmasterClient};
 use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp};
 use hkvm_events::rpc::submaster::{ItemResult, PutStartItem};
 use hkvm_events::value_checksum;
-use hkvm_globalmaster::GlobalClient;
 use hkvm_transfer::TcpTransport;
 use serde_json::json;
 
-use crate::meta::SubclusterTarget;
+use crate::target::SubclusterTarget;
 
 /// What the load generator does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -140,14 +139,14 @@ async fn read_keys(
 /// When NATS is unreachable or a key file cannot be read.
 pub async fn run(args: LoadgenArgs) -> anyhow::Result<()> {
     let nats = args.at.target.connect().await?;
-    let metadata = SubmasterClient::with_config(
+    let metadata = SubmasterClient::with_policy(
         nats.clone(),
         args.at.target.cluster.clone(),
         args.at.subcluster.clone(),
-        ClientConfig {
+        RetryPolicy {
             retry_deadline: args.retry_deadline,
             request_timeout: args.request_timeout,
-            ..ClientConfig::default()
+            ..RetryPolicy::default()
         },
     );
     let kv = KvClient::new(metadata.clone(), Arc::new(TcpTransport::default()));
@@ -257,6 +256,7 @@ async fn put(args: &LoadgenArgs, kv: KvClient) -> anyhow::Result<()> {
             "revoked": total.revoked, "p50_us": percentile(50), "p99_us": percentile(99),
             "max_us": percentile(100), "busy": stats.busy.load(Ordering::Relaxed),
             "leader_waits": stats.leader_waits.load(Ordering::Relaxed),
+            "timeouts": stats.timeouts.load(Ordering::Relaxed),
         })
     );
     Ok(())

@@ -7,8 +7,9 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
+use hkvm_client::GlobalClient;
 use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp, Staleness};
-use hkvm_globalmaster::{query, GlobalClient, GlobalMaster};
+use hkvm_globalmaster::{query, GlobalMaster};
 
 use super::cluster::{key, BenchCluster};
 use super::report::{BenchResult, Printer};
@@ -54,7 +55,8 @@ async fn one_client(
         let started = Instant::now();
         let reply: BatchIsExistReply = global
             .call_once(GlobalOp::BatchIsExist, &BatchIsExist { keys, labels: None })
-            .await?;
+            .await?
+            .into_result()?;
         latencies.push(started.elapsed());
         anyhow::ensure!(reply.counts.len() == BATCH, "short reply");
     }

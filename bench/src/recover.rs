@@ -12,7 +12,7 @@ use async_nats::jetstream;
 use bytes::Bytes;
 use futures::stream::FuturesOrdered;
 use futures::StreamExt as _;
-use hkvm_client::{ClientConfig, SubmasterClient};
+use hkvm_client::{RetryPolicy, SubmasterClient};
 use hkvm_events::codec::{Header, MessageBuilder};
 use hkvm_events::log::{Append, EventLog, JetStreamLog};
 use hkvm_events::rpc::submaster::{ItemResult, PutEndItem, PutStartItem};
@@ -393,14 +393,14 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     );
     // A client retrying every 5 ms shows when the sub-cluster serves again; the
     // default client's back-off (20 ms doubling to 1 s) adds its own wait.
-    let eager = SubmasterClient::with_config(
+    let eager = SubmasterClient::with_policy(
         nats.connect().await?,
         bench.config.cluster.clone(),
         bench.config.subcluster.clone(),
-        ClientConfig {
+        RetryPolicy {
             min_backoff: Duration::from_millis(5),
             max_backoff: Duration::from_millis(5),
-            ..ClientConfig::default()
+            ..RetryPolicy::default()
         },
     );
     // A standby rebuilds as the leader did, then follows; give it half as long again.

@@ -1,0 +1,73 @@
+//! Calling the global master: typed requests through the shared [`RpcCaller`] retry
+//! policy (queries are read-only, so a request lost with a replica that stopped is
+//! simply asked again), for the CLI, benchmarks, tests and [`crate::KvClient`].
+
+use hkvm_events::rpc::global::GlobalOp;
+use hkvm_events::rpc::RpcReply;
+use hkvm_events::subject::global_rpc_subject;
+use hkvm_events::ClusterId;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::error::ClientError;
+use crate::retry::{Resend, RetryPolicy, RpcCaller};
+
+/// A handle for global-master requests of one cluster. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct GlobalClient {
+    caller: RpcCaller,
+    cluster: ClusterId,
+}
+
+impl GlobalClient {
+    /// A handle over `nats` for `cluster` with the default retry policy.
+    pub fn new(nats: async_nats::Client, cluster: ClusterId) -> Self {
+        Self::with_policy(nats, cluster, RetryPolicy::default())
+    }
+
+    /// A handle with an explicit retry policy (a zero `retry_deadline` asks once).
+    pub fn with_policy(nats: async_nats::Client, cluster: ClusterId, policy: RetryPolicy) -> Self {
+        Self::with_caller(RpcCaller::new(nats, policy), cluster)
+    }
+
+    /// A handle sharing `caller` (its connection, policy and stats).
+    pub fn with_caller(caller: RpcCaller, cluster: ClusterId) -> Self {
+        Self { caller, cluster }
+    }
+
+    /// The caller (connection, retry policy, stats) this handle uses.
+    pub fn caller(&self) -> &RpcCaller {
+        &self.caller
+    }
+
+    /// Sends `request` once and returns the reply as sent (which may be `Busy`).
+    ///
+    /// # Errors
+    /// [`ClientError`] when NATS fails, nobody answers in time, or the reply does
+    /// not decode.
+    pub async fn call_once<Req: Serialize, Rep: DeserializeOwned>(
+        &self,
+        op: GlobalOp,
+        request: &Req,
+    ) -> Result<RpcReply<Rep>, ClientError> {
+        let subject = global_rpc_subject(&self.cluster, op.name());
+        self.caller.call_once(op.name(), subject, request).await
+    }
+
+    /// Sends `request`, retrying `Busy`, no responders (no replica up yet) and
+    /// unanswered attempts until the policy's deadline.
+    ///
+    /// # Errors
+    /// [`ClientError`]; its [`kind`](ClientError::kind) tells a refusal from an
+    /// unavailable global master.
+    pub async fn call<Req: Serialize, Rep: DeserializeOwned>(
+        &self,
+        op: GlobalOp,
+        request: &Req,
+    ) -> Result<Rep, ClientError> {
+        let subject = global_rpc_subject(&self.cluster, op.name());
+        self.caller
+            .call(op.name(), subject, request, Resend::Safe)
+            .await
+    }
+}

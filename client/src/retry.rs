@@ -1,0 +1,299 @@
+//! The one retry policy every request/reply call of every client goes through
+//! (sub-master calls, global-master calls, the global master's proxy): it retries
+//! what is safe to retry — `Busy` (after the server's `retry_after`), `NotLeader`,
+//! no responder while a standby takes over or a replica starts, and a timeout when
+//! the request may be resent — with exponential back-off and full jitter, until a
+//! deadline. So a failover under load costs clients latency, not errors, and never
+//! turns into a retry storm.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::RequestErrorKind;
+use hkvm_events::rpc::{self, RpcErrorCode, RpcReply};
+use rand::Rng as _;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::time::Instant;
+
+use crate::error::{ClientError, RetryCause};
+
+/// Timeouts and back-off of a caller. Fill what you need and take the rest from
+/// `Default`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// How long one request waits for its reply.
+    pub request_timeout: Duration,
+    /// How long a call keeps retrying before it reports the last reason.
+    pub retry_deadline: Duration,
+    /// The first back-off without a server hint; it doubles up to `max_backoff`.
+    pub min_backoff: Duration,
+    /// The longest back-off.
+    pub max_backoff: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            request_timeout: Duration::from_secs(2),
+            retry_deadline: Duration::from_secs(30),
+            min_backoff: Duration::from_millis(20),
+            max_backoff: Duration::from_secs(1),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The delay before the next attempt: the server's hint when it gave one,
+    /// otherwise the current exponential back-off; plus up to half of it again as
+    /// random jitter, which spreads thousands of retrying clients.
+    pub fn delay(&self, backoff: Duration, cause: &RetryCause) -> Duration {
+        let base = match cause {
+            RetryCause::Busy { retry_after_ms } => Duration::from_millis(*retry_after_ms),
+            _ => backoff,
+        };
+        let half_ms = u64::try_from(base.as_millis() / 2).unwrap_or(u64::MAX);
+        let jitter = rand::thread_rng().gen_range(0..=half_ms.saturating_add(1));
+        base + Duration::from_millis(jitter)
+    }
+
+    /// The back-off after `backoff`: doubled, capped at `max_backoff`.
+    pub fn next_backoff(&self, backoff: Duration) -> Duration {
+        (backoff * 2).min(self.max_backoff)
+    }
+}
+
+/// Counters of what a caller went through (for tests, benchmarks and logs).
+#[derive(Debug, Default)]
+pub struct ClientStats {
+    /// `Busy` answers that were retried.
+    pub busy: AtomicU64,
+    /// Retries because no server answered (takeover in progress) or `NotLeader`.
+    pub leader_waits: AtomicU64,
+    /// Resendable requests retried after a timeout.
+    pub timeouts: AtomicU64,
+}
+
+impl ClientStats {
+    fn count(&self, cause: &RetryCause) {
+        let counter = match cause {
+            RetryCause::Busy { .. } => &self.busy,
+            RetryCause::NotLeader | RetryCause::NoResponders { .. } => &self.leader_waits,
+            RetryCause::TimedOut => &self.timeouts,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Whether a timed-out request may be sent again without changing its meaning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resend {
+    /// Reads and idempotent operations: resend after a timeout.
+    Safe,
+    /// The request may have taken effect: a timeout is reported to the caller.
+    Unsafe,
+}
+
+/// What one attempt came to.
+enum Attempt<Rep> {
+    Done(Result<Rep, ClientError>),
+    Retry(RetryCause),
+}
+
+/// NATS request/reply with a [`RetryPolicy`]. Cheap to clone; clones share stats.
+#[derive(Debug, Clone)]
+pub struct RpcCaller {
+    nats: async_nats::Client,
+    policy: RetryPolicy,
+    stats: Arc<ClientStats>,
+}
+
+impl RpcCaller {
+    /// A caller over `nats` with `policy`.
+    pub fn new(nats: async_nats::Client, policy: RetryPolicy) -> Self {
+        Self {
+            nats,
+            policy,
+            stats: Arc::new(ClientStats::default()),
+        }
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> &RetryPolicy {
+        &self.policy
+    }
+
+    /// What this caller (and its clones) went through so far.
+    pub fn stats(&self) -> &ClientStats {
+        &self.stats
+    }
+
+    /// The NATS connection.
+    pub fn nats(&self) -> &async_nats::Client {
+        &self.nats
+    }
+
+    /// Sends `request` on `subject` until it gets a definite answer or the policy's
+    /// deadline passes.
+    ///
+    /// # Errors
+    /// [`ClientError::Rpc`] for a refusal, [`ClientError::Unavailable`] with the
+    /// last retry cause when the deadline passed, [`ClientError::Timeout`] for an
+    /// unanswered request that is not safe to resend, [`ClientError::Transport`]
+    /// and [`ClientError::Codec`] otherwise.
+    pub async fn call<Req: Serialize, Rep: DeserializeOwned>(
+        &self,
+        op: &'static str,
+        subject: String,
+        request: &Req,
+        resend: Resend,
+    ) -> Result<Rep, ClientError> {
+        let body: bytes::Bytes = rpc::encode(request)
+            .map_err(|source| ClientError::Codec { op, source })?
+            .into();
+        let started = Instant::now();
+        let mut backoff = self.policy.min_backoff;
+        loop {
+            let cause = match self.attempt(op, &subject, body.clone(), resend).await {
+                Attempt::Done(result) => return result,
+                Attempt::Retry(cause) => cause,
+            };
+            self.stats.count(&cause);
+            let delay = self.policy.delay(backoff, &cause);
+            if started.elapsed() + delay > self.policy.retry_deadline {
+                return Err(ClientError::Unavailable {
+                    op,
+                    ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+                    cause,
+                });
+            }
+            tracing::debug!(op, %cause, delay_ms = delay.as_millis() as u64, "retrying");
+            tokio::time::sleep(delay).await;
+            backoff = self.policy.next_backoff(backoff);
+        }
+    }
+
+    /// Sends `request` once, with the request timeout and no retry, and returns the
+    /// reply as the server sent it (`Busy` included): for benchmarks that measure
+    /// single round trips.
+    ///
+    /// # Errors
+    /// As for [`RpcCaller::call`], without retries.
+    pub async fn call_once<Req: Serialize, Rep: DeserializeOwned>(
+        &self,
+        op: &'static str,
+        subject: String,
+        request: &Req,
+    ) -> Result<RpcReply<Rep>, ClientError> {
+        let body = rpc::encode(request).map_err(|source| ClientError::Codec { op, source })?;
+        let message = self.send(op, subject, body.into()).await?;
+        rpc::decode(&message.payload).map_err(|source| ClientError::Codec { op, source })
+    }
+
+    async fn send(
+        &self,
+        op: &'static str,
+        subject: String,
+        body: bytes::Bytes,
+    ) -> Result<async_nats::Message, ClientError> {
+        let timeout = self.policy.request_timeout;
+        match tokio::time::timeout(timeout, self.nats.request(subject, body)).await {
+            Ok(Ok(message)) => Ok(message),
+            Ok(Err(source)) => Err(ClientError::Transport { op, source }),
+            Err(_) => Err(ClientError::Timeout {
+                op,
+                ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+            }),
+        }
+    }
+
+    async fn attempt<Rep: DeserializeOwned>(
+        &self,
+        op: &'static str,
+        subject: &str,
+        body: bytes::Bytes,
+        resend: Resend,
+    ) -> Attempt<Rep> {
+        let message = match self.send(op, subject.to_owned(), body).await {
+            Ok(message) => message,
+            Err(ClientError::Transport { source, .. })
+                if source.kind() == RequestErrorKind::NoResponders =>
+            {
+                return Attempt::Retry(RetryCause::NoResponders {
+                    subject: subject.to_owned(),
+                })
+            }
+            Err(ClientError::Transport { source, .. })
+                if source.kind() == RequestErrorKind::TimedOut && resend == Resend::Safe =>
+            {
+                return Attempt::Retry(RetryCause::TimedOut)
+            }
+            Err(ClientError::Timeout { .. }) if resend == Resend::Safe => {
+                return Attempt::Retry(RetryCause::TimedOut)
+            }
+            Err(error) => return Attempt::Done(Err(error)),
+        };
+        let reply: RpcReply<Rep> = match rpc::decode(&message.payload) {
+            Ok(reply) => reply,
+            Err(source) => return Attempt::Done(Err(ClientError::Codec { op, source })),
+        };
+        match reply {
+            RpcReply::Ok(value) => Attempt::Done(Ok(value)),
+            RpcReply::Err(error) => match error.code {
+                RpcErrorCode::Busy { retry_after_ms } => {
+                    Attempt::Retry(RetryCause::Busy { retry_after_ms })
+                }
+                RpcErrorCode::NotLeader => Attempt::Retry(RetryCause::NotLeader),
+                _ => Attempt::Done(Err(ClientError::Rpc { op, source: error })),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_busy_hint_sets_the_delay_and_jitter_stays_within_half() {
+        let policy = RetryPolicy::default();
+        for _ in 0..200 {
+            let delay = policy.delay(
+                Duration::from_millis(20),
+                &RetryCause::Busy {
+                    retry_after_ms: 400,
+                },
+            );
+            assert!(delay >= Duration::from_millis(400), "{delay:?}");
+            assert!(delay <= Duration::from_millis(601), "{delay:?}");
+        }
+    }
+
+    #[test]
+    fn without_a_hint_the_backoff_doubles_up_to_the_cap() {
+        let policy = RetryPolicy {
+            min_backoff: Duration::from_millis(20),
+            max_backoff: Duration::from_millis(100),
+            ..RetryPolicy::default()
+        };
+        let mut backoff = policy.min_backoff;
+        let mut seen = Vec::new();
+        for _ in 0..5 {
+            seen.push(backoff.as_millis());
+            backoff = policy.next_backoff(backoff);
+        }
+        assert_eq!(seen, [20, 40, 80, 100, 100]);
+        let delay = policy.delay(Duration::from_millis(80), &RetryCause::NotLeader);
+        assert!(delay >= Duration::from_millis(80) && delay <= Duration::from_millis(121));
+    }
+
+    #[test]
+    fn jitter_spreads_retries() {
+        let policy = RetryPolicy::default();
+        let delays: std::collections::BTreeSet<_> = (0..50)
+            .map(|_| policy.delay(Duration::from_millis(200), &RetryCause::TimedOut))
+            .collect();
+        assert!(delays.len() > 5, "jitter produced {} distinct delays", delays.len());
+    }
+}
