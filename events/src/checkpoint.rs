@@ -544,7 +544,10 @@ mod tests {
         assert_eq!(kind(&[]), CheckpointErrorKind::Truncated);
         assert_eq!(kind(&bytes[..7]), CheckpointErrorKind::Truncated);
         assert_eq!(kind(&bytes[..MIN_LEN - 1]), CheckpointErrorKind::Truncated);
-        assert_eq!(kind(b"HKVMPRJ2 and more bytes"), CheckpointErrorKind::BadMagic);
+        assert_eq!(
+            kind(b"HKVMPRJ2 and more bytes"),
+            CheckpointErrorKind::BadMagic
+        );
         assert_eq!(
             kind(&bytes[..bytes.len() - 1]),
             CheckpointErrorKind::ChecksumMismatch

@@ -1,8 +1,10 @@
 //! The projector's error type, with a [`ProjectorErrorKind`] callers match on.
 
-/// A projector failure.
+use hkvm_events::checkpoint::CheckpointError;
+
+/// A projector failure. Its display and source are those of its kind.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("{kind}")]
+#[error(transparent)]
 pub struct ProjectorError {
     kind: ProjectorErrorKind,
 }
@@ -23,7 +25,7 @@ pub enum ProjectorErrorKind {
     Undecodable(#[from] hkvm_events::codec::UndecodableMessage),
     /// A checkpoint that is truncated, corrupt (checksum) or inconsistent.
     #[error("invalid checkpoint: {0}")]
-    BadCheckpoint(String),
+    BadCheckpoint(#[from] CheckpointError),
 }
 
 impl ProjectorError {
@@ -36,8 +38,10 @@ impl ProjectorError {
     pub fn kind(&self) -> &ProjectorErrorKind {
         &self.kind
     }
+}
 
-    pub(crate) fn checkpoint(reason: impl Into<String>) -> Self {
-        Self::new(ProjectorErrorKind::BadCheckpoint(reason.into()))
+impl From<CheckpointError> for ProjectorError {
+    fn from(error: CheckpointError) -> Self {
+        Self::new(error.into())
     }
 }
