@@ -60,7 +60,7 @@ HOW_TO_READ = {
     "run. Everything (clients, NATS, all masters) shares 2 cores, so absolute "
     "latencies include queueing behind the load generator; read how cost per request "
     "and latency move with N.",
-    "memory": "Heap bytes per object in a sub-master state (counted by the hkvm "
+    "memory": "Heap bytes per object in a sub-master state (counted by the hkvm-bench "
     "binary's allocator: requested bytes, without malloc's own overhead) against the "
     "design target of 200 B; the RSS growth row shows that overhead. Bytes per key in "
     "the global index are in the ingest and exist tables.",

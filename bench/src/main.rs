@@ -72,7 +72,7 @@ enum Command {
     All(ScaleBenchArgs),
     /// Drive puts, gets or global queries for a while and print one JSON line per
     /// result (for integration and chaos tests).
-    Loadgen(loadgen::LoadgenArgs),
+    Loadgen(Box<loadgen::LoadgenArgs>),
 }
 
 /// Options every workload takes.
@@ -136,7 +136,7 @@ fn main() -> anyhow::Result<()> {
 
 async fn run(command: Command) -> anyhow::Result<()> {
     let (args, workloads) = match command {
-        Command::Loadgen(args) => return loadgen::run(args).await,
+        Command::Loadgen(args) => return loadgen::run(*args).await,
         Command::Events(args) => (args, vec![Workload::Events]),
         Command::Transfer(args) => (args, vec![Workload::Transfer]),
         Command::Ingest(args) => (args, vec![Workload::Ingest]),

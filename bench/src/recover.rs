@@ -16,6 +16,7 @@ use hkvm_client::{RetryPolicy, SubmasterClient};
 use hkvm_events::codec::{Header, MessageBuilder};
 use hkvm_events::log::{Append, EventLog, JetStreamLog};
 use hkvm_events::rpc::submaster::{ItemResult, PutEndItem, PutStartItem};
+use hkvm_events::snapshot::SnapshotStore;
 use hkvm_events::stream::ensure_stream;
 use hkvm_events::subject::{bucket_name, event_subject, message_id, stream_name};
 use hkvm_events::{
@@ -23,7 +24,7 @@ use hkvm_events::{
     SubclusterId,
 };
 use hkvm_submaster::server::load_state;
-use hkvm_submaster::snapshot::SnapshotStore;
+use hkvm_submaster::snapshot;
 use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
 use tokio::runtime::Runtime;
 
@@ -338,7 +339,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     )
     .await?;
     let started = Instant::now();
-    store.save(&loaded.state).await?;
+    snapshot::save(&store, &loaded.state).await?;
     let save_seconds = started.elapsed().as_secs_f64();
     drop(loaded);
     bench.write(tail).await?;
