@@ -14,8 +14,8 @@ use hkvm_events::rpc::submaster::{
     ItemError, ItemResult, PutEndItem, PutStartItem, ReplicaList, ReplicaLocation,
 };
 use hkvm_events::rpc::RpcReply;
-use hkvm_events::{value_checksum, SubclusterId};
-use hkvm_transfer::{ReadOp, TransferError, Transport, WriteOp};
+use hkvm_events::{value_checksum, value_checksum_parts, SegmentId, SubclusterId};
+use hkvm_transfer::{ReadInto, ReadOp, TransferError, Transport, WriteOp};
 
 use crate::error::{ClientError, ClientErrorKind};
 use crate::global::GlobalClient;
@@ -55,6 +55,16 @@ pub enum KvError {
         /// The reserved size.
         reserved: u64,
     },
+    /// The caller's buffers cannot hold the value.
+    #[error("{key}: value of {size} bytes does not fit buffers of {capacity} bytes")]
+    BufferTooSmall {
+        /// The key.
+        key: String,
+        /// The value's size.
+        size: u64,
+        /// The buffers' total length.
+        capacity: u64,
+    },
     /// No replica returned bytes matching the recorded checksum.
     #[error("{key}: no intact replica ({tried} tried): {last}")]
     Integrity {
@@ -84,6 +94,8 @@ pub enum KvErrorKind {
     Write,
     /// The value does not fit its reservation.
     SizeMismatch,
+    /// The caller's buffers are too small.
+    BufferTooSmall,
     /// No replica held intact bytes.
     Integrity,
     /// The key exists nowhere the client can see.
@@ -98,6 +110,7 @@ impl KvError {
             Self::Item { .. } => KvErrorKind::Item,
             Self::Write { .. } => KvErrorKind::Write,
             Self::SizeMismatch { .. } => KvErrorKind::SizeMismatch,
+            Self::BufferTooSmall { .. } => KvErrorKind::BufferTooSmall,
             Self::Integrity { .. } => KvErrorKind::Integrity,
             Self::NotFound { .. } => KvErrorKind::NotFound,
         }
@@ -191,37 +204,62 @@ impl KvClient {
         items: &[(&str, &[u8])],
         replicas: u32,
     ) -> Result<Vec<Result<(), KvError>>, KvError> {
+        let scattered: Vec<(&str, [&[u8]; 1])> =
+            items.iter().map(|(key, value)| (*key, [*value])).collect();
+        let items: Vec<(&str, &[&[u8]])> = scattered
+            .iter()
+            .map(|(key, parts)| (*key, parts.as_slice()))
+            .collect();
+        self.put_scattered(&items, &PutOptions::replicas(replicas))
+            .await
+    }
+
+    /// Stores many values, each the concatenation of its parts (buffers scattered
+    /// in the caller's memory, written without being gathered first): one
+    /// put_start, all writes in parallel, one put_end. Returns one result per item,
+    /// in order.
+    ///
+    /// # Errors
+    /// [`KvError::Metadata`] when the sub-master is unreachable as a whole.
+    pub async fn put_scattered(
+        &self,
+        items: &[(&str, &[&[u8]])],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<(), KvError>>, KvError> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
         let starts = items
             .iter()
-            .map(|(key, value)| PutStartItem {
+            .map(|(key, parts)| PutStartItem {
                 key: (*key).to_owned(),
-                size: value.len() as u64,
-                replicas,
-                preferred_segment: None,
-                hard_pin: false,
+                size: parts.iter().map(|part| part.len() as u64).sum(),
+                replicas: options.replicas,
+                preferred_segment: options.preferred_segment.clone(),
+                hard_pin: options.hard_pin,
             })
             .collect();
         let placements = self.metadata.put_start(starts).await?;
         let writes = items
             .iter()
             .zip(&placements)
-            .map(|((key, value), placement)| async move {
+            .map(|((key, parts), placement)| async move {
                 match placement {
                     ItemResult::Err(error) => Err(KvError::Item {
                         key: (*key).to_owned(),
                         error: error.clone(),
                     }),
-                    ItemResult::Ok(replicas) => self.write_replicas(key, value, replicas).await,
+                    ItemResult::Ok(replicas) => self.write_replicas(key, parts, replicas).await,
                 }
             });
         let written = join_all(writes).await;
         let mut ends = Vec::new();
         let mut revoke = Vec::new();
-        for ((key, value), result) in items.iter().zip(&written) {
+        for ((key, parts), result) in items.iter().zip(&written) {
             match result {
                 Ok(()) => ends.push(PutEndItem {
                     key: (*key).to_owned(),
-                    checksum: value_checksum(value),
+                    checksum: value_checksum_parts(parts),
                 }),
                 Err(KvError::Write { .. }) => revoke.push((*key).to_owned()),
                 Err(_) => {}
@@ -230,6 +268,9 @@ impl KvClient {
         if !revoke.is_empty() {
             // Best effort: the reservation also times out on its own.
             let _ = self.metadata.put_revoke(revoke).await;
+        }
+        if ends.is_empty() {
+            return Ok(written);
         }
         let ended_keys: Vec<String> = ends.iter().map(|e| e.key.clone()).collect();
         let ended = match self.metadata.put_end(ends).await {
@@ -320,7 +361,7 @@ impl KvClient {
             });
         }
         if let Err(error) = self
-            .write_replicas(&pending.key, value, &pending.replicas)
+            .write_replicas(&pending.key, &[value], &pending.replicas)
             .await
         {
             self.abandon(pending).await;
@@ -355,19 +396,33 @@ impl KvClient {
         let _ = self.metadata.put_revoke(vec![pending.key]).await;
     }
 
+    /// Writes a value given as consecutive parts to every replica (each part at
+    /// its offset in the replica, all parts of a replica in one batch).
     async fn write_replicas(
         &self,
         key: &str,
-        value: &[u8],
+        parts: &[&[u8]],
         replicas: &[ReplicaLocation],
     ) -> Result<(), KvError> {
         let writes = replicas.iter().map(|replica| async move {
-            let op = [WriteOp {
-                region: replica.segment.as_str(),
-                offset: replica.offset,
-                data: value,
-            }];
-            self.transport.write_batch(&replica.endpoint, &op).await
+            let mut offset = replica.offset;
+            let ops: Vec<WriteOp<'_>> = parts
+                .iter()
+                .filter(|part| !part.is_empty())
+                .map(|part| {
+                    let op = WriteOp {
+                        region: replica.segment.as_str(),
+                        offset,
+                        data: part,
+                    };
+                    offset += part.len() as u64;
+                    op
+                })
+                .collect();
+            if ops.is_empty() {
+                return Ok(());
+            }
+            self.transport.write_batch(&replica.endpoint, &ops).await
         });
         for result in join_all(writes).await {
             result.map_err(|source| KvError::Write {
@@ -384,54 +439,196 @@ impl KvClient {
     /// # Errors
     /// [`KvError::NotFound`], [`KvError::Integrity`], or a metadata failure.
     pub async fn get(&self, key: &str) -> Result<Fetched, KvError> {
-        let mut lists = self.metadata.get_replica_list(vec![key.to_owned()]).await?;
-        match lists.pop() {
-            Some(ItemResult::Ok(list)) => {
-                self.read_verified(key, self.metadata.subcluster().clone(), list)
-                    .await
-            }
-            Some(ItemResult::Err(ItemError::NotFound)) | None => self.get_elsewhere(key).await,
-            Some(ItemResult::Err(error)) => Err(KvError::Item {
+        let mut results = self.get_many(&[key]).await?;
+        results.pop().unwrap_or_else(|| {
+            Err(KvError::NotFound {
                 key: key.to_owned(),
-                error,
-            }),
-        }
+            })
+        })
     }
 
-    /// Asks the global master which sub-cluster holds `key` and reads it there.
-    async fn get_elsewhere(&self, key: &str) -> Result<Fetched, KvError> {
-        let request = ProxyGetReplicaList {
-            keys: vec![key.to_owned()],
-            labels: None,
-        };
+    /// Where values are: per key its sub-cluster and replica list (granting a read
+    /// lease), from the local sub-master, and for keys it does not hold from the
+    /// global master (one request for all of them), which asks their owner.
+    ///
+    /// # Errors
+    /// [`KvError::Metadata`] when the local sub-master is unreachable as a whole.
+    pub async fn locate(&self, keys: &[&str]) -> Result<Vec<Result<Located, KvError>>, KvError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let lists = self
+            .metadata
+            .get_replica_list(keys.iter().map(|k| (*k).to_owned()).collect())
+            .await?;
+        let local = self.metadata.subcluster();
+        let mut located: Vec<Result<Located, KvError>> = Vec::with_capacity(keys.len());
+        let mut elsewhere = Vec::new();
+        for (index, (key, list)) in keys.iter().zip(lists).enumerate() {
+            located.push(match list {
+                ItemResult::Ok(list) => Ok(Located {
+                    subcluster: local.clone(),
+                    list,
+                }),
+                ItemResult::Err(ItemError::NotFound) => {
+                    elsewhere.push(index);
+                    Err(KvError::NotFound {
+                        key: (*key).to_owned(),
+                    })
+                }
+                ItemResult::Err(error) => Err(KvError::Item {
+                    key: (*key).to_owned(),
+                    error,
+                }),
+            });
+        }
+        if !elsewhere.is_empty() {
+            let keys: Vec<String> = elsewhere.iter().map(|&i| keys[i].to_owned()).collect();
+            for (index, found) in elsewhere.into_iter().zip(self.locate_elsewhere(keys).await) {
+                if let Some(found) = found {
+                    located[index] = Ok(found);
+                }
+            }
+        }
+        Ok(located)
+    }
+
+    /// Asks the global master which sub-clusters hold `keys` and where (it asks
+    /// their owners); `None` for a key held nowhere it can see.
+    async fn locate_elsewhere(&self, keys: Vec<String>) -> Vec<Option<Located>> {
+        let count = keys.len();
+        let request = ProxyGetReplicaList { keys, labels: None };
         let global = GlobalClient::with_caller(
             self.metadata.caller().clone(),
             self.metadata.cluster().clone(),
         );
-        // One attempt: a global master that is absent or busy is reported as the key
-        // being nowhere we can see (the caller's miss path), as before.
+        // One attempt: a global master that is absent or busy is reported as the keys
+        // being nowhere we can see (the caller's miss path).
         let reply: ProxyGetReplicaListReply = match global
-            .call_once(GlobalOp::GetReplicaList, &request)
+            .call_once::<_, ProxyGetReplicaListReply>(GlobalOp::GetReplicaList, &request)
             .await
         {
-            Ok(RpcReply::Ok(reply)) => reply,
-            Ok(RpcReply::Err(_)) | Err(_) => {
-                return Err(KvError::NotFound {
-                    key: key.to_owned(),
-                })
-            }
+            Ok(RpcReply::Ok(reply)) if reply.items.len() == count => reply,
+            _ => return (0..count).map(|_| None).collect(),
         };
-        match (
-            reply.from.into_iter().next().flatten(),
-            reply.items.into_iter().next(),
-        ) {
-            (Some(subcluster), Some(ItemResult::Ok(list))) => {
-                self.read_verified(key, subcluster, list).await
-            }
-            _ => Err(KvError::NotFound {
+        reply
+            .from
+            .into_iter()
+            .chain(std::iter::repeat(None))
+            .zip(reply.items)
+            .map(|(from, item)| match (from, item) {
+                (Some(subcluster), ItemResult::Ok(list)) => Some(Located { subcluster, list }),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Reads many values (each verified, each from the sub-cluster that holds it),
+    /// in order.
+    ///
+    /// # Errors
+    /// [`KvError::Metadata`] when the local sub-master is unreachable as a whole.
+    pub async fn get_many(&self, keys: &[&str]) -> Result<Vec<Result<Fetched, KvError>>, KvError> {
+        let located = self.locate(keys).await?;
+        let reads = keys.iter().zip(located).map(|(key, located)| async move {
+            let located = located?;
+            self.read_verified(key, located.subcluster, located.list)
+                .await
+        });
+        Ok(join_all(reads).await)
+    }
+
+    /// Reads one value straight into the caller's buffers (filled in order; their
+    /// total length must hold the value), verified against its checksum. Returns
+    /// the value's size.
+    ///
+    /// # Errors
+    /// [`KvError::BufferTooSmall`], [`KvError::NotFound`], [`KvError::Integrity`],
+    /// or a metadata failure.
+    pub async fn get_into(&self, key: &str, parts: &mut [&mut [u8]]) -> Result<u64, KvError> {
+        let mut items = [(key, parts)];
+        let mut results = self.get_many_into(&mut items).await?;
+        results.pop().unwrap_or_else(|| {
+            Err(KvError::NotFound {
                 key: key.to_owned(),
-            }),
+            })
+        })
+    }
+
+    /// [`KvClient::get_into`] for many keys: one lookup, all reads in parallel.
+    /// Returns one result per item, in order.
+    ///
+    /// # Errors
+    /// [`KvError::Metadata`] when the local sub-master is unreachable as a whole.
+    pub async fn get_many_into(
+        &self,
+        items: &mut [(&str, &mut [&mut [u8]])],
+    ) -> Result<Vec<Result<u64, KvError>>, KvError> {
+        let keys: Vec<&str> = items.iter().map(|(key, _)| *key).collect();
+        let located = self.locate(&keys).await?;
+        let reads = items
+            .iter_mut()
+            .zip(located)
+            .map(|((key, parts), located)| async move {
+                let located = located?;
+                self.read_into_verified(key, &located.list, parts).await
+            });
+        Ok(join_all(reads).await)
+    }
+
+    /// Reads replicas (local first) into `parts` until one matches the checksum.
+    async fn read_into_verified(
+        &self,
+        key: &str,
+        list: &ReplicaList,
+        parts: &mut [&mut [u8]],
+    ) -> Result<u64, KvError> {
+        let capacity: u64 = parts.iter().map(|part| part.len() as u64).sum();
+        if capacity < list.size {
+            return Err(KvError::BufferTooSmall {
+                key: key.to_owned(),
+                size: list.size,
+                capacity,
+            });
         }
+        let mut replicas: Vec<&ReplicaLocation> = list.replicas.iter().collect();
+        if let Some(local) = &self.local_endpoint {
+            replicas.sort_by_key(|r| r.endpoint != *local);
+        }
+        let mut last = "no replica listed".to_owned();
+        for replica in &replicas {
+            let read = {
+                let mut ops = carve(parts, list.size, replica);
+                if ops.is_empty() {
+                    Ok(())
+                } else {
+                    self.transport
+                        .read_batch_into(&replica.endpoint, &mut ops)
+                        .await
+                }
+            };
+            match read {
+                Ok(()) => {
+                    if checksum_of_prefix(parts, list.size) == list.checksum {
+                        return Ok(list.size);
+                    }
+                    last = format!(
+                        "checksum mismatch at {}@{}",
+                        replica.segment, replica.offset
+                    );
+                    tracing::warn!(key, segment = %replica.segment, "replica failed its checksum; trying the next");
+                }
+                Err(error) => {
+                    last = format!("{}: {error}", replica.endpoint);
+                    tracing::warn!(key, endpoint = replica.endpoint, %error, "replica unreachable; trying the next");
+                }
+            }
+        }
+        Err(KvError::Integrity {
+            key: key.to_owned(),
+            tried: replicas.len(),
+            last,
+        })
     }
 
     /// Reads replicas (local first) until one matches the checksum.
@@ -482,29 +679,84 @@ impl KvClient {
             last,
         })
     }
+}
 
-    /// Reads many values of the local sub-cluster (each verified), in order.
-    ///
-    /// # Errors
-    /// [`KvError::Metadata`] when the sub-master is unreachable as a whole.
-    pub async fn get_many(&self, keys: &[&str]) -> Result<Vec<Result<Fetched, KvError>>, KvError> {
-        let lists = self
-            .metadata
-            .get_replica_list(keys.iter().map(|k| (*k).to_owned()).collect())
-            .await?;
-        let reads = keys.iter().zip(lists).map(|(key, list)| async move {
-            match list {
-                ItemResult::Ok(list) => {
-                    self.read_verified(key, self.metadata.subcluster().clone(), list)
-                        .await
-                }
-                ItemResult::Err(ItemError::NotFound) => self.get_elsewhere(key).await,
-                ItemResult::Err(error) => Err(KvError::Item {
-                    key: (*key).to_owned(),
-                    error,
-                }),
-            }
-        });
-        Ok(join_all(reads).await)
+/// A value's place: the sub-cluster that holds it and its replicas.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Located {
+    /// The sub-cluster.
+    pub subcluster: SubclusterId,
+    /// Size, checksum and replicas.
+    pub list: ReplicaList,
+}
+
+/// How a put is placed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PutOptions {
+    /// Replicas, on distinct nodes.
+    pub replicas: u32,
+    /// Put the first replica on this segment when it has room.
+    pub preferred_segment: Option<SegmentId>,
+    /// Never evict the object (it can still be removed).
+    pub hard_pin: bool,
+}
+
+impl Default for PutOptions {
+    fn default() -> Self {
+        Self::replicas(1)
     }
+}
+
+impl PutOptions {
+    /// `replicas` copies, no preference, no pin.
+    pub fn replicas(replicas: u32) -> Self {
+        Self {
+            replicas,
+            preferred_segment: None,
+            hard_pin: false,
+        }
+    }
+}
+
+/// The reads that fill `parts` in order with the first `size` bytes of `replica`.
+fn carve<'a, 'b>(
+    parts: &'b mut [&'a mut [u8]],
+    size: u64,
+    replica: &'b ReplicaLocation,
+) -> Vec<ReadInto<'b>> {
+    let mut ops = Vec::new();
+    let mut remaining = size;
+    let mut offset = replica.offset;
+    for part in parts.iter_mut() {
+        if remaining == 0 {
+            break;
+        }
+        let len = remaining.min(part.len() as u64);
+        let (head, _) = part.split_at_mut(usize::try_from(len).unwrap_or(usize::MAX));
+        if !head.is_empty() {
+            ops.push(ReadInto {
+                region: replica.segment.as_str(),
+                offset,
+                buf: head,
+            });
+        }
+        offset += len;
+        remaining -= len;
+    }
+    ops
+}
+
+/// The value checksum of the first `size` bytes spread over `parts`.
+fn checksum_of_prefix(parts: &[&mut [u8]], size: u64) -> u64 {
+    let mut remaining = size;
+    let mut taken: Vec<&[u8]> = Vec::with_capacity(parts.len());
+    for part in parts {
+        if remaining == 0 {
+            break;
+        }
+        let len = usize::try_from(remaining.min(part.len() as u64)).unwrap_or(usize::MAX);
+        taken.push(&part[..len]);
+        remaining -= len as u64;
+    }
+    value_checksum_parts(&taken)
 }

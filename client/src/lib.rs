@@ -14,7 +14,7 @@ pub mod submaster;
 pub use connect::{connect, ConnectError};
 pub use error::{ClientError, ClientErrorKind, RetryCause};
 pub use global::GlobalClient;
-pub use kv::{Fetched, KvClient, KvError, KvErrorKind, PendingPut};
+pub use kv::{Fetched, KvClient, KvError, KvErrorKind, Located, PendingPut, PutOptions};
 pub use node::{NodeConfig, NodeError, NodeHandle};
 pub use retry::{ClientStats, Resend, RetryPolicy, RpcCaller};
 pub use submaster::SubmasterClient;

@@ -16,6 +16,16 @@ pub fn value_checksum(value: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(value)
 }
 
+/// [`value_checksum`] of the concatenation of `parts` (a value scattered over
+/// several buffers), without concatenating them.
+pub fn value_checksum_parts<P: AsRef<[u8]>>(parts: &[P]) -> u64 {
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    for part in parts {
+        hasher.update(part.as_ref());
+    }
+    hasher.digest()
+}
+
 /// A node mounted a memory segment with the sub-master.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SegmentMounted {
@@ -261,5 +271,19 @@ impl PutCommitted {
             placements,
             flags: PutFlags::default(),
         }
+    }
+}
+
+#[cfg(test)]
+mod checksum_tests {
+    use super::*;
+
+    #[test]
+    fn a_scattered_value_has_the_checksum_of_the_whole() {
+        let whole: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
+        let (a, rest) = whole.split_at(3);
+        let (b, c) = rest.split_at(4000);
+        assert_eq!(value_checksum_parts(&[a, b, c]), value_checksum(&whole));
+        assert_eq!(value_checksum_parts::<&[u8]>(&[]), value_checksum(&[]));
     }
 }

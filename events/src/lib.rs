@@ -20,7 +20,7 @@ pub mod subject;
 pub use codec::{decode_message, encode_message, DecodedMessage, Header, MessageBuilder};
 pub use error::{DecodeError, EncodeError, EventError, EventErrorKind};
 pub use event::{
-    key_hash, value_checksum, EventKind, Evicted, KvEvent, NodeLost, Placement, PutCommitted,
+    key_hash, value_checksum, value_checksum_parts, EventKind, Evicted, KvEvent, NodeLost, Placement, PutCommitted,
     PutFlags, Removed, SegmentMounted, SegmentUnmounted, SnapshotTaken,
 };
 pub use id::{ClusterId, IdError, NodeId, ProducerId, SegmentId, SubclusterId};
