@@ -26,7 +26,8 @@ pub struct NodeConfig {
     pub segment_size: u64,
     /// Where the transfer server listens (`127.0.0.1:0` for an ephemeral port).
     pub listen: SocketAddr,
-    /// The address peers use to reach it; the listen address when `None`.
+    /// The address peers use to reach it: `host:port`, or a bare `host` that takes
+    /// the listener's port; the listen address when `None`.
     pub advertise: Option<String>,
     /// How often it pings the sub-master.
     pub ping_interval: Duration,
@@ -81,6 +82,18 @@ impl std::fmt::Debug for NodeHandle {
     }
 }
 
+/// The endpoint a node announces: `advertise` as given when it names a port, a
+/// bare host with the listener's port, or the listener's address.
+fn advertised_endpoint(advertise: Option<&str>, listening: SocketAddr) -> String {
+    match advertise {
+        None => listening.to_string(),
+        Some(host) if host.rsplit_once(':').is_some_and(|(_, port)| port.parse::<u16>().is_ok()) => {
+            host.to_owned()
+        }
+        Some(host) => format!("{host}:{}", listening.port()),
+    }
+}
+
 fn mount_request(config: &NodeConfig, endpoint: &str) -> MountSegment {
     MountSegment {
         node: config.node.clone(),
@@ -101,10 +114,7 @@ impl NodeHandle {
         let transport = TcpTransport::new(TcpConfig::default());
         transport.register(Arc::clone(&segment))?;
         let server = transport.bind(config.listen).await?;
-        let endpoint = config
-            .advertise
-            .clone()
-            .unwrap_or_else(|| server.local_addr().to_string());
+        let endpoint = advertised_endpoint(config.advertise.as_deref(), server.local_addr());
         client
             .mount_segment(mount_request(&config, &endpoint))
             .await?;
@@ -184,5 +194,18 @@ impl NodeHandle {
     pub async fn kill(self) {
         self.pinger.abort();
         self.server.shutdown().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bare_host_takes_the_listeners_port() {
+        let listening = SocketAddr::from(([127, 0, 0, 1], 4567));
+        assert_eq!(advertised_endpoint(None, listening), "127.0.0.1:4567");
+        assert_eq!(advertised_endpoint(Some("node-a"), listening), "node-a:4567");
+        assert_eq!(advertised_endpoint(Some("node-a:80"), listening), "node-a:80");
     }
 }

@@ -211,7 +211,34 @@ impl SubmasterClient {
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`].
     pub async fn remove_all(&self, force: bool) -> Result<RemoveAllReply, ClientError> {
-        self.call(Op::RemoveAll, &RemoveAll { force }).await
+        self.call(
+            Op::RemoveAll,
+            &RemoveAll {
+                force,
+                key_pattern: None,
+            },
+        )
+        .await
+    }
+
+    /// Removes every object whose key matches `pattern` (a regular expression).
+    ///
+    /// # Errors
+    /// As for [`SubmasterClient::mount_segment`]; an invalid pattern is refused
+    /// (`InvalidRequest`).
+    pub async fn remove_matching(
+        &self,
+        pattern: &str,
+        force: bool,
+    ) -> Result<RemoveAllReply, ClientError> {
+        self.call(
+            Op::RemoveAll,
+            &RemoveAll {
+                force,
+                key_pattern: Some(pattern.to_owned()),
+            },
+        )
+        .await
     }
 
     /// The sub-master's state summary.

@@ -304,13 +304,20 @@ pub struct Remove {
 /// The reply to [`Remove`].
 pub type RemoveReply = Vec<ItemResult<()>>;
 
-/// Remove every object.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// Remove every object, or every object whose key matches a pattern.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RemoveAll {
     /// Remove even leased objects.
     #[serde(default)]
     pub force: bool,
+    /// Only keys matching this regular expression (Rust `regex` syntax, searched
+    /// anywhere in the key unless anchored), at most [`MAX_KEY_PATTERN_LEN`] bytes.
+    #[serde(default)]
+    pub key_pattern: Option<String>,
 }
+
+/// Longest key pattern of a [`RemoveAll`].
+pub const MAX_KEY_PATTERN_LEN: usize = 4096;
 
 /// The reply to [`RemoveAll`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

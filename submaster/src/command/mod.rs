@@ -209,7 +209,7 @@ pub fn handle(
             check_batch(remove.keys.len(), policy)?;
             Ok(objects::remove(state, remove, now_ms))
         }
-        Request::RemoveAll(remove_all) => Ok(objects::remove_all(state, &remove_all, now_ms)),
+        Request::RemoveAll(remove_all) => objects::remove_all(state, &remove_all, now_ms),
         Request::Status(Status {}) => Ok(Outcome::reply(Reply::Status(status(state, serving)))),
     }
 }

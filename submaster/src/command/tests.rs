@@ -4,7 +4,9 @@
 use hkvm_events::rpc::submaster::{
     Exist, GetReplicaList, ItemError, ItemResult, MountSegment, Ping, PutEnd, PutEndItem,
     PutRevoke, PutStart, PutStartItem, Remount, Remove, RemoveAll, UnmountSegment,
+    MAX_KEY_PATTERN_LEN,
 };
+use hkvm_events::rpc::RpcErrorCode;
 use hkvm_events::{KvEvent, NodeId, SegmentId};
 
 use super::*;
@@ -272,15 +274,44 @@ fn remove_all_respects_leases_and_force() {
     }))
     .unwrap();
     assert!(matches!(
-        h.run(Request::RemoveAll(RemoveAll { force: false })),
+        h.run(Request::RemoveAll(RemoveAll { force: false, key_pattern: None })),
         Ok(Reply::RemoveAll(r)) if r.removed == 9
     ));
     assert_eq!(h.leader.object_count(), 1);
     assert!(matches!(
-        h.run(Request::RemoveAll(RemoveAll { force: true })),
+        h.run(Request::RemoveAll(RemoveAll { force: true, key_pattern: None })),
         Ok(Reply::RemoveAll(r)) if r.removed == 1
     ));
     assert_eq!(h.leader.usage().1, 0, "all space is free again");
+    h.assert_standby_agrees();
+}
+
+#[test]
+fn remove_all_with_a_pattern_removes_only_matching_keys() {
+    let mut h = three_nodes();
+    for key in ["model-a/1", "model-a/2", "model-b/1", "other"] {
+        h.put(key, 100, 1);
+    }
+    let by_pattern = |pattern: &str| {
+        Request::RemoveAll(RemoveAll {
+            force: false,
+            key_pattern: Some(pattern.to_owned()),
+        })
+    };
+    assert!(matches!(
+        h.run(by_pattern("^model-a/")),
+        Ok(Reply::RemoveAll(r)) if r.removed == 2
+    ));
+    assert_eq!(h.leader.object_count(), 2);
+    assert!(matches!(
+        h.run(by_pattern("b/[0-9]+$")),
+        Ok(Reply::RemoveAll(r)) if r.removed == 1
+    ));
+    let invalid = h.run(by_pattern("(unclosed")).unwrap_err();
+    assert_eq!(invalid.code, RpcErrorCode::InvalidRequest);
+    let huge = h.run(by_pattern(&"a".repeat(MAX_KEY_PATTERN_LEN + 1))).unwrap_err();
+    assert_eq!(huge.code, RpcErrorCode::InvalidRequest);
+    assert_eq!(h.leader.object_count(), 1, "refused patterns remove nothing");
     h.assert_standby_agrees();
 }
 
