@@ -571,18 +571,23 @@ impl KvClient {
             .zip(located)
             .map(|((key, parts), located)| async move {
                 let located = located?;
-                self.read_into_verified(key, &located.list, parts).await
+                self.read_located_into(key, &located, parts).await
             });
         Ok(join_all(reads).await)
     }
 
-    /// Reads replicas (local first) into `parts` until one matches the checksum.
-    async fn read_into_verified(
+    /// Reads a located value into `parts` (filled in order): replicas local first,
+    /// until one matches the checksum. Returns the value's size.
+    ///
+    /// # Errors
+    /// [`KvError::BufferTooSmall`] or [`KvError::Integrity`].
+    pub async fn read_located_into(
         &self,
         key: &str,
-        list: &ReplicaList,
+        located: &Located,
         parts: &mut [&mut [u8]],
     ) -> Result<u64, KvError> {
+        let list = &located.list;
         let capacity: u64 = parts.iter().map(|part| part.len() as u64).sum();
         if capacity < list.size {
             return Err(KvError::BufferTooSmall {

@@ -9,6 +9,7 @@ pub mod global;
 pub mod kv;
 pub mod node;
 pub mod retry;
+pub mod store;
 pub mod submaster;
 
 pub use connect::{connect, ConnectError};

@@ -1,0 +1,598 @@
+//! An embedded real client with Mooncake Store's semantics, the core behind the
+//! Python `MooncakeDistributedStore`: setting it up makes the process a node of its
+//! sub-cluster (contributing a memory segment it serves over TCP) and a client of
+//! the whole cluster. Puts go to its sub-master (first writer wins, as in
+//! Mooncake); reads, existence and removal find keys in other sub-clusters through
+//! the global master. Every value is checksummed end to end.
+
+mod address;
+mod code;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::join_all;
+use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp, Locate, LocateReply};
+use hkvm_events::rpc::submaster::{ItemError, ItemResult};
+use hkvm_events::rpc::RpcReply;
+use hkvm_events::{NodeId, SegmentId, SubclusterId};
+use hkvm_transfer::{TcpConfig, TcpTransport};
+use tokio::sync::Mutex;
+
+pub use address::{AddressError, StoreAddress};
+pub use code::ErrorCode;
+
+use crate::connect::{connect, ConnectError};
+use crate::kv::{KvClient, KvError, Located, PutOptions};
+use crate::node::{NodeConfig, NodeError, NodeHandle};
+use crate::retry::RetryPolicy;
+use crate::{ClientError, GlobalClient, SubmasterClient};
+
+/// How a store is set up.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// NATS servers, cluster and sub-cluster.
+    pub address: StoreAddress,
+    /// This host as peers reach it: `host` (the node takes a free port) or
+    /// `host:port`.
+    pub local_hostname: String,
+    /// Bytes this process contributes to the pool (0: a client only).
+    pub global_segment_size: u64,
+    /// The largest value a copying call (put, get, get_buffer) stages; zero-copy
+    /// calls on registered buffers are not bounded by it.
+    pub local_buffer_size: u64,
+    /// Retry policy of every metadata call.
+    pub retry: RetryPolicy,
+    /// How long setup waits for the sub-master to answer.
+    pub setup_timeout: Duration,
+}
+
+impl StoreConfig {
+    /// A configuration with default timeouts.
+    pub fn new(address: StoreAddress, local_hostname: impl Into<String>) -> Self {
+        Self {
+            address,
+            local_hostname: local_hostname.into(),
+            global_segment_size: 16 << 20,
+            local_buffer_size: 16 << 20,
+            retry: RetryPolicy {
+                retry_deadline: Duration::from_secs(10),
+                ..RetryPolicy::default()
+            },
+            setup_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Why a store call failed; [`StoreError::code`] is the Mooncake code callers see.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The master address does not parse.
+    #[error(transparent)]
+    Address(#[from] AddressError),
+    /// NATS could not be reached.
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    /// The sub-cluster's sub-master did not answer during setup.
+    #[error("no sub-master of {subcluster} answered; is it running? (`hkvm status`)")]
+    Unreachable {
+        /// The sub-cluster.
+        subcluster: SubclusterId,
+        /// The last failure.
+        #[source]
+        source: ClientError,
+    },
+    /// The node (segment, listener, mount) could not start.
+    #[error("starting this process's node")]
+    Node(#[from] NodeError),
+    /// A put or get failed.
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    /// A metadata call failed.
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    /// The arguments are wrong.
+    #[error("{0}")]
+    InvalidParams(String),
+    /// The store was closed.
+    #[error("the store is closed")]
+    Closed,
+}
+
+impl StoreError {
+    /// The Mooncake error code of this failure.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Self::Address(_) | Self::InvalidParams(_) | Self::Closed => ErrorCode::InvalidParams,
+            Self::Connect(_) | Self::Unreachable { .. } => ErrorCode::RpcFail,
+            Self::Node(NodeError::Mount(error)) | Self::Client(error) => {
+                ErrorCode::of_client(error)
+            }
+            Self::Node(NodeError::Transfer(_)) => ErrorCode::InternalError,
+            Self::Kv(error) => ErrorCode::of_kv(error),
+        }
+    }
+}
+
+/// What [`Store::health`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(i32)]
+pub enum Health {
+    /// The sub-master answers.
+    Healthy = 0,
+    /// The store is closed.
+    NotInitialized = 1,
+    /// The sub-master does not answer.
+    MasterUnreachable = 2,
+}
+
+/// A set-up store. Cheap to share across threads (`Arc`).
+#[derive(Debug)]
+pub struct Store {
+    kv: KvClient,
+    global: GlobalClient,
+    nats: async_nats::Client,
+    address: StoreAddress,
+    hostname: String,
+    node: Mutex<Option<NodeHandle>>,
+    closed: AtomicBool,
+}
+
+/// The node and segment name of an endpoint: its characters outside
+/// `[A-Za-z0-9_-]` become `-`, and a long one is shortened with a hash, so the
+/// same endpoint always names the same node.
+pub fn node_name_for(endpoint: &str) -> String {
+    let clean: String = endpoint
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    if clean.len() <= 56 {
+        clean
+    } else {
+        let hash = xxhash_rust::xxh3::xxh3_64(endpoint.as_bytes());
+        format!("{}-{hash:016x}", &clean[..39])
+    }
+}
+
+/// The segment a node serving at `endpoint` mounts (what a Mooncake caller names
+/// as a preferred segment, `host:port`).
+pub fn segment_for(endpoint: &str) -> Option<SegmentId> {
+    SegmentId::new(format!("{}-seg", node_name_for(endpoint))).ok()
+}
+
+/// Splits `host` or `host:port` (port 0 when absent).
+fn split_host(local_hostname: &str) -> Result<(String, u16), StoreError> {
+    match local_hostname.rsplit_once(':') {
+        Some((host, port)) if !host.contains(':') => port
+            .parse::<u16>()
+            .map(|port| (host.to_owned(), port))
+            .map_err(|_| StoreError::InvalidParams(format!("bad port in {local_hostname:?}"))),
+        _ if local_hostname.is_empty() => {
+            Err(StoreError::InvalidParams("empty local_hostname".into()))
+        }
+        _ => Ok((local_hostname.to_owned(), 0)),
+    }
+}
+
+/// A free TCP port on `ip` (the node binds it right after; the race with another
+/// process taking it in between is accepted: setup then fails and can be retried).
+fn free_port(ip: std::net::IpAddr) -> Result<u16, StoreError> {
+    std::net::TcpListener::bind((ip, 0))
+        .and_then(|listener| listener.local_addr())
+        .map(|addr| addr.port())
+        .map_err(|e| StoreError::InvalidParams(format!("no free port on {ip}: {e}")))
+}
+
+impl Store {
+    /// Connects, checks that the sub-master answers, and (with a segment size)
+    /// starts this process's node.
+    ///
+    /// # Errors
+    /// [`StoreError`] for a bad address or host name, NATS or the sub-master out of
+    /// reach, or a node that cannot start.
+    pub async fn open(config: StoreConfig) -> Result<Self, StoreError> {
+        let address = config.address.clone();
+        let nats = connect(&address.servers, "hkvm-store").await?;
+        let metadata = SubmasterClient::with_policy(
+            nats.clone(),
+            address.cluster.clone(),
+            address.subcluster.clone(),
+            config.retry,
+        );
+        let probe = SubmasterClient::with_policy(
+            nats.clone(),
+            address.cluster.clone(),
+            address.subcluster.clone(),
+            RetryPolicy {
+                request_timeout: config.setup_timeout,
+                retry_deadline: config.setup_timeout,
+                ..config.retry
+            },
+        );
+        probe
+            .status()
+            .await
+            .map_err(|source| StoreError::Unreachable {
+                subcluster: address.subcluster.clone(),
+                source,
+            })?;
+        let (host, port) = split_host(&config.local_hostname)?;
+        let transport = Arc::new(TcpTransport::new(TcpConfig::default()));
+        let mut kv = KvClient::new(metadata.clone(), transport);
+        let (hostname, node) = if config.global_segment_size > 0 {
+            let ip = tokio::net::lookup_host((host.as_str(), 0))
+                .await
+                .ok()
+                .and_then(|mut addrs| addrs.next())
+                .map(|addr| addr.ip())
+                .ok_or_else(|| StoreError::InvalidParams(format!("cannot resolve {host:?}")))?;
+            let port = if port == 0 { free_port(ip)? } else { port };
+            let endpoint = format!("{host}:{port}");
+            let node_id = NodeId::new(node_name_for(&endpoint))
+                .map_err(|e| StoreError::InvalidParams(e.to_string()))?;
+            let mut node_config = NodeConfig::new(node_id, config.global_segment_size)
+                .map_err(|e| StoreError::InvalidParams(e.to_string()))?;
+            node_config.listen = std::net::SocketAddr::new(ip, port);
+            node_config.advertise = Some(endpoint.clone());
+            let node = NodeHandle::start(node_config, metadata).await?;
+            kv = kv.with_local_endpoint(node.endpoint());
+            (node.endpoint().to_owned(), Some(node))
+        } else {
+            (config.local_hostname.clone(), None)
+        };
+        tracing::info!(%address, hostname, segment_bytes = config.global_segment_size, "store set up");
+        let global = GlobalClient::with_caller(kv.metadata().caller().clone(), address.cluster.clone());
+        Ok(Self {
+            kv,
+            global,
+            nats,
+            address,
+            hostname,
+            node: Mutex::new(node),
+            closed: AtomicBool::new(false),
+        })
+    }
+
+    /// This process's transfer endpoint (`host:port`), or the host it was given
+    /// when it contributes no segment.
+    pub fn hostname(&self) -> &str {
+        &self.hostname
+    }
+
+    /// The address it was set up with.
+    pub fn address(&self) -> &StoreAddress {
+        &self.address
+    }
+
+    /// The KV client (for callers that need more than this API).
+    pub fn kv(&self) -> &KvClient {
+        &self.kv
+    }
+
+    fn check_open(&self) -> Result<(), StoreError> {
+        if self.closed.load(Ordering::Acquire) {
+            Err(StoreError::Closed)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Unmounts this process's segment and stops its node; later calls fail with
+    /// [`StoreError::Closed`]. Closing twice does nothing.
+    pub async fn close(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if let Some(node) = self.node.lock().await.take() {
+            if let Err(error) = node.shutdown().await {
+                tracing::warn!(%error, "unmounting this process's segment");
+            }
+        }
+        let _ = self.nats.flush().await;
+    }
+
+    /// Whether the sub-master answers (within a second).
+    pub async fn health(&self) -> Health {
+        if self.check_open().is_err() {
+            return Health::NotInitialized;
+        }
+        let probe = SubmasterClient::with_policy(
+            self.nats.clone(),
+            self.address.cluster.clone(),
+            self.address.subcluster.clone(),
+            RetryPolicy {
+                request_timeout: Duration::from_secs(1),
+                retry_deadline: Duration::from_secs(1),
+                ..RetryPolicy::default()
+            },
+        );
+        match probe.status().await {
+            Ok(_) => Health::Healthy,
+            Err(_) => Health::MasterUnreachable,
+        }
+    }
+
+    /// Stores values, each given as parts concatenated in order. A key that exists
+    /// already is left as it is and reported as success (Mooncake's put is
+    /// first-writer-wins). One result per item, in order.
+    ///
+    /// # Errors
+    /// When the sub-master is unreachable as a whole, or the store is closed.
+    pub async fn put(
+        &self,
+        items: &[(&str, &[&[u8]])],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        self.check_open()?;
+        let results = self.kv.put_scattered(items, options).await?;
+        Ok(results
+            .into_iter()
+            .map(|result| match result {
+                Ok(()) => Ok(()),
+                Err(KvError::Item {
+                    error: ItemError::AlreadyExists,
+                    ..
+                }) => Ok(()),
+                Err(error) => Err(error.into()),
+            })
+            .collect())
+    }
+
+    /// Where values are (a read lease each), local sub-cluster first.
+    ///
+    /// # Errors
+    /// When the sub-master is unreachable as a whole, or the store is closed.
+    pub async fn locate(
+        &self,
+        keys: &[&str],
+    ) -> Result<Vec<Result<Located, StoreError>>, StoreError> {
+        self.check_open()?;
+        let located = self.kv.locate(keys).await?;
+        Ok(located
+            .into_iter()
+            .map(|l| l.map_err(StoreError::from))
+            .collect())
+    }
+
+    /// Reads a located value into `parts` (filled in order), verified. Returns its
+    /// size.
+    ///
+    /// # Errors
+    /// [`ErrorCode::BufferOverflow`] when `parts` are too small,
+    /// [`ErrorCode::TransferFail`] when no replica is intact.
+    pub async fn read_located(
+        &self,
+        key: &str,
+        located: &Located,
+        parts: &mut [&mut [u8]],
+    ) -> Result<u64, StoreError> {
+        self.check_open()?;
+        Ok(self.kv.read_located_into(key, located, parts).await?)
+    }
+
+    /// Reads values straight into the caller's buffers; one result (the value's
+    /// size) per item, in order.
+    ///
+    /// # Errors
+    /// When the sub-master is unreachable as a whole, or the store is closed.
+    pub async fn get_into(
+        &self,
+        items: &mut [(&str, &mut [&mut [u8]])],
+    ) -> Result<Vec<Result<u64, StoreError>>, StoreError> {
+        self.check_open()?;
+        let results = self.kv.get_many_into(items).await?;
+        Ok(results
+            .into_iter()
+            .map(|r| r.map_err(StoreError::from))
+            .collect())
+    }
+
+    /// Whether each key exists anywhere in the cluster: the local sub-master's
+    /// (authoritative) answer, and the global master's for keys it does not hold
+    /// (a global master that is down or busy counts as "not elsewhere").
+    ///
+    /// # Errors
+    /// When the local sub-master is unreachable, or the store is closed.
+    pub async fn exist(&self, keys: &[String]) -> Result<Vec<bool>, StoreError> {
+        self.check_open()?;
+        let mut exists = self.kv.metadata().exist(keys.to_vec()).await?;
+        let missing: Vec<usize> = (0..keys.len()).filter(|&i| !exists[i]).collect();
+        for chunk in missing.chunks(hkvm_events::rpc::global::MAX_BATCH_KEYS) {
+            let request = BatchIsExist {
+                keys: chunk.iter().map(|&i| keys[i].clone()).collect(),
+                labels: None,
+            };
+            if let Ok(RpcReply::Ok(reply)) = self
+                .global
+                .call_once::<_, BatchIsExistReply>(GlobalOp::BatchIsExist, &request)
+                .await
+            {
+                for (&index, count) in chunk.iter().zip(&reply.counts) {
+                    exists[index] = *count > 0;
+                }
+            }
+        }
+        Ok(exists)
+    }
+
+    /// Removes keys wherever they are (leased ones only with `force`); one result
+    /// per key, in order.
+    ///
+    /// # Errors
+    /// When the local sub-master is unreachable, or the store is closed.
+    pub async fn remove(
+        &self,
+        keys: &[String],
+        force: bool,
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        self.check_open()?;
+        let local = self.kv.metadata().remove(keys.to_vec(), force).await?;
+        let mut results: Vec<Result<(), StoreError>> = Vec::with_capacity(keys.len());
+        let mut elsewhere = Vec::new();
+        for (index, (key, result)) in keys.iter().zip(local).enumerate() {
+            results.push(match result {
+                ItemResult::Ok(()) => Ok(()),
+                ItemResult::Err(ItemError::NotFound) => {
+                    elsewhere.push(index);
+                    Err(KvError::NotFound { key: key.clone() }.into())
+                }
+                ItemResult::Err(error) => Err(KvError::Item {
+                    key: key.clone(),
+                    error,
+                }
+                .into()),
+            });
+        }
+        if !elsewhere.is_empty() {
+            self.remove_elsewhere(keys, &elsewhere, force, &mut results)
+                .await;
+        }
+        Ok(results)
+    }
+
+    /// Removes the keys at `indexes` from the sub-clusters the global master says
+    /// hold them, updating their results.
+    async fn remove_elsewhere(
+        &self,
+        keys: &[String],
+        indexes: &[usize],
+        force: bool,
+        results: &mut [Result<(), StoreError>],
+    ) {
+        let request = Locate {
+            keys: indexes.iter().map(|&i| keys[i].clone()).collect(),
+            labels: None,
+        };
+        let Ok(RpcReply::Ok(reply)) = self
+            .global
+            .call_once::<_, LocateReply>(GlobalOp::Locate, &request)
+            .await
+        else {
+            return;
+        };
+        let mut by_owner: BTreeMap<SubclusterId, Vec<usize>> = BTreeMap::new();
+        for (&index, owners) in indexes.iter().zip(&reply.owners) {
+            for owner in owners {
+                by_owner
+                    .entry(owner.subcluster.clone())
+                    .or_default()
+                    .push(index);
+            }
+        }
+        for (subcluster, owned) in by_owner {
+            let client = self.submaster(&subcluster);
+            let owned_keys = owned.iter().map(|&i| keys[i].clone()).collect();
+            let Ok(removed) = client.remove(owned_keys, force).await else {
+                continue;
+            };
+            for (index, result) in owned.into_iter().zip(removed) {
+                match result {
+                    ItemResult::Ok(()) => results[index] = Ok(()),
+                    ItemResult::Err(ItemError::NotFound) => {}
+                    ItemResult::Err(error) => {
+                        results[index] = Err(KvError::Item {
+                            key: keys[index].clone(),
+                            error,
+                        }
+                        .into());
+                    }
+                }
+            }
+        }
+    }
+
+    fn submaster(&self, subcluster: &SubclusterId) -> SubmasterClient {
+        SubmasterClient::with_caller(
+            self.kv.metadata().caller().clone(),
+            self.address.cluster.clone(),
+            subcluster.clone(),
+        )
+    }
+
+    /// The sub-clusters of the cluster, as the registry lists them (this one when
+    /// the registry cannot be read).
+    async fn subclusters(&self) -> Vec<SubclusterId> {
+        let js = async_nats::jetstream::new(self.nats.clone());
+        let listed = match hkvm_events::registry::open_registry(&js, &self.address.cluster).await {
+            Ok(store) => {
+                hkvm_events::registry::list(&store, hkvm_events::registry::DEFAULT_TTL).await
+            }
+            Err(error) => Err(error),
+        };
+        let mut subclusters: Vec<SubclusterId> = match listed {
+            Ok(entries) => entries.into_iter().map(|e| e.info.subcluster).collect(),
+            Err(error) => {
+                tracing::warn!(%error, "reading the registry; removing in this sub-cluster only");
+                Vec::new()
+            }
+        };
+        if !subclusters.contains(&self.address.subcluster) {
+            subclusters.push(self.address.subcluster.clone());
+        }
+        subclusters
+    }
+
+    /// Removes every object of the cluster, or every object whose key matches
+    /// `pattern`, in every registered sub-cluster. Returns how many were removed.
+    ///
+    /// # Errors
+    /// An invalid pattern, this sub-cluster's sub-master unreachable, or the store
+    /// closed. Other sub-clusters that fail are skipped with a warning.
+    pub async fn remove_all(&self, pattern: Option<&str>, force: bool) -> Result<u64, StoreError> {
+        self.check_open()?;
+        let subclusters = self.subclusters().await;
+        let removals = subclusters.iter().map(|subcluster| async move {
+            let client = self.submaster(subcluster);
+            let reply = match pattern {
+                Some(pattern) => client.remove_matching(pattern, force).await,
+                None => client.remove_all(force).await,
+            };
+            (subcluster, reply)
+        });
+        let mut removed = 0;
+        for (subcluster, reply) in join_all(removals).await {
+            match reply {
+                Ok(reply) => removed += reply.removed,
+                Err(error) if *subcluster == self.address.subcluster => return Err(error.into()),
+                Err(error) if error.rpc_code().is_some() => return Err(error.into()),
+                Err(error) => tracing::warn!(%subcluster, %error, "removing there failed"),
+            }
+        }
+        Ok(removed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_name_nodes_and_segments_stably() {
+        assert_eq!(node_name_for("10.0.0.5:12345"), "10-0-0-5-12345");
+        assert_eq!(
+            segment_for("localhost:7000").unwrap().as_str(),
+            "localhost-7000-seg"
+        );
+        let long = format!("{}:1", "h".repeat(200));
+        let name = node_name_for(&long);
+        assert!(name.len() <= 56, "{name}");
+        assert_eq!(name, node_name_for(&long));
+        assert!(segment_for(&long).is_some());
+    }
+
+    #[test]
+    fn hosts_and_ports_are_split() {
+        assert_eq!(split_host("localhost").unwrap(), ("localhost".into(), 0));
+        assert_eq!(split_host("10.0.0.1:80").unwrap(), ("10.0.0.1".into(), 80));
+        assert!(split_host("h:notaport").is_err());
+        assert!(split_host("").is_err());
+    }
+}
