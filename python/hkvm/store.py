@@ -1,0 +1,432 @@
+"""Mooncake Store's Python API on HKVM.
+
+A program written for Mooncake runs on HKVM after changing its import
+(``from hkvm.store import MooncakeDistributedStore, ReplicateConfig``) and its master
+address (``nats://h1:4222,h2:4222/<cluster>/<subcluster>``). Method names, argument
+order and defaults, return types and Mooncake's integer error codes are kept; the
+differences are listed in ``docs/python.md``.
+
+Every call is safe from several threads at once; network waits and copies run with
+the GIL released.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import re
+import threading
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
+
+from . import _native
+
+__all__ = [
+    "BufferHandle",
+    "ErrorCode",
+    "MooncakeDistributedStore",
+    "ReplicateConfig",
+]
+
+log = logging.getLogger("hkvm.store")
+
+_DEFAULT_SEGMENT = 16 * 1024 * 1024
+_DEFAULT_LOCAL_BUFFER = 16 * 1024 * 1024
+
+
+class ErrorCode:
+    """Mooncake's error codes that HKVM returns (same numbers)."""
+
+    OK = 0
+    INTERNAL_ERROR = -1
+    BUFFER_OVERFLOW = -10
+    NO_AVAILABLE_HANDLE = -200
+    INVALID_PARAMS = -600
+    INVALID_WRITE = -700
+    OBJECT_NOT_FOUND = -704
+    OBJECT_ALREADY_EXISTS = -705
+    OBJECT_HAS_LEASE = -706
+    TRANSFER_FAIL = -800
+    RPC_FAIL = -900
+    RPC_TIMEOUT = -901
+    UNAVAILABLE_IN_CURRENT_MODE = -1011
+
+
+class ReplicateConfig:
+    """How a put is placed: ``replica_num`` copies on distinct nodes, the first on
+    ``preferred_segment`` (``host:port`` of a store, as ``get_hostname()`` gives)
+    when it has room; ``with_hard_pin`` objects are never evicted. ``with_soft_pin``,
+    ``prefer_alloc_in_same_node`` and ``group_ids`` are accepted and have no effect
+    (HKVM evicts oldest first among unpinned, unleased objects)."""
+
+    def __init__(self) -> None:
+        self.replica_num: int = 1
+        self.with_soft_pin: bool = False
+        self.with_hard_pin: bool = False
+        self.preferred_segment: str = ""
+        self.preferred_segments: List[str] = []
+        self.prefer_alloc_in_same_node: bool = False
+        self.group_ids: Optional[List[str]] = None
+
+    def _preferred(self) -> Optional[str]:
+        if self.preferred_segment:
+            return self.preferred_segment
+        if self.preferred_segments:
+            return self.preferred_segments[0]
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"ReplicateConfig(replica_num={self.replica_num}, "
+            f"with_soft_pin={self.with_soft_pin}, with_hard_pin={self.with_hard_pin}, "
+            f"preferred_segment={self.preferred_segment!r})"
+        )
+
+    __str__ = __repr__
+
+
+class BufferHandle(bytearray):
+    """A value read by ``get_buffer``: a ``bytearray`` (so ``memoryview(handle)``,
+    ``bytes(handle)`` and ``torch.frombuffer(handle, ...)`` work) with Mooncake's
+    ``ptr()`` and ``size()``. The memory lives as long as the handle."""
+
+    def ptr(self) -> int:
+        """The address of the bytes (0 when empty)."""
+        if not self:
+            return 0
+        return ctypes.addressof(ctypes.c_char.from_buffer(self))
+
+    def size(self) -> int:
+        """The number of bytes."""
+        return len(self)
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _parse_size(value: Union[int, str]) -> int:
+    """A size as int or as text such as ``"16MB"``, ``"16 MiB"``, ``"4gb"``."""
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(str(value))
+    if not match:
+        raise ValueError(f"not a size: {value!r}")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[(unit or "").lower()[:1]])
+
+
+def _as_bytes(value: Any) -> bytes:
+    """The value's bytes without a copy when it already is ``bytes``."""
+    if isinstance(value, bytes):
+        return value
+    return bytes(memoryview(value).cast("B"))
+
+
+class MooncakeDistributedStore:
+    """A client (and, with a segment size, a node) of an HKVM pool with Mooncake
+    Store's API. Construct it, then ``setup(...)``."""
+
+    def __init__(self) -> None:
+        self._native: Optional[_native.NativeStore] = None
+        self._lock = threading.Lock()
+        _native.init_logging()
+
+    # -- setup and lifecycle ------------------------------------------------------
+
+    def setup(
+        self,
+        local_hostname: Union[str, Dict[str, Any], None] = None,
+        metadata_server: Optional[str] = None,
+        global_segment_size: Union[int, str] = _DEFAULT_SEGMENT,
+        local_buffer_size: Union[int, str] = _DEFAULT_LOCAL_BUFFER,
+        protocol: str = "tcp",
+        rdma_devices: str = "",
+        master_server_addr: Optional[str] = None,
+        engine: Any = None,
+        **extras: Any,
+    ) -> int:
+        """Joins the pool: this process becomes a node of the sub-cluster named in
+        ``master_server_addr`` contributing ``global_segment_size`` bytes (0: a
+        client only). ``metadata_server`` and ``engine`` are accepted and ignored;
+        so are Mooncake's extra keywords (``tenant_id``, ``enable_ssd_offload``...).
+        Also takes one dict with the same keys (values may be strings such as
+        ``"16MB"``). Returns 0, or a negative Mooncake error code."""
+        if isinstance(local_hostname, dict):
+            config = {str(k): v for k, v in local_hostname.items()}
+            local_hostname = config.get("local_hostname")
+            metadata_server = config.get("metadata_server", metadata_server)
+            global_segment_size = config.get("global_segment_size", global_segment_size)
+            local_buffer_size = config.get("local_buffer_size", local_buffer_size)
+            protocol = config.get("protocol", protocol)
+            rdma_devices = config.get("rdma_devices", config.get("device_name", rdma_devices))
+            master_server_addr = config.get(
+                "master_server_addr", config.get("master_server_address", master_server_addr)
+            )
+        if extras:
+            log.debug("ignoring setup options HKVM does not use: %s", sorted(extras))
+        if not local_hostname or not master_server_addr:
+            log.error("setup needs local_hostname and master_server_addr")
+            return ErrorCode.INVALID_PARAMS
+        try:
+            segment = _parse_size(global_segment_size)
+            buffer = _parse_size(local_buffer_size)
+        except ValueError as error:
+            log.error("setup: %s", error)
+            return ErrorCode.INVALID_PARAMS
+        if segment < 0 or buffer < 0:
+            log.error("setup: sizes must not be negative")
+            return ErrorCode.INVALID_PARAMS
+        if str(protocol).lower() != "tcp":
+            log.error("setup: protocol %r is not available (this build moves data over tcp)", protocol)
+            return ErrorCode.INVALID_PARAMS
+        with self._lock:
+            if self._native is not None:
+                log.error("setup: the store is set up already; close() it first")
+                return ErrorCode.INVALID_PARAMS
+            try:
+                self._native = _native.NativeStore(
+                    str(local_hostname), str(master_server_addr), segment, buffer
+                )
+            except _native.HkvmError as error:
+                code, message = error.args
+                log.error("setup failed: %s", message)
+                return int(code)
+        return ErrorCode.OK
+
+    def setup_dummy(self, mem_pool_size: int, local_buffer_size: int, server_address: str) -> int:
+        """Attaching to a real client process is not available in this build:
+        returns ``UNAVAILABLE_IN_CURRENT_MODE`` (-1011)."""
+        log.error("setup_dummy: dummy clients are not available in this build; use setup()")
+        return ErrorCode.UNAVAILABLE_IN_CURRENT_MODE
+
+    def init_all(self, protocol: str, device_name: str, mount_segment_size: int = _DEFAULT_SEGMENT) -> int:
+        """Mooncake's legacy all-in-one setup is not available: returns -1011."""
+        log.error("init_all is not available; use setup()")
+        return ErrorCode.UNAVAILABLE_IN_CURRENT_MODE
+
+    def close(self) -> int:
+        """Unmounts this process's segment and stops its node. A later ``setup``
+        works again. Returns 0 (also when not set up)."""
+        with self._lock:
+            native, self._native = self._native, None
+        if native is not None:
+            native.close()
+        return ErrorCode.OK
+
+    def health_check(self) -> int:
+        """0 healthy, 1 not set up (or closed), 2 sub-master unreachable."""
+        native = self._native
+        if native is None:
+            return 1
+        return native.health()
+
+    def get_hostname(self) -> str:
+        """This process's transfer endpoint, ``host:port`` ("" before setup)."""
+        native = self._native
+        return native.hostname() if native is not None else ""
+
+    # -- copying data path --------------------------------------------------------
+
+    @staticmethod
+    def _placement(config: Optional[ReplicateConfig]):
+        config = config or ReplicateConfig()
+        return int(config.replica_num), config._preferred(), bool(config.with_hard_pin)
+
+    def put(self, key: str, value: Any, config: Optional[ReplicateConfig] = None) -> int:
+        """Stores ``value`` (any bytes-like) under ``key``. An existing key is left
+        as it is and 0 returned (first writer wins). 0 or a negative code."""
+        return self._put([key], [[value]], config)[0]
+
+    def put_parts(self, key: str, *parts: Any, config: Optional[ReplicateConfig] = None) -> int:
+        """Stores the concatenation of ``parts`` under ``key``. 0 or a negative code."""
+        return self._put([key], [list(parts)], config)[0]
+
+    def put_batch(self, keys: List[str], values: List[Any], config: Optional[ReplicateConfig] = None) -> int:
+        """Stores many values; 0 when all succeeded, else the first failure's code."""
+        if len(keys) != len(values):
+            return ErrorCode.INVALID_PARAMS
+        codes = self._put(list(keys), [[v] for v in values], config)
+        return next((c for c in codes if c != 0), ErrorCode.OK)
+
+    def _put(self, keys: List[str], values: List[List[Any]], config: Optional[ReplicateConfig]) -> List[int]:
+        native = self._native
+        if native is None:
+            return [ErrorCode.INVALID_PARAMS] * len(keys)
+        try:
+            parts = [[_as_bytes(p) for p in value] for value in values]
+        except TypeError:
+            return [ErrorCode.INVALID_PARAMS] * len(keys)
+        replicas, preferred, pin = self._placement(config)
+        return native.put(keys, parts, replicas, preferred, pin, True)
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key``, or ``b""`` when it is missing or unreadable."""
+        return self.get_batch([key])[0]
+
+    def get_batch(self, keys: List[str]) -> List[bytes]:
+        """One ``bytes`` per key, ``b""`` for a missing or unreadable one."""
+        native = self._native
+        if native is None:
+            return [b""] * len(keys)
+        return [v if isinstance(v, bytes) else b"" for v in native.get(list(keys))]
+
+    def get_buffer(self, key: str) -> Optional[BufferHandle]:
+        """The value of ``key`` in a :class:`BufferHandle`, or ``None``."""
+        return self.batch_get_buffer([key])[0]
+
+    def batch_get_buffer(self, keys: List[str]) -> List[Optional[BufferHandle]]:
+        """One :class:`BufferHandle` (or ``None``) per key."""
+        native = self._native
+        if native is None:
+            return [None] * len(keys)
+        return native.get_buffer(list(keys), BufferHandle)
+
+    # -- existence, size, removal -------------------------------------------------
+
+    def is_exist(self, key: str) -> int:
+        """1 if ``key`` exists anywhere in the pool, 0 if not, -1 on error."""
+        return self.batch_is_exist([key])[0]
+
+    def batch_is_exist(self, keys: List[str]) -> List[int]:
+        """Per key 1, 0 or -1 (error)."""
+        native = self._native
+        if native is None:
+            return [-1] * len(keys)
+        return native.exist(list(keys))
+
+    def get_size(self, key: str) -> int:
+        """The size of ``key``'s value, or a negative code (-704 when missing)."""
+        native = self._native
+        if native is None:
+            return ErrorCode.INVALID_PARAMS
+        return native.size([key])[0]
+
+    def remove(self, key: str, force: bool = False) -> int:
+        """Removes ``key`` wherever it is: 0, -704 when missing, -706 while a
+        reader holds its lease (unless ``force``)."""
+        return self.batch_remove([key], force)[0]
+
+    def batch_remove(self, keys: List[str], force: bool = False) -> List[int]:
+        """Per key 0 or a negative code."""
+        native = self._native
+        if native is None:
+            return [ErrorCode.INVALID_PARAMS] * len(keys)
+        return native.remove(list(keys), bool(force))
+
+    def remove_all(self, force: bool = False) -> int:
+        """Removes every object of the pool; how many, or a negative code."""
+        native = self._native
+        if native is None:
+            return ErrorCode.INVALID_PARAMS
+        return native.remove_all(None, bool(force))
+
+    def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
+        """Removes every object whose key matches ``regex_pattern`` (searched
+        anywhere in the key unless anchored); how many, or a negative code."""
+        native = self._native
+        if native is None:
+            return ErrorCode.INVALID_PARAMS
+        return native.remove_all(str(regex_pattern), bool(force))
+
+    # -- zero-copy data path ------------------------------------------------------
+
+    def register_buffer(self, buffer_ptr: int, size: int) -> int:
+        """Registers ``[buffer_ptr, buffer_ptr + size)`` for zero-copy calls: 0, or
+        -600 for a null, empty or overlapping range."""
+        native = self._native
+        if native is None:
+            return ErrorCode.INVALID_PARAMS
+        return native.register_buffer(int(buffer_ptr), int(size))
+
+    def unregister_buffer(self, buffer_ptr: int) -> int:
+        """Forgets a registration: 0, or -600 when none starts at ``buffer_ptr``."""
+        native = self._native
+        if native is None:
+            return ErrorCode.INVALID_PARAMS
+        return native.unregister_buffer(int(buffer_ptr))
+
+    def put_from(self, key: str, buffer_ptr: int, size: int, config: Optional[ReplicateConfig] = None) -> int:
+        """Stores ``size`` bytes of registered memory at ``buffer_ptr``: 0 or a
+        negative code (-600 for memory outside every registered buffer)."""
+        return self._put_from([key], [[buffer_ptr]], [[size]], config)[0]
+
+    def batch_put_from(
+        self,
+        keys: List[str],
+        buffer_ptrs: List[int],
+        sizes: List[int],
+        config: Optional[ReplicateConfig] = None,
+    ) -> List[int]:
+        """Per key 0 or a negative code; every entry -600 when the lists differ in
+        length."""
+        if not (len(keys) == len(buffer_ptrs) == len(sizes)):
+            return [ErrorCode.INVALID_PARAMS] * len(keys)
+        return self._put_from(keys, [[p] for p in buffer_ptrs], [[s] for s in sizes], config)
+
+    def batch_put_from_multi_buffers(
+        self,
+        keys: List[str],
+        all_buffer_ptrs: List[List[int]],
+        all_sizes: List[List[int]],
+        config: Optional[ReplicateConfig] = None,
+    ) -> List[int]:
+        """Per key, stores the concatenation of its (pointer, size) parts: 0 or a
+        negative code; every entry -600 when the shapes differ."""
+        return self._put_from(keys, all_buffer_ptrs, all_sizes, config)
+
+    def _put_from(self, keys, ptrs, sizes, config) -> List[int]:
+        native = self._native
+        if native is None:
+            return [ErrorCode.INVALID_PARAMS] * len(keys)
+        replicas, preferred, pin = self._placement(config)
+        try:
+            return native.put_from(
+                list(keys), _int_lists(ptrs), _int_lists(sizes), replicas, preferred, pin
+            )
+        except (TypeError, ValueError, OverflowError):
+            return [ErrorCode.INVALID_PARAMS] * len(keys)
+
+    def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
+        """Reads ``key``'s value into registered memory of ``size`` bytes at
+        ``buffer_ptr``: its size, or a negative code (-704 missing, -10 buffer
+        too small, -600 unregistered memory)."""
+        return self._get_into([key], [[buffer_ptr]], [[size]])[0]
+
+    def batch_get_into(self, keys: List[str], buffer_ptrs: List[int], sizes: List[int]) -> List[int]:
+        """Per key its size or a negative code; every entry -600 when the lists
+        differ in length."""
+        if not (len(keys) == len(buffer_ptrs) == len(sizes)):
+            return [ErrorCode.INVALID_PARAMS] * len(keys)
+        return self._get_into(keys, [[p] for p in buffer_ptrs], [[s] for s in sizes])
+
+    def batch_get_into_multi_buffers(
+        self,
+        keys: List[str],
+        all_buffer_ptrs: List[List[int]],
+        all_sizes: List[List[int]],
+        prefer_alloc_in_same_node: bool = False,
+    ) -> List[int]:
+        """Per key, scatters its value over its (pointer, size) parts in order:
+        total size or a negative code; every entry -600 when the shapes differ."""
+        return self._get_into(keys, all_buffer_ptrs, all_sizes)
+
+    def _get_into(self, keys, ptrs, sizes) -> List[int]:
+        native = self._native
+        if native is None:
+            return [ErrorCode.INVALID_PARAMS] * len(keys)
+        try:
+            return native.get_into(list(keys), _int_lists(ptrs), _int_lists(sizes))
+        except (TypeError, ValueError, OverflowError):
+            return [ErrorCode.INVALID_PARAMS] * len(keys)
+
+
+def _int_lists(rows: Iterable[Sequence[int]]) -> List[List[int]]:
+    """Rows of ints (pointers or sizes) as plain lists; negative values are
+    refused."""
+    out = []
+    for row in rows:
+        values = [int(v) for v in row]
+        if any(v < 0 for v in values):
+            raise ValueError("negative pointer or size")
+        out.append(values)
+    return out

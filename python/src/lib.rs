@@ -1,0 +1,40 @@
+//! `hkvm._native`: the Rust side of the `hkvm` Python package. It only converts
+//! Python arguments to calls of [`hkvm_client::store::Store`] and results to
+//! Mooncake's integer codes; the Python-facing API (argument forms, defaults, the
+//! `MooncakeDistributedStore` class) is in `hkvm/store.py`. Every network wait and
+//! copy runs with the GIL released, on a Tokio runtime owned by the store.
+
+mod native;
+
+use pyo3::prelude::*;
+
+pyo3::create_exception!(
+    _native,
+    HkvmError,
+    pyo3::exceptions::PyException,
+    "A store could not be set up; `args` are (Mooncake error code, message)."
+);
+
+/// Starts `tracing` output on stderr, filtered by `HKVM_LOG` (e.g. `info`,
+/// `hkvm_client=debug`); warnings only when it is unset. Only the first call acts.
+#[pyfunction]
+fn init_logging() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let filter = tracing_subscriber::EnvFilter::try_from_env("HKVM_LOG")
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .try_init();
+    });
+}
+
+/// The extension module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("HkvmError", m.py().get_type::<HkvmError>())?;
+    m.add_function(wrap_pyfunction!(init_logging, m)?)?;
+    m.add_class::<native::NativeStore>()?;
+    Ok(())
+}
