@@ -4,7 +4,7 @@
 use hkvm_events::rpc::submaster::{
     Exist, ExistReply, GetReplicaList, GetReplicaListReply, MountSegment, Op, Ping, PingReply,
     PutEnd, PutEndItem, PutEndReply, PutRevoke, PutRevokeReply, PutStart, PutStartItem,
-    PutStartReply, Remount, Remove, RemoveAll, RemoveAllReply, RemoveReply, Status, StatusReply,
+    PutStartReply, Remount, Remove, RemoveAll, RemoveAllReply, RemoveMatching, RemoveReply, Status, StatusReply,
     UnmountSegment, MAX_BATCH_ITEMS,
 };
 use hkvm_events::subject::submaster_rpc_subject;
@@ -36,9 +36,12 @@ fn resend(op: Op) -> Resend {
         | Op::MountSegment
         | Op::Remount
         | Op::PutStart => Resend::Safe,
-        Op::UnmountSegment | Op::PutEnd | Op::PutRevoke | Op::Remove | Op::RemoveAll => {
-            Resend::Unsafe
-        }
+        Op::UnmountSegment
+        | Op::PutEnd
+        | Op::PutRevoke
+        | Op::Remove
+        | Op::RemoveAll
+        | Op::RemoveMatching => Resend::Unsafe,
     }
 }
 
@@ -211,14 +214,7 @@ impl SubmasterClient {
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`].
     pub async fn remove_all(&self, force: bool) -> Result<RemoveAllReply, ClientError> {
-        self.call(
-            Op::RemoveAll,
-            &RemoveAll {
-                force,
-                key_pattern: None,
-            },
-        )
-        .await
+        self.call(Op::RemoveAll, &RemoveAll { force }).await
     }
 
     /// Removes every object whose key matches `pattern` (a regular expression).
@@ -232,10 +228,10 @@ impl SubmasterClient {
         force: bool,
     ) -> Result<RemoveAllReply, ClientError> {
         self.call(
-            Op::RemoveAll,
-            &RemoveAll {
+            Op::RemoveMatching,
+            &RemoveMatching {
+                pattern: pattern.to_owned(),
                 force,
-                key_pattern: Some(pattern.to_owned()),
             },
         )
         .await

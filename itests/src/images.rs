@@ -47,27 +47,3 @@ pub fn nats_image() -> GenericImage {
 pub fn hkvm_image() -> GenericImage {
     image_from_env(HKVM_IMAGE_ENV, DEFAULT_HKVM_IMAGE)
 }
-
-#[cfg(test)]
-mod tests {
-    use super::split_image_ref;
-
-    #[test]
-    fn image_references_split_into_name_and_tag() {
-        let cases = [
-            ("hkvm/nats:2.15.1", ("hkvm/nats", "2.15.1")),
-            ("nats", ("nats", "latest")),
-            (
-                "registry:5000/team/nats:2.15",
-                ("registry:5000/team/nats", "2.15"),
-            ),
-            ("registry:5000/nats", ("registry:5000/nats", "latest")),
-        ];
-        for (reference, (name, tag)) in cases {
-            assert_eq!(
-                split_image_ref(reference),
-                (name.to_owned(), tag.to_owned())
-            );
-        }
-    }
-}

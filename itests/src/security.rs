@@ -2,9 +2,16 @@
 //! write only its own event stream, lease, registry entry and snapshots; one user
 //! for global masters that reads streams and writes only its own checkpoints; one
 //! user for nodes and clients that may only send RPC requests. `docs/security.md`
-//! shows the output of [`nats_conf`] and a test keeps the two identical.
+//! shows the output of [`nats_conf`] and a test (`tests/it/library.rs`) keeps the two
+//! identical.
 
 use std::fmt::Write as _;
+
+use hkvm_events::rpc::submaster::Op;
+use hkvm_events::subject::{
+    event_subject, global_rpc_subject, stream_name, submaster_rpc_subject, Bucket,
+};
+use hkvm_events::{ClusterId, IdError, SubclusterId};
 
 /// The password of a user in the generated config (tests only: a deployment sets
 /// real secrets or uses NKeys/JWTs with the same permissions).
@@ -77,12 +84,41 @@ fn user_block(out: &mut String, user: &str, publish: &[String], subscribe: &[Str
     );
 }
 
+/// The subject of sub-master operation `op` (which may be a wildcard) of every
+/// sub-cluster of `cluster`: [`submaster_rpc_subject`] with the sub-cluster token
+/// replaced by `*` (found as the one token in which two sub-clusters' subjects
+/// differ).
+fn every_subcluster_rpc_subject(cluster: &ClusterId, op: &str) -> Result<String, IdError> {
+    let one = submaster_rpc_subject(cluster, &SubclusterId::new("a")?, op);
+    let other = submaster_rpc_subject(cluster, &SubclusterId::new("b")?, op);
+    Ok(one
+        .split('.')
+        .zip(other.split('.'))
+        .map(|(a, b)| if a == b { a } else { "*" })
+        .collect::<Vec<_>>()
+        .join("."))
+}
+
+/// The JetStream stream behind KV bucket `bucket`.
+fn kv_stream(cluster: &ClusterId, bucket: Bucket) -> String {
+    format!("KV_{}", bucket.name(cluster))
+}
+
+/// The JetStream stream behind object store `bucket`.
+fn object_stream(cluster: &ClusterId, bucket: Bucket) -> String {
+    format!("OBJ_{}", bucket.name(cluster))
+}
+
 /// A `nats.conf` fragment (accounts and users) for cluster `cluster` with these
 /// sub-clusters; pass it to every NATS node with `-c`.
-pub fn nats_conf(cluster: &str, subclusters: &[&str]) -> String {
-    let leader = format!("KV_hkvm_{cluster}_leader");
-    let registry = format!("KV_hkvm_{cluster}_registry");
-    let snapshots = format!("OBJ_hkvm_{cluster}_snapshots");
+///
+/// # Errors
+/// When a name is not a valid cluster or sub-cluster id.
+pub fn nats_conf(cluster: &str, subclusters: &[&str]) -> Result<String, IdError> {
+    let cluster = ClusterId::new(cluster)?;
+    let leader = kv_stream(&cluster, Bucket::Leader);
+    let registry = kv_stream(&cluster, Bucket::Registry);
+    let snapshots = object_stream(&cluster, Bucket::Snapshots);
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -92,70 +128,52 @@ pub fn nats_conf(cluster: &str, subclusters: &[&str]) -> String {
         password("sys"),
         password(ADMIN_USER)
     );
-    for subcluster in subclusters {
-        let stream = format!("HKVM_{cluster}_{subcluster}");
+    let mut streams = Vec::new();
+    for name in subclusters {
+        let subcluster = SubclusterId::new(*name)?;
+        let stream = stream_name(&cluster, &subcluster);
         let mut publish = vec![
             // Its own event stream and nothing else's.
-            format!("hkvm.{cluster}.{subcluster}.ev"),
+            event_subject(&cluster, &subcluster),
             "$JS.API.INFO".to_owned(),
-            format!("$KV.hkvm_{cluster}_leader.{subcluster}"),
-            format!("$KV.hkvm_{cluster}_registry.{subcluster}"),
-            format!("$O.hkvm_{cluster}_snapshots.>"),
+            format!("$KV.{}.{subcluster}", Bucket::Leader.name(&cluster)),
+            format!("$KV.{}.{subcluster}", Bucket::Registry.name(&cluster)),
+            format!("$O.{}.>", Bucket::Snapshots.name(&cluster)),
         ];
         for s in [&stream, &leader, &registry, &snapshots] {
             publish.extend(stream_api(s));
         }
         let subscribe = vec![
             "_INBOX.>".to_owned(),
-            format!("hkvm.{cluster}.{subcluster}.rpc.>"),
+            submaster_rpc_subject(&cluster, &subcluster, ">"),
         ];
-        user_block(&mut out, &submaster_user(subcluster), &publish, &subscribe);
+        user_block(&mut out, &submaster_user(name), &publish, &subscribe);
+        streams.push(stream);
     }
     let mut publish = vec![
         "$JS.API.INFO".to_owned(),
         "$JS.API.STREAM.NAMES".to_owned(),
         "$JS.API.STREAM.LIST".to_owned(),
-        format!("$O.hkvm_{cluster}_checkpoints.>"),
-        format!("$O.hkvm_{cluster}_blooms.>"),
+        format!("$O.{}.>", Bucket::Checkpoints.name(&cluster)),
+        format!("$O.{}.>", Bucket::Blooms.name(&cluster)),
         // Forwarding `get_replica_list` to the owning sub-master.
-        format!("hkvm.{cluster}.*.rpc.get_replica_list"),
+        every_subcluster_rpc_subject(&cluster, Op::GetReplicaList.name())?,
     ];
-    for subcluster in subclusters {
-        publish.extend(stream_read_api(&format!("HKVM_{cluster}_{subcluster}")));
+    for stream in &streams {
+        publish.extend(stream_read_api(stream));
     }
     publish.extend(stream_read_api(&registry));
-    for purpose in ["checkpoints", "blooms"] {
-        publish.extend(stream_api(&format!("OBJ_hkvm_{cluster}_{purpose}")));
+    for bucket in [Bucket::Checkpoints, Bucket::Blooms] {
+        publish.extend(stream_api(&object_stream(&cluster, bucket)));
     }
-    let subscribe = vec![
-        "_INBOX.>".to_owned(),
-        format!("hkvm.{cluster}.global.rpc.>"),
-    ];
+    let subscribe = vec!["_INBOX.>".to_owned(), global_rpc_subject(&cluster, ">")];
     user_block(&mut out, GLOBAL_USER, &publish, &subscribe);
     user_block(
         &mut out,
         CLIENT_USER,
-        &[format!("hkvm.{cluster}.*.rpc.*")],
+        &[every_subcluster_rpc_subject(&cluster, "*")?],
         &["_INBOX.>".to_owned()],
     );
     out.push_str("    ]\n  }\n}\n");
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::nats_conf;
-
-    /// docs/security.md shows the config this module generates, verbatim.
-    #[test]
-    fn the_documented_config_is_the_generated_one() {
-        let doc =
-            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/security.md"))
-                .unwrap_or_default();
-        let generated = nats_conf("prod", &["sc-0", "sc-1"]);
-        assert!(
-            doc.contains(&generated),
-            "docs/security.md must contain the output of nats_conf(\"prod\", [\"sc-0\", \"sc-1\"]):\n{generated}"
-        );
-    }
+    Ok(out)
 }

@@ -6,6 +6,7 @@
 //! the global master. Every value is checksummed end to end.
 
 mod address;
+mod buffers;
 mod code;
 
 use std::collections::BTreeMap;
@@ -22,6 +23,7 @@ use hkvm_transfer::{TcpConfig, TcpTransport};
 use tokio::sync::Mutex;
 
 pub use address::{AddressError, StoreAddress};
+pub use buffers::{BufferRegistry, RegisterError};
 pub use code::ErrorCode;
 
 use crate::connect::{connect, ConnectError};
@@ -534,9 +536,10 @@ impl Store {
                 Vec::new()
             }
         };
-        if !subclusters.contains(&self.address.subcluster) {
-            subclusters.push(self.address.subcluster.clone());
-        }
+        subclusters.push(self.address.subcluster.clone());
+        // A sub-cluster may be listed once per registered instance.
+        subclusters.sort();
+        subclusters.dedup();
         subclusters
     }
 

@@ -35,13 +35,15 @@ pub enum Op {
     Remove,
     /// [`RemoveAll`].
     RemoveAll,
+    /// [`RemoveMatching`].
+    RemoveMatching,
     /// [`Status`].
     Status,
 }
 
 impl Op {
     /// Every operation.
-    pub const ALL: [Op; 12] = [
+    pub const ALL: [Op; 13] = [
         Op::MountSegment,
         Op::UnmountSegment,
         Op::Remount,
@@ -53,6 +55,7 @@ impl Op {
         Op::Exist,
         Op::Remove,
         Op::RemoveAll,
+        Op::RemoveMatching,
         Op::Status,
     ];
 
@@ -70,6 +73,7 @@ impl Op {
             Op::Exist => "exist",
             Op::Remove => "remove",
             Op::RemoveAll => "remove_all",
+            Op::RemoveMatching => "remove_matching",
             Op::Status => "status",
         }
     }
@@ -304,19 +308,28 @@ pub struct Remove {
 /// The reply to [`Remove`].
 pub type RemoveReply = Vec<ItemResult<()>>;
 
-/// Remove every object, or every object whose key matches a pattern.
+/// Remove every object.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RemoveAll {
     /// Remove even leased objects.
     #[serde(default)]
     pub force: bool,
-    /// Only keys matching this regular expression (Rust `regex` syntax, searched
-    /// anywhere in the key unless anchored), at most [`MAX_KEY_PATTERN_LEN`] bytes.
-    #[serde(default)]
-    pub key_pattern: Option<String>,
 }
 
-/// Longest key pattern of a [`RemoveAll`].
+/// Remove every object whose key matches a pattern (its own operation, so a
+/// sub-master that does not know it answers nothing rather than removing all).
+/// The reply is a [`RemoveAllReply`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoveMatching {
+    /// A regular expression (Rust `regex` syntax, searched anywhere in the key
+    /// unless anchored), at most [`MAX_KEY_PATTERN_LEN`] bytes.
+    pub pattern: String,
+    /// Remove even leased objects.
+    #[serde(default)]
+    pub force: bool,
+}
+
+/// Longest pattern of a [`RemoveMatching`].
 pub const MAX_KEY_PATTERN_LEN: usize = 4096;
 
 /// The reply to [`RemoveAll`].

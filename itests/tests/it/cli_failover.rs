@@ -1,48 +1,42 @@
 //! Kill -9 of a sub-master leader process while 64 clients put: the hot standby
 //! (another `hkvm submaster` process) serves within a bounded time, every
 //! acknowledged put is still there, and no revoked put is.
-#![allow(clippy::unwrap_used)]
 
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hkvm_client::{RetryPolicy, SubmasterClient};
 use hkvm_events::rpc::submaster::{ItemResult, MountSegment, PutEndItem, PutStartItem};
-use hkvm_events::{ClusterId, NodeId, SegmentId, SubclusterId};
-use hkvm_testkit::NatsServer;
+use hkvm_events::{NodeId, SegmentId};
 
-/// A child process killed on drop.
-struct Process(Child);
+use crate::fixture::{wait_count, Fixture, WAIT};
+use crate::process::{Process, Stream};
 
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn submaster(server: &NatsServer, id: &str, config: &std::path::Path) -> Process {
-    let child = Command::new(env!("CARGO_BIN_EXE_hkvm"))
-        .args([
-            "submaster",
-            "--nats",
-            &server.url(),
-            "--cluster",
-            "kill",
-            "--subcluster",
-            "sc",
-            "--id",
-            id,
-        ])
-        .arg("--config")
-        .arg(config)
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .spawn()
-        .unwrap();
-    Process(child)
+/// `hkvm submaster` `id` of sub-cluster `sc` with the settings in `config`.
+async fn submaster(fixture: &Fixture, id: &str, config: &Path) -> Process {
+    let url = fixture.url();
+    let config = config.to_str().unwrap();
+    let args = [
+        "submaster",
+        "--nats",
+        &url,
+        "--cluster",
+        "kill",
+        "--subcluster",
+        "sc",
+        "--id",
+        id,
+        "--config",
+        config,
+    ];
+    Process::hkvm(
+        &format!("hkvm submaster {id}"),
+        &args,
+        "warn,hkvm_submaster=info",
+    )
+    .await
 }
 
 fn start(key: &str) -> PutStartItem {
@@ -86,7 +80,7 @@ async fn put(client: &SubmasterClient, key: &str, revoke: bool) -> Result<bool, 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_leader_process_loses_no_acknowledged_put() {
-    let server = NatsServer::start().await.unwrap();
+    let fixture = Fixture::new("kill").await;
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("submaster.toml");
     std::fs::write(
@@ -95,17 +89,17 @@ async fn killing_the_leader_process_loses_no_acknowledged_put() {
     )
     .unwrap();
 
-    let mut leader = submaster(&server, "sm-a", &config);
-    let client = SubmasterClient::with_policy(
-        server.connect().await.unwrap(),
-        ClusterId::new("kill").unwrap(),
-        SubclusterId::new("sc").unwrap(),
-        RetryPolicy {
-            request_timeout: Duration::from_secs(1),
-            retry_deadline: Duration::from_secs(30),
-            ..RetryPolicy::default()
-        },
-    );
+    let mut leader = submaster(&fixture, "sm-a", &config).await;
+    let client: SubmasterClient = fixture
+        .submaster_client(
+            "sc",
+            RetryPolicy {
+                request_timeout: Duration::from_secs(1),
+                retry_deadline: Duration::from_secs(30),
+                ..RetryPolicy::default()
+            },
+        )
+        .await;
     for node in ["n1", "n2", "n3"] {
         client
             .mount_segment(MountSegment {
@@ -118,13 +112,17 @@ async fn killing_the_leader_process_loses_no_acknowledged_put() {
             .unwrap();
     }
     assert_eq!(client.status().await.unwrap().producer, "sm-a");
-    let _standby = submaster(&server, "sm-b", &config);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let standby = submaster(&fixture, "sm-b", &config).await;
+    // Hot: the standby has replayed the stream (and follows it) before the kill.
+    standby
+        .wait_for_line(Stream::Stderr, "state restored", WAIT)
+        .await;
 
     let stop = Arc::new(AtomicBool::new(false));
+    let acked = Arc::new(AtomicUsize::new(0));
     let writers: Vec<_> = (0..64)
         .map(|w| {
-            let (client, stop) = (client.clone(), stop.clone());
+            let (client, stop, acked) = (client.clone(), stop.clone(), acked.clone());
             tokio::spawn(async move {
                 let (mut acknowledged, mut revoked) = (Vec::new(), Vec::new());
                 let mut i = 0u64;
@@ -133,7 +131,10 @@ async fn killing_the_leader_process_loses_no_acknowledged_put() {
                     let revoke = i % 10 == 9;
                     i += 1;
                     match put(&client, &key, revoke).await {
-                        Ok(true) => acknowledged.push(key),
+                        Ok(true) => {
+                            acknowledged.push(key);
+                            acked.fetch_add(1, Ordering::Relaxed);
+                        }
                         Ok(false) => revoked.push(key),
                         Err(_) => {}
                     }
@@ -142,10 +143,9 @@ async fn killing_the_leader_process_loses_no_acknowledged_put() {
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    wait_count("250 puts before the kill", &acked, 250).await;
 
-    leader.0.kill().unwrap(); // SIGKILL
-    leader.0.wait().unwrap();
+    leader.kill(); // SIGKILL
     let killed = Instant::now();
     let mut probe = 0;
     loop {
@@ -155,7 +155,8 @@ async fn killing_the_leader_process_loses_no_acknowledged_put() {
         }
     }
     let failover_ms = killed.elapsed().as_millis();
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let after = acked.load(Ordering::Relaxed) + 260;
+    wait_count("260 puts after the failover", &acked, after).await;
     stop.store(true, Ordering::Relaxed);
 
     let (mut acknowledged, mut revoked) = (Vec::new(), Vec::new());

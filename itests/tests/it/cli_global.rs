@@ -1,66 +1,27 @@
 //! `hkvm globalmaster`, `hkvm locate` and `hkvm status` against a real nats-server:
 //! a sub-cluster stream and registry entry written here, a global master run as the
 //! `hkvm` binary, and the query commands' output.
-#![allow(clippy::unwrap_used)]
 
-use std::collections::BTreeMap;
-use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use hkvm_events::{KvEvent, Placement, ProducerId, PutCommitted, SegmentId};
 
-use async_nats::jetstream;
-use hkvm_events::commit::{CommitConfig, GroupCommitter};
-use hkvm_events::log::JetStreamLog;
-use hkvm_events::registry::{ensure_registry_bucket, register, SubmasterInfo};
-use hkvm_events::stream::{ensure_stream, StreamSettings};
-use hkvm_events::subject::{event_subject, stream_name};
-use hkvm_events::{
-    ClusterId, KvEvent, Placement, ProducerId, PutCommitted, SegmentId, SubclusterId,
-};
-use hkvm_testkit::NatsServer;
+use crate::fixture::Fixture;
+use crate::process::{run_hkvm, Process};
 
-/// Kills the global master when the test ends, however it ends.
-struct Running(Child);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn hkvm(server: &NatsServer, args: &[&str]) -> (String, bool) {
-    let output = Command::new(env!("CARGO_BIN_EXE_hkvm"))
-        .args(args)
-        .args(["--nats", &server.url(), "--cluster", "demo"])
-        .output()
-        .unwrap();
-    (
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-        output.status.success(),
-    )
+/// `hkvm <args> --nats <url> --cluster demo`: its stdout, and whether it succeeded.
+async fn hkvm(fixture: &Fixture, args: &[&str]) -> (String, bool) {
+    let url = fixture.url();
+    let mut all = args.to_vec();
+    all.extend(["--nats", &url, "--cluster", "demo"]);
+    let ran = run_hkvm(&all).await;
+    let ok = ran.success();
+    (ran.stdout, ok)
 }
 
 #[tokio::test]
 async fn locate_and_status_answer_through_a_running_global_master() {
-    let server = NatsServer::start().await.unwrap();
-    let js = jetstream::new(server.connect().await.unwrap());
-    let cluster = ClusterId::new("demo").unwrap();
-    let sc = SubclusterId::new("sc-0").unwrap();
-    ensure_stream(&js, &cluster, &sc, &StreamSettings::default())
-        .await
-        .unwrap();
-    let log = JetStreamLog::new(
-        js.clone(),
-        stream_name(&cluster, &sc),
-        event_subject(&cluster, &sc),
-    );
-    let committer = GroupCommitter::spawn(
-        log,
-        ProducerId::new("sm-0").unwrap(),
-        1,
-        0,
-        CommitConfig::default(),
-    );
+    let fixture = Fixture::new("demo").await;
+    // sc-0's stream and the registry entry of its (stand-in) sub-master sm-0.
+    let mut sc = fixture.subcluster("sc-0", &[("pool", "prefill")]).await;
     let put = PutCommitted::new(
         "k1",
         64,
@@ -70,45 +31,31 @@ async fn locate_and_status_answer_through_a_running_global_master() {
             offset: 0,
         }],
     );
-    committer
-        .commit(vec![KvEvent::PutCommitted(put)])
-        .await
-        .unwrap();
-    let store = ensure_registry_bucket(&js, &cluster, Duration::from_secs(10))
-        .await
-        .unwrap();
-    register(
-        &store,
-        &SubmasterInfo {
-            id: ProducerId::new("sm-0").unwrap(),
-            cluster: cluster.clone(),
-            subcluster: sc.clone(),
-            rpc_prefix: "hkvm.demo.sc-0.rpc".into(),
-            labels: BTreeMap::from([("pool".into(), "prefill".into())]),
-            capacity_bytes: 1 << 30,
-            used_bytes: 1 << 20,
-            objects: 1,
-            epoch: 1,
-            stream: stream_name(&cluster, &sc),
-            last_seq: 1,
-            unix_ms: 0,
-        },
-    )
-    .await
-    .unwrap();
+    let seq = sc.commit(vec![KvEvent::PutCommitted(put)]).await;
+    sc.info.id = ProducerId::new("sm-0").unwrap();
+    sc.info.used_bytes = 1 << 20;
+    sc.info.objects = 1;
+    sc.info.last_seq = seq;
+    fixture.register(&sc.info).await;
 
-    let _global = Running(
-        Command::new(env!("CARGO_BIN_EXE_hkvm"))
-            .args(["globalmaster", "--nats", &server.url(), "--cluster", "demo"])
-            .args(["--replica", "g-cli"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let url = fixture.url();
+    let _global = Process::hkvm(
+        "hkvm globalmaster",
+        &[
+            "globalmaster",
+            "--nats",
+            &url,
+            "--cluster",
+            "demo",
+            "--replica",
+            "g-cli",
+        ],
+        "info",
+    )
+    .await;
 
     // `locate` retries until the replica has joined and caught up.
-    let (out, ok) = hkvm(&server, &["locate", "k1", "nowhere"]);
+    let (out, ok) = hkvm(&fixture, &["locate", "k1", "nowhere"]).await;
     assert!(ok, "{out}");
     assert!(
         out.contains("k1\tsc-0\tsm-0\thkvm.demo.sc-0.rpc\talive"),
@@ -116,14 +63,14 @@ async fn locate_and_status_answer_through_a_running_global_master() {
     );
     assert!(out.contains("nowhere\t-"), "{out}");
 
-    let (out, ok) = hkvm(&server, &["exist", "--global", "k1"]);
+    let (out, ok) = hkvm(&fixture, &["exist", "--global", "k1"]).await;
     assert!(ok, "{out}");
     assert_eq!(out, "k1\tsc-0\n");
-    let (out, ok) = hkvm(&server, &["exist", "--global", "k1", "gone"]);
+    let (out, ok) = hkvm(&fixture, &["exist", "--global", "k1", "gone"]).await;
     assert!(!ok);
     assert!(out.contains("gone\tno"), "{out}");
 
-    let (out, ok) = hkvm(&server, &["status"]);
+    let (out, ok) = hkvm(&fixture, &["status"]).await;
     assert!(ok, "{out}");
     assert!(out.contains("sm-0"), "{out}");
     assert!(out.contains("pool=prefill"), "{out}");

@@ -5,137 +5,33 @@
 //! time the bandwidth cap allows; the policy's filters and labels hold; a block
 //! the target already had is not copied; and a master killed with SIGKILL mid-run
 //! resumes without sending a finished block again.
-#![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt as _;
-use hkvm_client::{KvClient, NodeConfig, NodeHandle, SubmasterClient};
-use hkvm_events::log::{EventLog, JetStreamLog, ReadOptions};
-use hkvm_events::subject::{event_subject, stream_name};
-use hkvm_events::{decode_message, value_checksum, ClusterId, KvEvent, Limits, NodeId};
-use hkvm_events::{ProducerId, SubclusterId};
+use hkvm_events::rpc::interdc::{FetchReply, WanShape};
+use hkvm_events::subject::stream_name;
+use hkvm_events::{value_checksum, SubclusterId};
 use hkvm_interdc::diff::{Candidate, SourceBlock};
-use hkvm_interdc::wan::{fetch, Fetched, ReceiverSettings, WanShape};
+use hkvm_interdc::wan::{fetch, Fetched, ReceiverSettings};
 use hkvm_interdc::InterDcStatus;
-use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
-use hkvm_testkit::NatsServer;
 use hkvm_transfer::wan::Impairment;
-use hkvm_transfer::TcpTransport;
 
-/// A child process killed on drop.
-struct Process(Child);
+use crate::fixture::{poll_until, Pool, PoolSpec, WAIT};
+use crate::process::{run_hkvm, Process, Stream};
 
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+/// A pool of `cluster`: each of `subclusters` (`(name, label)`) labelled
+/// `pool=<label>`, with two nodes of 32 MiB.
+fn pool(cluster: &str, subclusters: &[(&str, &str)]) -> PoolSpec {
+    subclusters.iter().fold(
+        PoolSpec::new(cluster).nodes(2, 32 << 20),
+        |spec, (name, label)| spec.subcluster(name, &[("pool", label)]),
+    )
 }
 
-/// One pool: its own nats-server, sub-masters with labels, two nodes each.
-struct Pool {
-    server: NatsServer,
-    cluster: ClusterId,
-    kv: BTreeMap<String, KvClient>,
-    _masters: Vec<SubmasterHandle>,
-    _nodes: Vec<NodeHandle>,
-}
-
-impl Pool {
-    async fn start(cluster: &str, subclusters: &[(&str, &str)]) -> Self {
-        Self::start_with(cluster, subclusters, |_| {}).await
-    }
-
-    async fn start_with(
-        cluster: &str,
-        subclusters: &[(&str, &str)],
-        tweak: impl Fn(&mut SubmasterConfig),
-    ) -> Self {
-        let server = NatsServer::start().await.unwrap();
-        let cluster = ClusterId::new(cluster).unwrap();
-        let mut masters = Vec::new();
-        let mut nodes = Vec::new();
-        let mut kv = BTreeMap::new();
-        for (name, pool_label) in subclusters {
-            let subcluster = SubclusterId::new(*name).unwrap();
-            let mut config = SubmasterConfig::new(
-                cluster.clone(),
-                subcluster.clone(),
-                ProducerId::new(format!("{name}-sm")).unwrap(),
-            );
-            config.registry_ttl = Duration::from_secs(3);
-            tweak(&mut config);
-            config
-                .labels
-                .insert("pool".to_owned(), (*pool_label).to_owned());
-            masters.push(SubmasterHandle::spawn(
-                server.connect().await.unwrap(),
-                config,
-            ));
-            let metadata =
-                SubmasterClient::new(server.connect().await.unwrap(), cluster.clone(), subcluster);
-            for n in 0..2 {
-                let config =
-                    NodeConfig::new(NodeId::new(format!("{name}-n{n}")).unwrap(), 32 << 20)
-                        .unwrap();
-                nodes.push(NodeHandle::start(config, metadata.clone()).await.unwrap());
-            }
-            kv.insert(
-                (*name).to_owned(),
-                KvClient::new(metadata, Arc::new(TcpTransport::default())),
-            );
-        }
-        Self {
-            server,
-            cluster,
-            kv,
-            _masters: masters,
-            _nodes: nodes,
-        }
-    }
-
-    fn address(&self) -> String {
-        format!("{}:{}", self.server.url(), self.cluster)
-    }
-
-    /// How many times each key was committed in `subcluster`'s stream.
-    async fn commits(&self, subcluster: &str) -> BTreeMap<String, u32> {
-        let subcluster = SubclusterId::new(subcluster).unwrap();
-        let js = async_nats::jetstream::new(self.server.connect().await.unwrap());
-        let log = JetStreamLog::new(
-            js,
-            stream_name(&self.cluster, &subcluster),
-            event_subject(&self.cluster, &subcluster),
-        );
-        let mut commits = BTreeMap::new();
-        let Ok(mut entries) = log.read(ReadOptions::from(1)).await else {
-            return commits;
-        };
-        while let Some(entry) = entries.next().await {
-            let entry = entry.unwrap();
-            let message = decode_message(&entry.payload, &Limits::default()).unwrap();
-            for event in message.events {
-                if let Ok(KvEvent::PutCommitted(put)) = event {
-                    *commits.entry(put.key).or_insert(0) += 1;
-                }
-            }
-        }
-        commits
-    }
-}
-
-fn hkvm(args: &[&str]) -> Process {
-    let child = Command::new(env!("CARGO_BIN_EXE_hkvm"))
-        .args(args)
-        .env("RUST_LOG", "warn,hkvm_interdc=info")
-        .stdin(Stdio::null())
-        .spawn()
-        .unwrap();
-    Process(child)
+/// `hkvm <args>` with the inter-DC master's progress logged.
+async fn hkvm(name: &str, args: &[&str]) -> Process {
+    Process::hkvm(name, args, "warn,hkvm_interdc=info").await
 }
 
 /// A deterministic value of `len` bytes for block `i`.
@@ -171,24 +67,10 @@ fn master_args<'a>(source: &'a str, target: &'a str, policy: &'a str) -> Vec<&'a
     ]
 }
 
-async fn wait_exit(process: &mut Process, within: Duration) -> std::process::ExitStatus {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(status) = process.0.try_wait().unwrap() {
-            return status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the inter-DC master did not finish within {within:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn missing_blocks_cross_a_lossy_link_and_a_killed_master_resumes() {
-    let source = Pool::start("prefill", &[("p0", "prefill"), ("p1", "prefill")]).await;
-    let target = Pool::start("decode", &[("d0", "decode"), ("d1", "other")]).await;
+    let source = Pool::start(pool("prefill", &[("p0", "prefill"), ("p1", "prefill")])).await;
+    let target = Pool::start(pool("decode", &[("d0", "decode"), ("d1", "other")])).await;
 
     // 40 blocks of 32..160 KiB spread over both source sub-clusters, three that
     // the policy filters out, and one the target already holds.
@@ -230,20 +112,27 @@ async fn missing_blocks_cross_a_lossy_link_and_a_killed_master_resumes() {
     .unwrap();
     let (src, dst) = (source.address(), target.address());
     let policy = policy.to_str().unwrap();
-    let _gateway = hkvm(&[
-        "interdc",
-        "gateway",
-        "--source",
-        &src,
-        "--wan-delay-ms",
-        "25",
-        "--wan-loss",
-        "0.01",
-    ]);
+    let gateway = hkvm(
+        "hkvm interdc gateway",
+        &[
+            "interdc",
+            "gateway",
+            "--source",
+            &src,
+            "--wan-delay-ms",
+            "25",
+            "--wan-loss",
+            "0.01",
+        ],
+    )
+    .await;
+    gateway
+        .wait_for_line(Stream::Stdout, "inter-DC gateway of", WAIT)
+        .await;
 
     // Run 1: kill -9 once about a third of the blocks are at the target.
     let started = Instant::now();
-    let mut master = hkvm(&master_args(&src, &dst, policy));
+    let mut master = hkvm("hkvm interdc (killed)", &master_args(&src, &dst, policy)).await;
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let copied = target.commits("d0").await.len();
@@ -256,10 +145,24 @@ async fn missing_blocks_cross_a_lossy_link_and_a_killed_master_resumes() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    master.0.kill().unwrap();
-    master.0.wait().unwrap();
-    // A put_end sent just before the kill may still land: let it.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    master.kill();
+    // A put_end sent just before the kill may still land. Once the target holds no
+    // reservation (each one committed, or reclaimed after the put timeout), no
+    // block of the killed run can land any more.
+    poll_until(
+        "the killed run's reservations to settle",
+        Duration::from_secs(90),
+        || async {
+            for subcluster in ["d0", "d1"] {
+                let status = target.kv[subcluster].metadata().status().await.ok()?;
+                if status.pending_puts != 0 {
+                    return None;
+                }
+            }
+            Some(())
+        },
+    )
+    .await;
     let before_kill: BTreeSet<String> = target.commits("d0").await.into_keys().collect();
     assert!(
         before_kill.len() < wanted.len(),
@@ -269,11 +172,13 @@ async fn missing_blocks_cross_a_lossy_link_and_a_killed_master_resumes() {
     // Run 2: resume and exit when nothing is left.
     let mut args = master_args(&src, &dst, policy);
     args.push("--until-idle");
-    let mut resumed = hkvm(&args);
+    let mut resumed = hkvm("hkvm interdc (resumed)", &args).await;
     // The cap allows the whole payload (with 25% recovery shards) in
     // total_bytes * 1.25 / RATE seconds; allow generous slack for this machine.
     let budget = Duration::from_secs_f64(total_bytes as f64 * 1.25 / RATE as f64);
-    let exit = wait_exit(&mut resumed, budget * 4 + Duration::from_secs(60)).await;
+    let exit = resumed
+        .wait_exit(budget * 4 + Duration::from_secs(60))
+        .await;
     assert!(exit.success(), "the resumed master failed: {exit}");
     let elapsed = started.elapsed();
     println!(
@@ -303,24 +208,18 @@ async fn missing_blocks_cross_a_lossy_link_and_a_killed_master_resumes() {
     assert_eq!(d1.len(), 1, "copies went outside the allowed target labels");
 
     // The resumed run sent only what the killed one had not finished.
-    let output = Command::new(env!("CARGO_BIN_EXE_hkvm"))
-        .args([
-            "interdc",
-            "status",
-            "--target",
-            &dst,
-            "--source-cluster",
-            "prefill",
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let status: InterDcStatus = serde_json::from_slice(&output.stdout).unwrap();
+    let output = run_hkvm(&[
+        "interdc",
+        "status",
+        "--target",
+        &dst,
+        "--source-cluster",
+        "prefill",
+        "--json",
+    ])
+    .await;
+    assert!(output.success(), "{}", output.stderr);
+    let status: InterDcStatus = serde_json::from_str(&output.stdout).unwrap();
     println!("{}", status.render(status.unix_ms));
     assert_eq!(status.backlog_keys, 0);
     assert_eq!(
@@ -328,8 +227,9 @@ async fn missing_blocks_cross_a_lossy_link_and_a_killed_master_resumes() {
         wanted.len() - before_kill.len(),
         "the resumed run copied exactly the blocks the killed one had not finished"
     );
-    // A block in flight at the kill may have left a reservation at the target: the
-    // resumed run meets it (without spending WAN bytes) until it times out.
+    // A put_start in flight at the kill may have reserved space at the target after
+    // the wait above: the resumed run meets that reservation (without spending WAN
+    // bytes) until it times out.
     let met_reservation = status
         .settled
         .get("already_at_target")
@@ -347,14 +247,14 @@ async fn missing_blocks_cross_a_lossy_link_and_a_killed_master_resumes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_evicted_at_the_source_mid_copy_is_a_clean_skip() {
-    let source = Pool::start("src", &[("s0", "prefill")]).await;
+    let source = Pool::start(pool("src", &[("s0", "prefill")])).await;
     let bytes = value(1, 100_000);
     source.kv["s0"].put("gone-soon", &bytes, 1).await.unwrap();
-    let nats = source.server.connect().await.unwrap();
+    let nats = source.fixture.connect().await;
     let _gateway = hkvm_interdc::Gateway::start(
         nats.clone(),
         hkvm_interdc::GatewayConfig {
-            cluster: source.cluster.clone(),
+            cluster: source.fixture.cluster.clone(),
             bind_ip: "127.0.0.1".parse().unwrap(),
             impairment: Impairment::none(),
             max_concurrent: 4,
@@ -384,7 +284,7 @@ async fn a_block_evicted_at_the_source_mid_copy_is_a_clean_skip() {
         },
         subcluster: SubclusterId::new("s0").unwrap(),
     };
-    let fetched = fetch(&nats, &source.cluster, &settings, &candidate, shape)
+    let fetched = fetch(&nats, &source.fixture.cluster, &settings, &candidate, shape)
         .await
         .unwrap();
     assert!(
@@ -394,7 +294,7 @@ async fn a_block_evicted_at_the_source_mid_copy_is_a_clean_skip() {
     // The checksum the master expects differs from the source's value: the
     // gateway says so instead of sending.
     candidate.block.checksum ^= 1;
-    let fetched = fetch(&nats, &source.cluster, &settings, &candidate, shape)
+    let fetched = fetch(&nats, &source.fixture.cluster, &settings, &candidate, shape)
         .await
         .unwrap();
     assert!(matches!(fetched, Fetched::Changed));
@@ -405,33 +305,30 @@ async fn a_block_evicted_at_the_source_mid_copy_is_a_clean_skip() {
         .remove(vec!["gone-soon".into()], true)
         .await
         .unwrap();
-    let fetched = fetch(&nats, &source.cluster, &settings, &candidate, shape)
+    let fetched = fetch(&nats, &source.fixture.cluster, &settings, &candidate, shape)
         .await
         .unwrap();
     assert!(matches!(fetched, Fetched::Gone), "got {fetched:?}");
 
     // Garbage on the fetch subject gets a typed answer, not silence or a crash.
-    let subject = hkvm_events::subject::interdc_fetch_subject(&source.cluster);
+    let subject = hkvm_events::subject::interdc_fetch_subject(&source.fixture.cluster);
     for garbage in [&b""[..], b"\xc1\xff", b"not msgpack at all"] {
         let reply = nats
             .request(subject.clone(), garbage.to_vec().into())
             .await
             .unwrap();
-        let reply: hkvm_interdc::wan::FetchReply = rmp_serde::from_slice(&reply.payload).unwrap();
-        assert!(
-            matches!(reply, hkvm_interdc::wan::FetchReply::BadRequest(_)),
-            "{reply:?}"
-        );
+        let reply: FetchReply = rmp_serde::from_slice(&reply.payload).unwrap();
+        assert!(matches!(reply, FetchReply::BadRequest(_)), "{reply:?}");
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_source_stream_purged_up_to_a_snapshot_is_seeded_from_it() {
-    let source = Pool::start_with("snap", &[("s0", "prefill")], |config| {
-        config.snapshot_every_events = 8;
-    })
+    let source = Pool::start(
+        pool("snap", &[("s0", "prefill")]).tweak(|config| config.snapshot_every_events = 8),
+    )
     .await;
-    let target = Pool::start("dst", &[("t0", "decode")]).await;
+    let target = Pool::start(pool("dst", &[("t0", "decode")])).await;
     let mut wanted = BTreeMap::new();
     for i in 0..30 {
         let key = format!("old/{i}");
@@ -440,19 +337,20 @@ async fn a_source_stream_purged_up_to_a_snapshot_is_seeded_from_it() {
         wanted.insert(key, bytes);
     }
     // Wait for a snapshot covering every put above (more puts trigger snapshots).
-    let js = async_nats::jetstream::new(source.server.connect().await.unwrap());
+    let js = async_nats::jetstream::new(source.fixture.connect().await);
     let subcluster = SubclusterId::new("s0").unwrap();
     let mut stream = js
-        .get_stream(stream_name(&source.cluster, &subcluster))
+        .get_stream(stream_name(&source.fixture.cluster, &subcluster))
         .await
         .unwrap();
     let needed = stream.info().await.unwrap().state.last_sequence;
-    let store = hkvm_submaster::snapshot::SnapshotStore::open(&js, &source.cluster, &subcluster, 1)
-        .await
-        .unwrap();
+    let store =
+        hkvm_events::snapshot::SnapshotStore::open(&js, &source.fixture.cluster, &subcluster, 1)
+            .await
+            .unwrap();
     let mut filler = 0;
     let covers = loop {
-        if let Some(state) = store.load_newest().await.unwrap() {
+        if let Some(state) = hkvm_submaster::snapshot::load_newest(&store).await.unwrap() {
             if state.applied_seq >= needed {
                 break state.applied_seq;
             }
@@ -471,11 +369,11 @@ async fn a_source_stream_purged_up_to_a_snapshot_is_seeded_from_it() {
         covers + 1
     );
 
-    let nats = source.server.connect().await.unwrap();
+    let nats = source.fixture.connect().await;
     let _gateway = hkvm_interdc::Gateway::start(
         nats,
         hkvm_interdc::GatewayConfig {
-            cluster: source.cluster.clone(),
+            cluster: source.fixture.cluster.clone(),
             bind_ip: "127.0.0.1".parse().unwrap(),
             impairment: Impairment::none(),
             max_concurrent: 8,

@@ -1,20 +1,16 @@
 //! `hkvm replay` against a real nats-server: decoded events, filters, stats, and a
 //! corrupted message in the middle of a stream that is reported and skipped.
-#![allow(clippy::unwrap_used)]
 
-use std::process::Command;
-
-use async_nats::jetstream;
 use bytes::Bytes;
 use hkvm_events::codec::{encode_message, Header};
-use hkvm_events::log::{Append, EventLog, JetStreamLog};
-use hkvm_events::stream::{ensure_stream, StreamSettings};
-use hkvm_events::subject::{event_subject, stream_name};
+use hkvm_events::log::{Append, EventLog};
 use hkvm_events::{
-    ClusterId, Evicted, KvEvent, Limits, NodeId, Placement, ProducerId, PutCommitted, SegmentId,
-    SegmentMounted, SubclusterId,
+    Evicted, KvEvent, Limits, NodeId, Placement, ProducerId, PutCommitted, SegmentId,
+    SegmentMounted,
 };
-use hkvm_testkit::NatsServer;
+
+use crate::fixture::Fixture;
+use crate::process::{run_hkvm, Ran};
 
 fn put(key: &str) -> KvEvent {
     KvEvent::PutCommitted(PutCommitted::new(
@@ -28,14 +24,8 @@ fn put(key: &str) -> KvEvent {
     ))
 }
 
-async fn write_stream(server: &NatsServer, subcluster: &str, messages: Vec<Bytes>) {
-    let js = jetstream::new(server.connect().await.unwrap());
-    let cluster = ClusterId::new("demo").unwrap();
-    let sc = SubclusterId::new(subcluster).unwrap();
-    ensure_stream(&js, &cluster, &sc, &StreamSettings::default())
-        .await
-        .unwrap();
-    let log = JetStreamLog::new(js, stream_name(&cluster, &sc), event_subject(&cluster, &sc));
+async fn write_stream(fixture: &Fixture, subcluster: &str, messages: Vec<Bytes>) {
+    let log = fixture.stream(subcluster).await;
     for (i, payload) in messages.into_iter().enumerate() {
         log.append(Append {
             expected_last_seq: Some(i as u64),
@@ -56,21 +46,24 @@ fn encoded(events: &[KvEvent]) -> Bytes {
     Bytes::from(encode_message(&header, events, &Limits::default()).unwrap())
 }
 
-fn replay(server: &NatsServer, args: &[&str]) -> (String, bool) {
-    let output = Command::new(env!("CARGO_BIN_EXE_hkvm"))
-        .args(["replay", "--nats", &server.url(), "--cluster", "demo"])
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        String::from_utf8(output.stdout).unwrap(),
-        output.status.success(),
-    )
+/// `hkvm replay` of cluster `demo` with `args`.
+async fn run_replay(fixture: &Fixture, args: &[&str]) -> Ran {
+    let url = fixture.url();
+    let mut all = vec!["replay", "--nats", &url, "--cluster", "demo"];
+    all.extend_from_slice(args);
+    run_hkvm(&all).await
+}
+
+/// `hkvm replay` with `args`: its stdout, and whether it succeeded.
+async fn replay(fixture: &Fixture, args: &[&str]) -> (String, bool) {
+    let ran = run_replay(fixture, args).await;
+    let ok = ran.success();
+    (ran.stdout, ok)
 }
 
 #[tokio::test]
 async fn replay_prints_events_and_survives_a_corrupted_message() {
-    let server = NatsServer::start().await.unwrap();
+    let fixture = Fixture::new("demo").await;
     let mounted = KvEvent::SegmentMounted(SegmentMounted {
         node: NodeId::new("node-0").unwrap(),
         segment: SegmentId::new("seg-0").unwrap(),
@@ -78,7 +71,7 @@ async fn replay_prints_events_and_survives_a_corrupted_message() {
         endpoint: "127.0.0.1:7000".into(),
     });
     write_stream(
-        &server,
+        &fixture,
         "sc-0",
         vec![
             encoded(&[mounted, put("alpha")]),
@@ -92,9 +85,9 @@ async fn replay_prints_events_and_survives_a_corrupted_message() {
         ],
     )
     .await;
-    write_stream(&server, "sc-1", vec![encoded(&[put("gamma")])]).await;
+    write_stream(&fixture, "sc-1", vec![encoded(&[put("gamma")])]).await;
 
-    let (text, ok) = replay(&server, &[]);
+    let (text, ok) = replay(&fixture, &[]).await;
     assert!(ok, "{text}");
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(lines.len(), 6, "{text}");
@@ -111,9 +104,10 @@ async fn replay_prints_events_and_survives_a_corrupted_message() {
     );
 
     let (only_alpha, _) = replay(
-        &server,
+        &fixture,
         &["--subcluster", "sc-0", "--key", "alpha", "--format", "json"],
-    );
+    )
+    .await;
     let events: Vec<serde_json::Value> = only_alpha
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -124,7 +118,7 @@ async fn replay_prints_events_and_survives_a_corrupted_message() {
     assert_eq!(events[0]["event"]["placements"][0]["offset"], 128);
 
     let (from_three, _) = replay(
-        &server,
+        &fixture,
         &[
             "--subcluster",
             "sc-0",
@@ -133,16 +127,17 @@ async fn replay_prints_events_and_survives_a_corrupted_message() {
             "--kind",
             "evicted",
         ],
-    );
+    )
+    .await;
     assert_eq!(from_three.lines().count(), 1, "{from_three}");
 
-    let (last_one, _) = replay(&server, &["--subcluster", "sc-0", "--last", "1"]);
+    let (last_one, _) = replay(&fixture, &["--subcluster", "sc-0", "--last", "1"]).await;
     assert!(
         last_one.lines().all(|l| l.starts_with("sc-0 #3.")),
         "{last_one}"
     );
 
-    let (stats, _) = replay(&server, &["--stats", "--format", "json"]);
+    let (stats, _) = replay(&fixture, &["--stats", "--format", "json"]).await;
     let stats: serde_json::Value = serde_json::from_str(stats.trim()).unwrap();
     assert_eq!(stats["events"], 5);
     assert_eq!(stats["kinds"]["put"], 3);
@@ -152,20 +147,8 @@ async fn replay_prints_events_and_survives_a_corrupted_message() {
 
 #[tokio::test]
 async fn replay_of_a_missing_subcluster_fails_clearly() {
-    let server = NatsServer::start().await.unwrap();
-    let output = Command::new(env!("CARGO_BIN_EXE_hkvm"))
-        .args([
-            "replay",
-            "--nats",
-            &server.url(),
-            "--cluster",
-            "demo",
-            "--subcluster",
-            "nope",
-        ])
-        .output()
-        .unwrap();
-    assert!(!output.status.success());
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("stream not found"), "{stderr}");
+    let fixture = Fixture::new("demo").await;
+    let ran = run_replay(&fixture, &["--subcluster", "nope"]).await;
+    assert!(!ran.success());
+    assert!(ran.stderr.contains("stream not found"), "{}", ran.stderr);
 }

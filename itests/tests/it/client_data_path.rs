@@ -1,52 +1,28 @@
 //! The data path end to end on real NATS, a real sub-master and real nodes serving
 //! mmap'd segments over TCP: byte-exact round trips, distinct replicas, a node dying
 //! mid-put, a vanished replica and corrupted replicas caught by the checksum.
-#![allow(clippy::unwrap_used)]
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use hkvm_client::{KvClient, KvError, NodeConfig, NodeHandle, SubmasterClient};
+use hkvm_client::KvError;
 use hkvm_events::rpc::submaster::{ItemError, ItemResult, PutStartItem};
-use hkvm_events::{ClusterId, NodeId, ProducerId, SubclusterId};
-use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
-use hkvm_testkit::NatsServer;
-use hkvm_transfer::{TcpConfig, TcpTransport};
+use hkvm_transfer::TcpConfig;
 
-struct Cluster {
-    _server: NatsServer,
-    master: SubmasterHandle,
-    nodes: Vec<NodeHandle>,
-    kv: KvClient,
-}
+use crate::fixture::{Pool, PoolSpec};
 
-async fn cluster(nodes: usize, segment_size: u64) -> Cluster {
-    let server = NatsServer::start().await.unwrap();
-    let cluster = ClusterId::new("dp").unwrap();
-    let subcluster = SubclusterId::new("sc").unwrap();
-    let config = SubmasterConfig::new(
-        cluster.clone(),
-        subcluster.clone(),
-        ProducerId::new("sm").unwrap(),
-    );
-    let master = SubmasterHandle::spawn(server.connect().await.unwrap(), config);
-    let metadata = SubmasterClient::new(server.connect().await.unwrap(), cluster, subcluster);
-    let mut handles = Vec::new();
-    for n in 0..nodes {
-        let config =
-            NodeConfig::new(NodeId::new(format!("node{n}")).unwrap(), segment_size).unwrap();
-        handles.push(NodeHandle::start(config, metadata.clone()).await.unwrap());
-    }
-    let transport = Arc::new(TcpTransport::new(TcpConfig {
-        request_timeout: Duration::from_secs(5),
-        ..TcpConfig::default()
-    }));
-    Cluster {
-        _server: server,
-        master,
-        nodes: handles,
-        kv: KvClient::new(metadata, transport),
-    }
+/// One sub-cluster `sc` with `nodes` nodes of `segment_size` bytes and a KV
+/// client whose transport gives up on a node after 5 s.
+async fn cluster(nodes: usize, segment_size: u64) -> Pool {
+    Pool::start(
+        PoolSpec::new("dp")
+            .subcluster("sc", &[])
+            .nodes(nodes, segment_size)
+            .tcp(TcpConfig {
+                request_timeout: Duration::from_secs(5),
+                ..TcpConfig::default()
+            }),
+    )
+    .await
 }
 
 fn value(len: usize, seed: u8) -> Vec<u8> {
@@ -64,8 +40,8 @@ async fn values_from_one_byte_to_64_mib_round_trip_byte_exact() {
     {
         let key = format!("v{len}");
         let bytes = value(len, i as u8);
-        c.kv.put(&key, &bytes, 2).await.unwrap();
-        let fetched = c.kv.get(&key).await.unwrap();
+        c.kv["sc"].put(&key, &bytes, 2).await.unwrap();
+        let fetched = c.kv["sc"].get(&key).await.unwrap();
         assert_eq!(fetched.value.len(), len);
         assert!(
             fetched.value[..] == bytes[..],
@@ -73,17 +49,17 @@ async fn values_from_one_byte_to_64_mib_round_trip_byte_exact() {
         );
     }
     // Replicas are on distinct nodes.
-    let lists =
-        c.kv.metadata()
-            .get_replica_list(vec!["v1000".into()])
-            .await
-            .unwrap();
+    let lists = c.kv["sc"]
+        .metadata()
+        .get_replica_list(vec!["v1000".into()])
+        .await
+        .unwrap();
     let ItemResult::Ok(list) = &lists[0] else {
         panic!()
     };
     assert_eq!(list.replicas.len(), 2);
     assert_ne!(list.replicas[0].node, list.replicas[1].node);
-    c.master.shutdown().await.unwrap();
+    c.shutdown().await;
 }
 
 #[tokio::test]
@@ -96,9 +72,9 @@ async fn batch_puts_and_gets_keep_order_and_report_per_item() {
         .map(String::as_str)
         .zip(values.iter().map(Vec::as_slice))
         .collect();
-    let results = c.kv.put_many(&items, 2).await.unwrap();
+    let results = c.kv["sc"].put_many(&items, 2).await.unwrap();
     assert!(results.iter().all(Result::is_ok));
-    let again = c.kv.put_many(&items[..1], 2).await.unwrap();
+    let again = c.kv["sc"].put_many(&items[..1], 2).await.unwrap();
     assert!(matches!(
         &again[0],
         Err(KvError::Item {
@@ -107,23 +83,23 @@ async fn batch_puts_and_gets_keep_order_and_report_per_item() {
         })
     ));
     let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let fetched = c.kv.get_many(&key_refs).await.unwrap();
+    let fetched = c.kv["sc"].get_many(&key_refs).await.unwrap();
     for (fetched, expected) in fetched.into_iter().zip(&values) {
         assert_eq!(&fetched.unwrap().value[..], &expected[..]);
     }
-    c.master.shutdown().await.unwrap();
+    c.shutdown().await;
 }
 
 #[tokio::test]
 async fn corrupted_replicas_are_caught_and_never_returned() {
     let mut c = cluster(2, 16 << 20).await;
     let bytes = value(4096, 9);
-    c.kv.put("k", &bytes, 2).await.unwrap();
-    let lists =
-        c.kv.metadata()
-            .get_replica_list(vec!["k".into()])
-            .await
-            .unwrap();
+    c.kv["sc"].put("k", &bytes, 2).await.unwrap();
+    let lists = c.kv["sc"]
+        .metadata()
+        .get_replica_list(vec!["k".into()])
+        .await
+        .unwrap();
     let ItemResult::Ok(list) = &lists[0] else {
         panic!()
     };
@@ -140,7 +116,7 @@ async fn corrupted_replicas_are_caught_and_never_returned() {
         .segment()
         .write_at(first.offset + 10, b"garbage")
         .unwrap();
-    let fetched = c.kv.get("k").await.unwrap();
+    let fetched = c.kv["sc"].get("k").await.unwrap();
     assert_eq!(&fetched.value[..], &bytes[..]);
     assert_eq!(fetched.replica.segment, list.replicas[1].segment);
 
@@ -150,53 +126,61 @@ async fn corrupted_replicas_are_caught_and_never_returned() {
         .segment()
         .write_at(second.offset, b"evil")
         .unwrap();
-    let error = c.kv.get("k").await.unwrap_err();
+    let error = c.kv["sc"].get("k").await.unwrap_err();
     assert!(
         matches!(error, KvError::Integrity { tried: 2, .. }),
         "{error}"
     );
 
     // A vanished node: its replica is skipped.
-    c.kv.put("k2", &bytes, 2).await.unwrap();
+    c.kv["sc"].put("k2", &bytes, 2).await.unwrap();
     let victim = c.nodes.remove(0);
     victim.kill().await;
-    let fetched = c.kv.get("k2").await.unwrap();
+    let fetched = c.kv["sc"].get("k2").await.unwrap();
     assert_eq!(&fetched.value[..], &bytes[..]);
-    c.master.shutdown().await.unwrap();
+    c.shutdown().await;
 }
 
 #[tokio::test]
 async fn a_put_whose_replica_node_died_fails_cleanly_and_is_revoked() {
     let mut c = cluster(3, 16 << 20).await;
     // Reserve first, then kill one of the chosen nodes before the data is written.
-    let started =
-        c.kv.metadata()
-            .put_start(vec![PutStartItem {
-                key: "doomed".into(),
-                size: 1000,
-                replicas: 3,
-                preferred_segment: None,
-                hard_pin: false,
-            }])
-            .await
-            .unwrap();
+    let started = c.kv["sc"]
+        .metadata()
+        .put_start(vec![PutStartItem {
+            key: "doomed".into(),
+            size: 1000,
+            replicas: 3,
+            preferred_segment: None,
+            hard_pin: false,
+        }])
+        .await
+        .unwrap();
     assert!(matches!(started[0], ItemResult::Ok(_)));
-    c.kv.metadata()
+    c.kv["sc"]
+        .metadata()
         .put_revoke(vec!["doomed".into()])
         .await
         .unwrap();
     let victim = c.nodes.remove(2);
     victim.kill().await;
     // With 3 replicas asked and one node unreachable, the write fails and is revoked.
-    let error = c.kv.put("doomed", &value(1000, 1), 3).await.unwrap_err();
+    let error = c.kv["sc"]
+        .put("doomed", &value(1000, 1), 3)
+        .await
+        .unwrap_err();
     assert!(matches!(error, KvError::Write { .. }), "{error}");
     assert_eq!(
-        c.kv.metadata().exist(vec!["doomed".into()]).await.unwrap(),
+        c.kv["sc"]
+            .metadata()
+            .exist(vec!["doomed".into()])
+            .await
+            .unwrap(),
         vec![false]
     );
     // The space was given back: the pending put is gone (a new put_start works).
-    c.kv.put("fine", &value(1000, 2), 2).await.ok();
-    let status = c.kv.metadata().status().await.unwrap();
+    c.kv["sc"].put("fine", &value(1000, 2), 2).await.ok();
+    let status = c.kv["sc"].metadata().status().await.unwrap();
     assert_eq!(status.pending_puts, 0);
-    c.master.shutdown().await.unwrap();
+    c.shutdown().await;
 }

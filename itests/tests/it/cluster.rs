@@ -1,65 +1,33 @@
 //! A whole HKVM cluster in one process on a real nats-server: two sub-clusters, each
 //! with its sub-master and nodes, and a global master. A block put into one
 //! sub-cluster is found by `batch_is_exist` and read byte-exact from the other one.
-#![allow(clippy::unwrap_used)]
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use hkvm_client::{KvClient, KvError, NodeConfig, NodeHandle, SubmasterClient};
+use hkvm_client::{GlobalClient, KvError};
 use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp};
-use hkvm_events::{ClusterId, NodeId, ProducerId, SubclusterId};
-use hkvm_globalmaster::{GlobalClient, GlobalMaster, GlobalMasterConfig};
-use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
-use hkvm_testkit::NatsServer;
-use hkvm_transfer::TcpTransport;
+use hkvm_events::SubclusterId;
+
+use crate::fixture::{Pool, PoolSpec};
 
 #[tokio::test]
 async fn a_block_put_in_one_subcluster_is_read_from_another() {
-    let server = NatsServer::start().await.unwrap();
-    let cluster = ClusterId::new("x").unwrap();
-    let mut masters = Vec::new();
-    let mut nodes = Vec::new();
-    let mut kv = Vec::new();
-    for sc in ["sc-a", "sc-b"] {
-        let subcluster = SubclusterId::new(sc).unwrap();
-        let mut config = SubmasterConfig::new(
-            cluster.clone(),
-            subcluster.clone(),
-            ProducerId::new(format!("{sc}-sm")).unwrap(),
-        );
-        config.registry_ttl = Duration::from_secs(3);
-        masters.push(SubmasterHandle::spawn(
-            server.connect().await.unwrap(),
-            config,
-        ));
-        let metadata =
-            SubmasterClient::new(server.connect().await.unwrap(), cluster.clone(), subcluster);
-        for n in 0..2 {
-            let config =
-                NodeConfig::new(NodeId::new(format!("{sc}-n{n}")).unwrap(), 8 << 20).unwrap();
-            nodes.push(NodeHandle::start(config, metadata.clone()).await.unwrap());
-        }
-        kv.push(KvClient::new(metadata, Arc::new(TcpTransport::default())));
-    }
-    let global = GlobalMaster::start(
-        GlobalMasterConfig {
-            cluster: cluster.clone(),
-            replica: "g1".into(),
-            registry_ttl_ms: 3000,
-            ..GlobalMasterConfig::default()
-        },
-        server.connect().await.unwrap(),
+    let pool = Pool::start(
+        PoolSpec::new("x")
+            .subcluster("sc-a", &[])
+            .subcluster("sc-b", &[])
+            .nodes(2, 8 << 20)
+            .global("g1"),
     )
-    .await
-    .unwrap();
-    global.wait_serving().await;
+    .await;
+    let kv = [&pool.kv["sc-a"], &pool.kv["sc-b"]];
 
     let value: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
     kv[0].put("prefix/block-1", &value, 2).await.unwrap();
 
     // The global index learns about it (weakly consistent: poll until it does).
-    let global_client = GlobalClient::new(server.connect().await.unwrap(), cluster.clone());
+    let global_client =
+        GlobalClient::new(pool.fixture.connect().await, pool.fixture.cluster.clone());
     let mut holders = Vec::new();
     for _ in 0..100 {
         let request = BatchIsExist {
@@ -112,8 +80,5 @@ async fn a_block_put_in_one_subcluster_is_read_from_another() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(gone, "a removed key becomes a clean miss everywhere");
-    global.shutdown();
-    for master in masters {
-        master.shutdown().await.unwrap();
-    }
+    pool.shutdown().await;
 }

@@ -1,41 +1,110 @@
-//! Shared set-up of the global-master tests: a real nats-server, sub-cluster
-//! streams written through the event log and group commit, registry entries, and
-//! global-master replicas.
-#![allow(clippy::unwrap_used, dead_code)]
+//! The pool every in-process test builds on: a nats-server child of the test kit
+//! ([`Fixture`]), on which a test writes sub-cluster streams itself through the
+//! event log and group commit with stand-in registry entries ([`Sub`]), runs real
+//! sub-masters and global-master replicas, or starts a whole pool of sub-clusters
+//! with their sub-masters, nodes and KV clients ([`Pool`]).
+#![allow(dead_code)]
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
+use futures::StreamExt as _;
+use hkvm_client::{GlobalClient, KvClient, NodeConfig, NodeHandle, RetryPolicy, SubmasterClient};
 use hkvm_events::commit::{CommitConfig, GroupCommitter};
-use hkvm_events::log::{EventLog, JetStreamLog};
+use hkvm_events::log::{EventLog, JetStreamLog, ReadOptions};
 use hkvm_events::registry::{ensure_registry_bucket, register, SubmasterInfo};
 use hkvm_events::rpc::global::{GlobalOp, GlobalStatus, GlobalStatusReply};
 use hkvm_events::stream::{ensure_stream, StreamSettings};
-use hkvm_events::subject::{bucket_name, event_subject, stream_name};
+use hkvm_events::subject::{event_subject, stream_name, submaster_rpc_subject};
 use hkvm_events::{
-    ClusterId, Evicted, KvEvent, Placement, ProducerId, PutCommitted, Removed, SegmentId,
-    SubclusterId,
+    decode_message, ClusterId, Evicted, KvEvent, Limits, NodeId, Placement, ProducerId,
+    PutCommitted, Removed, SegmentId, SubclusterId,
 };
-use hkvm_globalmaster::{GlobalClient, GlobalMaster, GlobalMasterConfig};
+use hkvm_globalmaster::{GlobalMaster, GlobalMasterConfig};
+use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
 use hkvm_testkit::NatsServer;
+use hkvm_transfer::{TcpConfig, TcpTransport};
 
-/// A nats-server and a cluster name.
+/// How long a bounded wait of this suite waits before it fails.
+pub const WAIT: Duration = Duration::from_secs(30);
+
+/// Polls `probe` every 20 ms until it returns `Some`, and returns that; fails the
+/// test, saying `what` it waited for, after `within`.
+pub async fn poll_until<T, F, Fut>(what: &str, within: Duration, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if let Some(found) = probe().await {
+            return found;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "waited {within:?} in vain for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits (at most [`WAIT`]) until `counter` reaches `n`; `what` names it.
+pub async fn wait_count(what: &str, counter: &AtomicUsize, n: usize) {
+    poll_until(what, WAIT, || async move {
+        (counter.load(Ordering::Relaxed) >= n).then_some(())
+    })
+    .await;
+}
+
+/// Logs of in-process services to the test's output (`RUST_LOG`, `warn` by
+/// default); once per process.
+pub fn logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
+/// A nats-server with JetStream, a connection to it, and the cluster name the
+/// test uses.
 pub struct Fixture {
+    /// The server (stopped on drop).
     pub server: NatsServer,
+    /// A connection for the test's own requests.
     pub client: async_nats::Client,
+    /// JetStream over [`Fixture::client`].
     pub js: jetstream::Context,
+    /// The cluster.
     pub cluster: ClusterId,
 }
 
-/// One sub-cluster's stream and registry entry.
+/// One sub-cluster written by the test itself: its stream, a group committer on
+/// it, and the registry entry of a stand-in sub-master.
 pub struct Sub {
+    /// The sub-cluster.
     pub id: SubclusterId,
+    /// Its event stream.
     pub log: JetStreamLog,
+    /// Appends events as a sub-master would.
     pub committer: GroupCommitter,
+    /// The registry entry.
     pub info: SubmasterInfo,
 }
 
+impl Sub {
+    /// Commits `events` in one message; returns its sequence.
+    pub async fn commit(&self, events: Vec<KvEvent>) -> u64 {
+        self.committer.commit(events).await.unwrap().seq
+    }
+}
+
+/// A `put` of `key` (64 bytes at offset 0 of `seg-0`).
 pub fn put(key: &str) -> KvEvent {
     KvEvent::PutCommitted(PutCommitted::new(
         key,
@@ -48,24 +117,35 @@ pub fn put(key: &str) -> KvEvent {
     ))
 }
 
+/// An eviction of `keys`.
 pub fn evicted(keys: &[&str]) -> KvEvent {
     KvEvent::Evicted(Evicted {
         keys: keys.iter().map(|k| (*k).to_owned()).collect(),
     })
 }
 
+/// A removal of `keys`.
 pub fn removed(keys: &[&str]) -> KvEvent {
     KvEvent::Removed(Removed {
         keys: keys.iter().map(|k| (*k).to_owned()).collect(),
     })
 }
 
+/// Owned keys.
 pub fn keys(names: &[&str]) -> Vec<String> {
     names.iter().map(|k| (*k).to_owned()).collect()
 }
 
+/// The RPC prefix a sub-master registers (`hkvm.<cluster>.<subcluster>.rpc`).
+pub fn rpc_prefix(cluster: &ClusterId, subcluster: &SubclusterId) -> String {
+    submaster_rpc_subject(cluster, subcluster, "")
+        .trim_end_matches('.')
+        .to_owned()
+}
+
 impl Fixture {
-    pub async fn new() -> Self {
+    /// Starts a nats-server for cluster `cluster`.
+    pub async fn new(cluster: &str) -> Self {
         let server = NatsServer::start().await.unwrap();
         let client = server.connect().await.unwrap();
         let js = jetstream::new(client.clone());
@@ -73,34 +153,63 @@ impl Fixture {
             server,
             client,
             js,
-            cluster: ClusterId::new("t").unwrap(),
+            cluster: ClusterId::new(cluster).unwrap(),
         }
     }
 
-    /// Creates the stream of `name` and registers its (stand-in) sub-master.
-    pub async fn subcluster(&self, name: &str, labels: &[(&str, &str)]) -> Sub {
-        let id = SubclusterId::new(name).unwrap();
-        ensure_stream(&self.js, &self.cluster, &id, &StreamSettings::default())
+    /// The server's client URL.
+    pub fn url(&self) -> String {
+        self.server.url()
+    }
+
+    /// A new connection (each service of a test gets its own, as in production).
+    pub async fn connect(&self) -> async_nats::Client {
+        self.server.connect().await.unwrap()
+    }
+
+    /// Creates `subcluster`'s stream (default settings) and returns its log.
+    pub async fn stream(&self, subcluster: &str) -> JetStreamLog {
+        self.stream_with(subcluster, &StreamSettings::default())
+            .await
+    }
+
+    /// Creates `subcluster`'s stream with `settings` and returns its log.
+    pub async fn stream_with(&self, subcluster: &str, settings: &StreamSettings) -> JetStreamLog {
+        let id = SubclusterId::new(subcluster).unwrap();
+        ensure_stream(&self.js, &self.cluster, &id, settings)
             .await
             .unwrap();
-        let log = JetStreamLog::new(
+        self.log(&id)
+    }
+
+    /// The log of `subcluster`'s stream (which may not exist).
+    pub fn log(&self, subcluster: &SubclusterId) -> JetStreamLog {
+        JetStreamLog::new(
             self.js.clone(),
-            stream_name(&self.cluster, &id),
-            event_subject(&self.cluster, &id),
-        );
+            stream_name(&self.cluster, subcluster),
+            event_subject(&self.cluster, subcluster),
+        )
+    }
+
+    /// Creates the stream of `name` and registers its stand-in sub-master
+    /// `sm-<name>` with `labels`.
+    pub async fn subcluster(&self, name: &str, labels: &[(&str, &str)]) -> Sub {
+        let id = SubclusterId::new(name).unwrap();
+        let log = self.stream(name).await;
         let last = log.bounds().await.unwrap().last_seq;
+        let producer = ProducerId::new(format!("sm-{name}")).unwrap();
         let committer = GroupCommitter::spawn(
             log.clone(),
-            ProducerId::new(format!("sm-{name}")).unwrap(),
+            producer.clone(),
             1,
             last,
             CommitConfig::default(),
         );
         let info = SubmasterInfo {
-            id: ProducerId::new(format!("sm-{name}")).unwrap(),
+            id: producer,
             cluster: self.cluster.clone(),
             subcluster: id.clone(),
-            rpc_prefix: format!("hkvm.{}.{name}.rpc", self.cluster),
+            rpc_prefix: rpc_prefix(&self.cluster, &id),
             labels: labels
                 .iter()
                 .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
@@ -122,6 +231,7 @@ impl Fixture {
         }
     }
 
+    /// Writes a registry entry.
     pub async fn register(&self, info: &SubmasterInfo) {
         let store = ensure_registry_bucket(&self.js, &self.cluster, Duration::from_secs(10))
             .await
@@ -129,6 +239,85 @@ impl Fixture {
         register(&store, info).await.unwrap();
     }
 
+    /// How many times each key was committed in `subcluster`'s stream (none when
+    /// the stream does not exist yet).
+    pub async fn commits(&self, subcluster: &str) -> BTreeMap<String, u32> {
+        let log = self.log(&SubclusterId::new(subcluster).unwrap());
+        let mut commits = BTreeMap::new();
+        let Ok(mut entries) = log.read(ReadOptions::from(1)).await else {
+            return commits;
+        };
+        while let Some(entry) = entries.next().await {
+            let entry = entry.unwrap();
+            let message = decode_message(&entry.payload, &Limits::default()).unwrap();
+            for event in message.events {
+                if let Ok(KvEvent::PutCommitted(put)) = event {
+                    *commits.entry(put.key).or_insert(0) += 1;
+                }
+            }
+        }
+        commits
+    }
+
+    /// The names of the consumers reading `subcluster`'s stream now.
+    pub async fn readers(&self, subcluster: &str) -> BTreeSet<String> {
+        let name = stream_name(&self.cluster, &SubclusterId::new(subcluster).unwrap());
+        let stream = self.js.get_stream(&name).await.unwrap();
+        let mut names = stream.consumer_names();
+        let mut found = BTreeSet::new();
+        while let Some(name) = names.next().await {
+            found.insert(name.unwrap());
+        }
+        found
+    }
+
+    /// Waits until a reader of `subcluster`'s stream that is not in `before` has
+    /// been delivered the stream's last message: a sub-master started after
+    /// `before` was taken has replayed the whole stream (a hot standby follows it
+    /// from there).
+    pub async fn wait_new_reader_at_end(&self, subcluster: &str, before: &BTreeSet<String>) {
+        let name = stream_name(&self.cluster, &SubclusterId::new(subcluster).unwrap());
+        poll_until("a new reader at the end of the stream", WAIT, || async {
+            let mut stream = self.js.get_stream(&name).await.ok()?;
+            let last = stream.info().await.ok()?.state.last_sequence;
+            let mut consumers = stream.consumers();
+            while let Some(info) = consumers.next().await {
+                let info = info.ok()?;
+                if !before.contains(&info.name) && info.delivered.stream_sequence >= last {
+                    return Some(());
+                }
+            }
+            None
+        })
+        .await;
+    }
+
+    /// The configuration of sub-master `producer` of `subcluster`.
+    pub fn submaster_config(&self, subcluster: &str, producer: &str) -> SubmasterConfig {
+        SubmasterConfig::new(
+            self.cluster.clone(),
+            SubclusterId::new(subcluster).unwrap(),
+            ProducerId::new(producer).unwrap(),
+        )
+    }
+
+    /// Runs a sub-master in this process on its own connection.
+    pub async fn spawn_submaster(&self, config: SubmasterConfig) -> SubmasterHandle {
+        SubmasterHandle::spawn(self.connect().await, config)
+    }
+
+    /// A sub-master client of `subcluster` on its own connection.
+    pub async fn submaster_client(&self, subcluster: &str, policy: RetryPolicy) -> SubmasterClient {
+        SubmasterClient::with_policy(
+            self.connect().await,
+            self.cluster.clone(),
+            SubclusterId::new(subcluster).unwrap(),
+            policy,
+        )
+    }
+
+    /// A global-master configuration for tests: no periodic checkpoints or bloom
+    /// filters, a quick lag poll.
     pub fn config(&self, replica: &str) -> GlobalMasterConfig {
         GlobalMasterConfig {
             cluster: self.cluster.clone(),
@@ -140,32 +329,26 @@ impl Fixture {
         }
     }
 
+    /// Starts global-master replica `replica` with [`Fixture::config`] and waits
+    /// until it serves.
     pub async fn start(&self, replica: &str) -> GlobalMaster {
         self.start_with(self.config(replica)).await
     }
 
+    /// Starts a global-master replica and waits (bounded) until it serves.
     pub async fn start_with(&self, config: GlobalMasterConfig) -> GlobalMaster {
         let master = GlobalMaster::start(config, self.client.clone())
             .await
             .unwrap();
-        tokio::time::timeout(Duration::from_secs(30), master.wait_serving())
+        tokio::time::timeout(WAIT, master.wait_serving())
             .await
             .expect("the replica catches up");
         master
     }
 
+    /// A global-master client.
     pub fn global(&self) -> GlobalClient {
         GlobalClient::new(self.client.clone(), self.cluster.clone())
-    }
-
-    pub fn checkpoint_bucket(&self) -> String {
-        bucket_name(&self.cluster, "checkpoints")
-    }
-}
-
-impl Sub {
-    pub async fn commit(&self, events: Vec<KvEvent>) -> u64 {
-        self.committer.commit(events).await.unwrap().seq
     }
 }
 
@@ -178,7 +361,7 @@ pub async fn wait_applied(master: &GlobalMaster, subcluster: &SubclusterId, seq:
             .iter()
             .any(|s| s.lag.subcluster == *subcluster && s.lag.applied_seq >= seq)
     };
-    tokio::time::timeout(Duration::from_secs(30), async {
+    tokio::time::timeout(WAIT, async {
         while !reached() {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -187,9 +370,165 @@ pub async fn wait_applied(master: &GlobalMaster, subcluster: &SubclusterId, seq:
     .unwrap_or_else(|_| panic!("{subcluster} never reached {seq}: {:?}", master.status()));
 }
 
+/// The global master's `status`.
 pub async fn status(global: &GlobalClient) -> GlobalStatusReply {
     global
         .call(GlobalOp::Status, &GlobalStatus {})
         .await
         .unwrap()
+}
+
+/// What [`Pool::start`] starts.
+#[derive(Debug, Clone)]
+pub struct PoolSpec {
+    cluster: String,
+    subclusters: Vec<(String, BTreeMap<String, String>)>,
+    nodes: usize,
+    segment_size: u64,
+    tcp: TcpConfig,
+    tweak: fn(&mut SubmasterConfig),
+    global: Option<GlobalMasterConfig>,
+}
+
+impl PoolSpec {
+    /// Cluster `cluster` without sub-clusters yet; two nodes of 8 MiB per
+    /// sub-cluster, default TCP settings, no global master.
+    pub fn new(cluster: &str) -> Self {
+        Self {
+            cluster: cluster.to_owned(),
+            subclusters: Vec::new(),
+            nodes: 2,
+            segment_size: 8 << 20,
+            tcp: TcpConfig::default(),
+            tweak: |_| {},
+            global: None,
+        }
+    }
+
+    /// Adds sub-cluster `name` (sub-master `<name>-sm`) with `labels`.
+    pub fn subcluster(mut self, name: &str, labels: &[(&str, &str)]) -> Self {
+        let labels = labels
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        self.subclusters.push((name.to_owned(), labels));
+        self
+    }
+
+    /// `count` nodes per sub-cluster (`<subcluster>-n<i>`), each serving one
+    /// segment of `segment_size` bytes.
+    pub fn nodes(mut self, count: usize, segment_size: u64) -> Self {
+        self.nodes = count;
+        self.segment_size = segment_size;
+        self
+    }
+
+    /// The KV clients' transport settings.
+    pub fn tcp(mut self, tcp: TcpConfig) -> Self {
+        self.tcp = tcp;
+        self
+    }
+
+    /// Changes every sub-master's configuration before it starts.
+    pub fn tweak(mut self, tweak: fn(&mut SubmasterConfig)) -> Self {
+        self.tweak = tweak;
+        self
+    }
+
+    /// Also starts global-master replica `replica` (registry entries live 3 s,
+    /// as the sub-masters' do); [`Pool::start`] returns once it serves.
+    pub fn global(mut self, replica: &str) -> Self {
+        self.global = Some(GlobalMasterConfig {
+            replica: replica.to_owned(),
+            registry_ttl_ms: 3000,
+            ..GlobalMasterConfig::default()
+        });
+        self
+    }
+}
+
+/// A pool in this process: per sub-cluster a sub-master and nodes, a KV client
+/// per sub-cluster, and optionally a global master.
+pub struct Pool {
+    /// The nats-server and cluster.
+    pub fixture: Fixture,
+    /// The sub-masters, in the order of the spec's sub-clusters.
+    pub masters: Vec<SubmasterHandle>,
+    /// Every node, sub-cluster by sub-cluster.
+    pub nodes: Vec<NodeHandle>,
+    /// A KV client per sub-cluster name.
+    pub kv: BTreeMap<String, KvClient>,
+    /// The global master, when the spec asked for one.
+    pub global: Option<GlobalMaster>,
+}
+
+impl Pool {
+    /// Starts everything in `spec`.
+    pub async fn start(spec: PoolSpec) -> Self {
+        let fixture = Fixture::new(&spec.cluster).await;
+        let transport = Arc::new(TcpTransport::new(spec.tcp.clone()));
+        let mut masters = Vec::new();
+        let mut nodes = Vec::new();
+        let mut kv = BTreeMap::new();
+        for (name, labels) in &spec.subclusters {
+            let mut config = fixture.submaster_config(name, &format!("{name}-sm"));
+            config.registry_ttl = Duration::from_secs(3);
+            (spec.tweak)(&mut config);
+            config.labels.extend(labels.clone());
+            masters.push(fixture.spawn_submaster(config).await);
+            let metadata = SubmasterClient::new(
+                fixture.connect().await,
+                fixture.cluster.clone(),
+                SubclusterId::new(name).unwrap(),
+            );
+            for n in 0..spec.nodes {
+                let config = NodeConfig::new(
+                    NodeId::new(format!("{name}-n{n}")).unwrap(),
+                    spec.segment_size,
+                )
+                .unwrap();
+                nodes.push(NodeHandle::start(config, metadata.clone()).await.unwrap());
+            }
+            kv.insert(name.clone(), KvClient::new(metadata, transport.clone()));
+        }
+        let global = match spec.global {
+            Some(config) => Some(
+                fixture
+                    .start_with(GlobalMasterConfig {
+                        cluster: fixture.cluster.clone(),
+                        ..config
+                    })
+                    .await,
+            ),
+            None => None,
+        };
+        Self {
+            fixture,
+            masters,
+            nodes,
+            kv,
+            global,
+        }
+    }
+
+    /// `<nats url>:<cluster>`, as `hkvm interdc` takes a pool.
+    pub fn address(&self) -> String {
+        format!("{}:{}", self.fixture.url(), self.fixture.cluster)
+    }
+
+    /// How many times each key was committed in `subcluster`'s stream.
+    pub async fn commits(&self, subcluster: &str) -> BTreeMap<String, u32> {
+        self.fixture.commits(subcluster).await
+    }
+
+    /// Stops the global master and every sub-master cleanly (each must stop
+    /// without an error).
+    pub async fn shutdown(self) {
+        if let Some(global) = self.global {
+            global.shutdown();
+        }
+        for master in self.masters {
+            master.shutdown().await.unwrap();
+        }
+    }
 }

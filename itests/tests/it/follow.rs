@@ -14,12 +14,11 @@ use hkvm_events::codec::{Decoded, Header};
 use hkvm_events::follow::{FoldTarget, FollowConfig, Follower, OutOfOrder, ResyncReason, Seed};
 use hkvm_events::log::{Append, EventLog as _, JetStreamLog};
 use hkvm_events::snapshot::{ObjectRecord, SnapshotFile, SnapshotStore};
-use hkvm_events::stream::{ensure_stream, StreamSettings};
-use hkvm_events::subject::{event_subject, stream_name};
 use hkvm_events::{
     encode_message, ClusterId, KvEvent, Limits, ProducerId, PutCommitted, SubclusterId,
 };
-use hkvm_testkit::NatsServer;
+
+use crate::fixture::Fixture;
 
 /// What the model target saw.
 #[derive(Debug, Default)]
@@ -70,7 +69,12 @@ impl FoldTarget for Model {
 
     fn seed(&mut self, seed: Seed<'_>) {
         let mut seen = self.seen();
-        seen.keys = seed.snapshot.objects.iter().map(|o| o.key.clone()).collect();
+        seen.keys = seed
+            .snapshot
+            .objects
+            .iter()
+            .map(|o| o.key.clone())
+            .collect();
         seen.applied_seq = seed.snapshot.covers_seq;
         seen.seeded_from = Some(seed.snapshot.covers_seq);
     }
@@ -120,22 +124,12 @@ struct Stream {
 }
 
 impl Stream {
-    async fn create(server: &NatsServer, subcluster: &str) -> Self {
-        let js = jetstream::new(server.connect().await.unwrap());
-        let cluster = ClusterId::new("follow").unwrap();
-        let subcluster = SubclusterId::new(subcluster).unwrap();
-        ensure_stream(&js, &cluster, &subcluster, &StreamSettings::default())
-            .await
-            .unwrap();
-        let log = JetStreamLog::new(
-            js.clone(),
-            stream_name(&cluster, &subcluster),
-            event_subject(&cluster, &subcluster),
-        );
+    async fn create(fixture: &Fixture, subcluster: &str) -> Self {
+        let log = fixture.stream(subcluster).await;
         Self {
-            js,
-            cluster,
-            subcluster,
+            js: fixture.js.clone(),
+            cluster: fixture.cluster.clone(),
+            subcluster: SubclusterId::new(subcluster).unwrap(),
             log,
             counter: 0,
         }
@@ -212,8 +206,8 @@ fn keys(range: std::ops::Range<u32>, prefix: &str) -> BTreeSet<String> {
 
 #[tokio::test]
 async fn folds_everything_in_batches_of_the_configured_size() {
-    let server = NatsServer::start().await.unwrap();
-    let mut stream = Stream::create(&server, "batches").await;
+    let fixture = Fixture::new("follow").await;
+    let mut stream = Stream::create(&fixture, "batches").await;
     for i in 0..40 {
         stream.put(&format!("k{i}")).await;
     }
@@ -224,7 +218,10 @@ async fn folds_everything_in_batches_of_the_configured_size() {
         ..quick()
     };
     let task = stream.follower(&model, config);
-    until(&model, "all 40 folded", |s| s.applied_seq == 40 && s.caught_up).await;
+    until(&model, "all 40 folded", |s| {
+        s.applied_seq == 40 && s.caught_up
+    })
+    .await;
     // Appends after the follower caught up arrive too.
     stream.put("late").await;
     until(&model, "the late put", |s| s.keys.contains("late")).await;
@@ -239,8 +236,8 @@ async fn folds_everything_in_batches_of_the_configured_size() {
 
 #[tokio::test]
 async fn a_deleted_and_recreated_stream_is_read_again_even_when_it_is_longer() {
-    let server = NatsServer::start().await.unwrap();
-    let mut stream = Stream::create(&server, "recreated").await;
+    let fixture = Fixture::new("follow").await;
+    let mut stream = Stream::create(&fixture, "recreated").await;
     for i in 0..3 {
         stream.put(&format!("old{i}")).await;
     }
@@ -250,8 +247,12 @@ async fn a_deleted_and_recreated_stream_is_read_again_even_when_it_is_longer() {
     task.abort();
     // While no one reads, the stream is deleted and re-created, then grows past
     // the old position: only its identity tells it is another stream.
-    stream.js.delete_stream(stream.log.stream_name()).await.unwrap();
-    let mut stream = Stream::create(&server, "recreated").await;
+    stream
+        .js
+        .delete_stream(stream.log.stream_name())
+        .await
+        .unwrap();
+    let mut stream = Stream::create(&fixture, "recreated").await;
     for i in 0..5 {
         stream.put(&format!("new{i}")).await;
     }
@@ -266,8 +267,8 @@ async fn a_deleted_and_recreated_stream_is_read_again_even_when_it_is_longer() {
 
 #[tokio::test]
 async fn an_undecodable_message_is_reread_once_then_skipped() {
-    let server = NatsServer::start().await.unwrap();
-    let mut stream = Stream::create(&server, "corrupt").await;
+    let fixture = Fixture::new("follow").await;
+    let mut stream = Stream::create(&fixture, "corrupt").await;
     stream.put("a").await;
     let bad = stream.append_payload(b"\x93garbage".to_vec()).await;
     stream.put("b").await;
@@ -283,8 +284,8 @@ async fn an_undecodable_message_is_reread_once_then_skipped() {
 
 #[tokio::test]
 async fn resyncs_for_undecodable_messages_are_bounded() {
-    let server = NatsServer::start().await.unwrap();
-    let mut stream = Stream::create(&server, "many-corrupt").await;
+    let fixture = Fixture::new("follow").await;
+    let mut stream = Stream::create(&fixture, "many-corrupt").await;
     let mut bad = Vec::new();
     for i in 0..4 {
         stream.put(&format!("k{i}")).await;
@@ -340,8 +341,8 @@ async fn purge_before(stream: &Stream, seq: u64) {
 
 #[tokio::test]
 async fn a_purged_history_is_seeded_from_the_snapshot_then_the_tail_folded() {
-    let server = NatsServer::start().await.unwrap();
-    let mut stream = Stream::create(&server, "purged").await;
+    let fixture = Fixture::new("follow").await;
+    let mut stream = Stream::create(&fixture, "purged").await;
     for i in 0..6 {
         stream.put(&format!("k{i}")).await;
     }
@@ -360,8 +361,8 @@ async fn a_purged_history_is_seeded_from_the_snapshot_then_the_tail_folded() {
 
 #[tokio::test]
 async fn a_reader_behind_the_purge_point_resyncs_and_seeds() {
-    let server = NatsServer::start().await.unwrap();
-    let mut stream = Stream::create(&server, "behind").await;
+    let fixture = Fixture::new("follow").await;
+    let mut stream = Stream::create(&fixture, "behind").await;
     stream.put("k0").await;
     stream.put("k1").await;
     let model = Model::default();

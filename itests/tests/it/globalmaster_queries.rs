@@ -1,8 +1,5 @@
 //! Cluster-wide queries against a real nats-server: routing across sub-clusters,
 //! labels, prefix_hit, eviction and removal, new sub-clusters, the proxy, bad input.
-#![allow(clippy::unwrap_used)]
-
-mod common;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -19,7 +16,7 @@ use hkvm_events::rpc::{decode, encode, RpcErrorCode, RpcReply};
 use hkvm_events::subject::{global_rpc_subject, submaster_rpc_subject};
 use hkvm_events::SubclusterId;
 
-use common::{evicted, keys, put, removed, wait_applied, Fixture};
+use crate::fixture::{evicted, keys, put, removed, wait_applied, Fixture};
 
 fn names(reply: &BatchIsExistReply, index: usize) -> Vec<String> {
     reply
@@ -31,7 +28,7 @@ fn names(reply: &BatchIsExistReply, index: usize) -> Vec<String> {
 
 #[tokio::test]
 async fn keys_are_found_in_every_subcluster_that_holds_them() {
-    let fixture = Fixture::new().await;
+    let fixture = Fixture::new("t").await;
     let a = fixture.subcluster("sc-a", &[("pool", "prefill")]).await;
     let b = fixture.subcluster("sc-b", &[("pool", "decode")]).await;
     a.commit(vec![put("shared"), put("only-a")]).await;
@@ -77,7 +74,7 @@ async fn keys_are_found_in_every_subcluster_that_holds_them() {
     assert!(owner.alive);
     assert!(located.owners[1].is_empty());
 
-    let status = common::status(&global).await;
+    let status = crate::fixture::status(&global).await;
     assert_eq!(status.keys, 3);
     assert!(!status.replaying);
     assert_eq!(status.sources.len(), 2);
@@ -86,7 +83,7 @@ async fn keys_are_found_in_every_subcluster_that_holds_them() {
 
 #[tokio::test]
 async fn hard_labels_never_cross_and_soft_labels_rank_first() {
-    let fixture = Fixture::new().await;
+    let fixture = Fixture::new("t").await;
     let a = fixture.subcluster("sc-a", &[("pool", "prefill")]).await;
     let b = fixture.subcluster("sc-b", &[("pool", "decode")]).await;
     a.commit(vec![put("k"), put("a-only")]).await;
@@ -116,7 +113,7 @@ async fn hard_labels_never_cross_and_soft_labels_rank_first() {
 
 #[tokio::test]
 async fn prefix_hit_counts_leading_keys_per_subcluster() {
-    let fixture = Fixture::new().await;
+    let fixture = Fixture::new("t").await;
     let a = fixture.subcluster("sc-a", &[]).await;
     let b = fixture.subcluster("sc-b", &[]).await;
     a.commit(vec![put("p0"), put("p1"), put("p2"), put("p4")])
@@ -150,12 +147,16 @@ async fn prefix_hit_counts_leading_keys_per_subcluster() {
         .call::<_, PrefixHitReply>(GlobalOp::PrefixHit, &too_many)
         .await
         .unwrap_err();
-    assert_eq!(error.code, RpcErrorCode::InvalidRequest);
+    assert_eq!(
+        error.rpc_code(),
+        Some(&RpcErrorCode::InvalidRequest),
+        "{error}"
+    );
 }
 
 #[tokio::test]
 async fn evictions_removals_and_new_subclusters_show_up_while_serving() {
-    let fixture = Fixture::new().await;
+    let fixture = Fixture::new("t").await;
     let a = fixture.subcluster("sc-a", &[]).await;
     a.commit(vec![put("x"), put("y"), put("z")]).await;
     let master = fixture.start("g1").await;
@@ -187,7 +188,7 @@ async fn evictions_removals_and_new_subclusters_show_up_while_serving() {
 
 #[tokio::test]
 async fn get_replica_list_is_forwarded_to_the_owning_submaster() {
-    let fixture = Fixture::new().await;
+    let fixture = Fixture::new("t").await;
     let a = fixture.subcluster("sc-a", &[]).await;
     let b = fixture.subcluster("sc-b", &[]).await;
     a.commit(vec![put("in-a"), put("stale")]).await;
@@ -263,7 +264,7 @@ async fn get_replica_list_is_forwarded_to_the_owning_submaster() {
 
 #[tokio::test]
 async fn malformed_requests_get_invalid_request() {
-    let fixture = Fixture::new().await;
+    let fixture = Fixture::new("t").await;
     let _master = fixture.start("g1").await;
     for op in [
         GlobalOp::BatchIsExist,
@@ -304,12 +305,16 @@ async fn malformed_requests_get_invalid_request() {
         .call::<_, BatchIsExistReply>(GlobalOp::BatchIsExist, &empty_key)
         .await
         .unwrap_err();
-    assert_eq!(error.code, RpcErrorCode::InvalidRequest);
+    assert_eq!(
+        error.rpc_code(),
+        Some(&RpcErrorCode::InvalidRequest),
+        "{error}"
+    );
 }
 
 #[tokio::test]
 async fn metrics_are_served_over_http() {
-    let fixture = Fixture::new().await;
+    let fixture = Fixture::new("t").await;
     let a = fixture.subcluster("sc-a", &[]).await;
     a.commit(vec![put("k")]).await;
     let mut config = fixture.config("g1");

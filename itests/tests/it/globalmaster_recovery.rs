@@ -1,8 +1,5 @@
 //! Recovery against a real nats-server: checkpoint restore plus tail, streams that
 //! were reset, purged or hold a corrupt message, and two replicas serving alike.
-#![allow(clippy::unwrap_used)]
-
-mod common;
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -12,17 +9,17 @@ use hkvm_events::key_hash;
 use hkvm_events::rpc::global::BloomFilter;
 use hkvm_events::rpc::global::GlobalStatusReply;
 use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp, GlobalStatus};
+use hkvm_events::snapshot::SnapshotStore;
 use hkvm_events::stream::{ensure_stream, StreamSettings};
-use hkvm_events::subject::event_subject;
+use hkvm_events::subject::{event_subject, Bucket};
 use hkvm_events::{
     KvEvent, NodeId, Placement, ProducerId, PutCommitted, SegmentId, SegmentMounted,
 };
 use hkvm_globalmaster::checkpoints;
 use hkvm_projector::{Projection, SourceContent};
-use hkvm_submaster::snapshot::SnapshotStore;
 use tokio::io::AsyncReadExt as _;
 
-use common::{keys, put, removed, wait_applied, Fixture};
+use crate::fixture::{keys, put, removed, wait_applied, Fixture};
 
 fn sorted_content(projection: &Projection) -> Vec<SourceContent> {
     let mut content = projection.content();
@@ -55,7 +52,7 @@ async fn exists(fixture: &Fixture, names: &[&str]) -> Vec<Vec<String>> {
 
 #[tokio::test]
 async fn a_restart_loads_the_checkpoint_and_folds_only_the_tail() {
-    let fixture = Fixture::new().await;
+    let fixture = Fixture::new("t").await;
     let a = fixture.subcluster("sc-a", &[]).await;
     let b = fixture.subcluster("sc-b", &[]).await;
     a.commit(vec![put("a1"), put("both")]).await;
@@ -88,7 +85,7 @@ async fn a_restart_loads_the_checkpoint_and_folds_only_the_tail() {
 
 #[tokio::test]
 async fn a_recreated_stream_is_read_again_from_scratch() {
-    let fixture = Fixture::new().await;
+    let fixture = Fixture::new("t").await;
     let a = fixture.subcluster("sc-a", &[]).await;
     a.commit(vec![put("old-1")]).await;
     a.commit(vec![put("old-2")]).await;
@@ -131,7 +128,7 @@ async fn a_recreated_stream_is_read_again_from_scratch() {
 
 #[tokio::test]
 async fn a_corrupt_message_triggers_a_resync_then_is_skipped_and_counted() {
-    let fixture = Fixture::new().await;
+    let fixture = Fixture::new("t").await;
     let a = fixture.subcluster("sc-a", &[]).await;
     a.commit(vec![put("before")]).await;
     fixture
@@ -160,7 +157,7 @@ async fn a_corrupt_message_triggers_a_resync_then_is_skipped_and_counted() {
 
 #[tokio::test]
 async fn several_corrupt_messages_cost_one_resync_each_not_a_loop() {
-    let fixture = Fixture::new().await;
+    let fixture = Fixture::new("t").await;
     let a = fixture.subcluster("sc-a", &[]).await;
     a.commit(vec![put("before")]).await;
     for garbage in ["first garbage", "second garbage"] {
@@ -191,7 +188,7 @@ async fn several_corrupt_messages_cost_one_resync_each_not_a_loop() {
 
 #[tokio::test]
 async fn history_purged_past_the_checkpoint_forces_a_resync() {
-    let fixture = Fixture::new().await;
+    let fixture = Fixture::new("t").await;
     let a = fixture.subcluster("sc-a", &[]).await;
     a.commit(vec![put("k1")]).await;
     let first = fixture.start("g1").await;
@@ -227,7 +224,7 @@ fn placed(key: &str, offset: u64) -> KvEvent {
 
 #[tokio::test]
 async fn a_stream_purged_up_to_a_submaster_snapshot_is_seeded_from_it() {
-    let fixture = Fixture::new().await;
+    let fixture = Fixture::new("t").await;
     let a = fixture.subcluster("sc-a", &[]).await;
     let history = vec![
         vec![KvEvent::SegmentMounted(SegmentMounted {
@@ -246,10 +243,10 @@ async fn a_stream_purged_up_to_a_submaster_snapshot_is_seeded_from_it() {
         state.apply_message(seq, 1, &events);
     }
     let covers = state.applied_seq;
-    SnapshotStore::open(&fixture.js, &fixture.cluster, &a.id, 1)
+    let store = SnapshotStore::open(&fixture.js, &fixture.cluster, &a.id, 1)
         .await
-        .unwrap()
-        .save(&state)
+        .unwrap();
+    hkvm_submaster::snapshot::save(&store, &state)
         .await
         .unwrap();
     let stream = fixture.js.get_stream(a.log.stream_name()).await.unwrap();
@@ -272,7 +269,7 @@ async fn a_stream_purged_up_to_a_submaster_snapshot_is_seeded_from_it() {
 
 #[tokio::test]
 async fn checkpoints_and_bloom_filters_are_published_periodically() {
-    let fixture = Fixture::new().await;
+    let fixture = Fixture::new("t").await;
     let a = fixture.subcluster("sc-a", &[]).await;
     let last = a.commit(vec![put("k1"), put("k2")]).await;
     let mut config = fixture.config("g1");
@@ -280,7 +277,7 @@ async fn checkpoints_and_bloom_filters_are_published_periodically() {
     config.bloom_interval_ms = 50;
     let _master = fixture.start_with(config).await;
 
-    let blooms = checkpoints::object_store(&fixture.js, &fixture.cluster, "blooms")
+    let blooms = checkpoints::object_store(&fixture.js, &fixture.cluster, Bucket::Blooms)
         .await
         .unwrap();
     let bloom = tokio::time::timeout(Duration::from_secs(30), async {
@@ -298,7 +295,7 @@ async fn checkpoints_and_bloom_filters_are_published_periodically() {
     assert_eq!(bloom.covers_seq, last);
     assert!(bloom.may_contain(key_hash("k1")) && bloom.may_contain(key_hash("k2")));
 
-    let store = checkpoints::object_store(&fixture.js, &fixture.cluster, "checkpoints")
+    let store = checkpoints::object_store(&fixture.js, &fixture.cluster, Bucket::Checkpoints)
         .await
         .unwrap();
     let (name, restored) = tokio::time::timeout(Duration::from_secs(30), async {
@@ -317,7 +314,7 @@ async fn checkpoints_and_bloom_filters_are_published_periodically() {
 
 #[tokio::test]
 async fn two_replicas_share_the_queue_group_and_answer_alike() {
-    let fixture = Fixture::new().await;
+    let fixture = Fixture::new("t").await;
     let a = fixture.subcluster("sc-a", &[]).await;
     a.commit(vec![put("k")]).await;
     let one = fixture.start("g1").await;

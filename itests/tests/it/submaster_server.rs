@@ -1,54 +1,47 @@
 //! The sub-master against a real nats-server: every operation through the client,
 //! error paths, failover to a hot standby, fencing of a deposed leader, and restore
 //! from snapshot + tail equal to a full replay.
-#![allow(clippy::unwrap_used)]
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream;
-use hkvm_client::{ClientConfig, ClientErrorKind, SubmasterClient};
+use hkvm_client::{ClientErrorKind, RetryPolicy, SubmasterClient};
 use hkvm_events::log::{Append, EventLog, JetStreamLog, ReadOptions};
 use hkvm_events::rpc::submaster::{
     ItemError, ItemResult, MountSegment, Ping, PutEndItem, PutStartItem,
 };
 use hkvm_events::rpc::RpcErrorCode;
-use hkvm_events::subject::{event_subject, stream_name, submaster_rpc_subject};
-use hkvm_events::{
-    decode_message, ClusterId, KvEvent, Limits, NodeId, ProducerId, SegmentId, SubclusterId,
-};
-use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
-use hkvm_testkit::NatsServer;
+use hkvm_events::subject::submaster_rpc_subject;
+use hkvm_events::{decode_message, KvEvent, Limits, NodeId, SegmentId, SubclusterId};
+use hkvm_submaster::SubmasterConfig;
 
-fn logs() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_test_writer()
-        .try_init();
-}
+use crate::fixture::{logs, wait_count, Fixture};
 
-fn config(producer: &str) -> SubmasterConfig {
+/// The sub-cluster every test here runs.
+const SC: &str = "sc";
+
+fn config(fixture: &Fixture, producer: &str) -> SubmasterConfig {
     logs();
-    let mut config = SubmasterConfig::new(
-        ClusterId::new("t").unwrap(),
-        SubclusterId::new("sc").unwrap(),
-        ProducerId::new(producer).unwrap(),
-    );
+    let mut config = fixture.submaster_config(SC, producer);
     config.leader_lease_ttl = Duration::from_millis(1500);
     config
 }
 
-async fn client(server: &NatsServer) -> SubmasterClient {
-    SubmasterClient::with_config(
-        server.connect().await.unwrap(),
-        ClusterId::new("t").unwrap(),
-        SubclusterId::new("sc").unwrap(),
-        ClientConfig {
-            retry_deadline: Duration::from_secs(20),
-            ..ClientConfig::default()
-        },
-    )
+async fn client(fixture: &Fixture) -> SubmasterClient {
+    fixture
+        .submaster_client(
+            SC,
+            RetryPolicy {
+                retry_deadline: Duration::from_secs(20),
+                ..RetryPolicy::default()
+            },
+        )
+        .await
+}
+
+fn log_of(fixture: &Fixture) -> JetStreamLog {
+    fixture.log(&SubclusterId::new(SC).unwrap())
 }
 
 async fn mount(client: &SubmasterClient, node: &str, size: u64) {
@@ -94,21 +87,11 @@ async fn put(client: &SubmasterClient, key: &str) -> Result<(), String> {
     }
 }
 
-fn log_of(server_js: jetstream::Context) -> JetStreamLog {
-    let cluster = ClusterId::new("t").unwrap();
-    let sc = SubclusterId::new("sc").unwrap();
-    JetStreamLog::new(
-        server_js,
-        stream_name(&cluster, &sc),
-        event_subject(&cluster, &sc),
-    )
-}
-
 #[tokio::test]
 async fn every_operation_round_trips_and_is_recorded_in_the_stream() {
-    let server = NatsServer::start().await.unwrap();
-    let master = SubmasterHandle::spawn(server.connect().await.unwrap(), config("sm-a"));
-    let client = client(&server).await;
+    let fixture = Fixture::new("t").await;
+    let master = fixture.spawn_submaster(config(&fixture, "sm-a")).await;
+    let client = client(&fixture).await;
     mount(&client, "n1", 1 << 20).await;
     mount(&client, "n2", 1 << 20).await;
     mount(&client, "n3", 1 << 20).await;
@@ -180,7 +163,7 @@ async fn every_operation_round_trips_and_is_recorded_in_the_stream() {
     assert_eq!(status.producer, "sm-a");
 
     // The stream holds exactly the durable changes: 3 mounts, 2 puts, 2 removals.
-    let log = log_of(jetstream::new(server.connect().await.unwrap()));
+    let log = log_of(&fixture);
     let mut kinds = Vec::new();
     let mut entries = log.read(ReadOptions::from(1)).await.unwrap();
     while let Some(entry) = futures::StreamExt::next(&mut entries).await {
@@ -200,16 +183,15 @@ async fn every_operation_round_trips_and_is_recorded_in_the_stream() {
 
 #[tokio::test]
 async fn malformed_and_oversized_requests_get_clean_errors() {
-    let server = NatsServer::start().await.unwrap();
-    let master = SubmasterHandle::spawn(server.connect().await.unwrap(), config("sm-a"));
-    let client = client(&server).await;
+    let fixture = Fixture::new("t").await;
+    let master = fixture.spawn_submaster(config(&fixture, "sm-a")).await;
+    let client = client(&fixture).await;
     mount(&client, "n1", 1 << 20).await;
     mount(&client, "n2", 1 << 20).await;
-    let nats = server.connect().await.unwrap();
-    let cluster = ClusterId::new("t").unwrap();
-    let sc = SubclusterId::new("sc").unwrap();
+    let nats = fixture.connect().await;
+    let sc = SubclusterId::new(SC).unwrap();
     for op in ["put_start", "put_end", "exist", "mount_segment", "remove"] {
-        let subject = submaster_rpc_subject(&cluster, &sc, op);
+        let subject = submaster_rpc_subject(&fixture.cluster, &sc, op);
         for body in [&b""[..], b"\xff\xff", b"\x81\xa1k\xc0", &[0x92; 64][..]] {
             let reply = nats
                 .request(subject.clone(), body.to_vec().into())
@@ -235,36 +217,40 @@ async fn malformed_and_oversized_requests_get_clean_errors() {
 
 #[tokio::test]
 async fn a_hot_standby_takes_over_and_keeps_every_acknowledged_put() {
-    let server = NatsServer::start().await.unwrap();
-    let leader = SubmasterHandle::spawn(server.connect().await.unwrap(), config("sm-a"));
-    let client = client(&server).await;
+    let fixture = Fixture::new("t").await;
+    let leader = fixture.spawn_submaster(config(&fixture, "sm-a")).await;
+    let client = client(&fixture).await;
     for node in ["n1", "n2", "n3"] {
         mount(&client, node, 64 << 20).await;
     }
     put(&client, "before").await.unwrap();
-    let standby = SubmasterHandle::spawn(server.connect().await.unwrap(), config("sm-b"));
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let readers = fixture.readers(SC).await;
+    let standby = fixture.spawn_submaster(config(&fixture, "sm-b")).await;
+    // Hot: the standby has replayed the stream before the leader dies.
+    fixture.wait_new_reader_at_end(SC, &readers).await;
 
     // 16 writers keep putting while the leader dies.
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
+    let acked = Arc::new(AtomicUsize::new(0));
     let writers: Vec<_> = (0..16)
         .map(|w| {
-            let (client, stop) = (client.clone(), stop.clone());
+            let (client, stop, acked) = (client.clone(), stop.clone(), acked.clone());
             tokio::spawn(async move {
                 let mut acknowledged = Vec::new();
                 let mut i = 0;
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                while !stop.load(Ordering::Relaxed) {
                     let key = format!("w{w}-{i}");
                     i += 1;
                     if put(&client, &key).await.is_ok() {
                         acknowledged.push(key);
+                        acked.fetch_add(1, Ordering::Relaxed);
                     }
                 }
                 acknowledged
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    wait_count("50 puts before the kill", &acked, 50).await;
     leader.abort();
     let killed = std::time::Instant::now();
     put(&client, "after").await.unwrap();
@@ -272,8 +258,9 @@ async fn a_hot_standby_takes_over_and_keeps_every_acknowledged_put() {
         "first put served {} ms after the leader died",
         killed.elapsed().as_millis()
     );
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let after = acked.load(Ordering::Relaxed) + 50;
+    wait_count("50 puts after the failover", &acked, after).await;
+    stop.store(true, Ordering::Relaxed);
     let mut acknowledged = vec!["before".to_owned(), "after".to_owned()];
     for writer in writers {
         acknowledged.extend(writer.await.unwrap());
@@ -299,15 +286,15 @@ async fn a_hot_standby_takes_over_and_keeps_every_acknowledged_put() {
 
 #[tokio::test]
 async fn a_deposed_leader_cannot_append_and_recovers_from_the_log() {
-    let server = NatsServer::start().await.unwrap();
-    let master = SubmasterHandle::spawn(server.connect().await.unwrap(), config("sm-a"));
-    let client = client(&server).await;
+    let fixture = Fixture::new("t").await;
+    let master = fixture.spawn_submaster(config(&fixture, "sm-a")).await;
+    let client = client(&fixture).await;
     mount(&client, "n1", 1 << 20).await;
     mount(&client, "n2", 1 << 20).await;
     put(&client, "one").await.unwrap();
 
     // Another writer appends behind the leader's back (a split brain).
-    let log = log_of(jetstream::new(server.connect().await.unwrap()));
+    let log = log_of(&fixture);
     let last = log.bounds().await.unwrap().last_seq;
     log.append(Append {
         expected_last_seq: Some(last),
@@ -332,40 +319,33 @@ async fn a_deposed_leader_cannot_append_and_recovers_from_the_log() {
 
 #[tokio::test]
 async fn requests_during_recovery_get_busy_not_silence() {
-    let server = NatsServer::start().await.unwrap();
-    let nats = server.connect().await.unwrap();
+    let fixture = Fixture::new("t").await;
     // No sub-master yet: a client with a short deadline reports the outage cleanly.
-    let impatient = SubmasterClient::with_config(
-        nats.clone(),
-        ClusterId::new("t").unwrap(),
-        SubclusterId::new("sc").unwrap(),
-        ClientConfig {
-            retry_deadline: Duration::from_millis(300),
-            ..ClientConfig::default()
-        },
-    );
+    let impatient = fixture
+        .submaster_client(
+            SC,
+            RetryPolicy {
+                retry_deadline: Duration::from_millis(300),
+                ..RetryPolicy::default()
+            },
+        )
+        .await;
     let error = impatient.exist(vec!["x".into()]).await.unwrap_err();
-    assert_eq!(error.kind(), ClientErrorKind::Unavailable);
-    assert!(
-        impatient
-            .stats()
-            .leader_waits
-            .load(std::sync::atomic::Ordering::Relaxed)
-            > 0
-    );
-    let master = SubmasterHandle::spawn(nats, config("sm-a"));
-    let client = client(&server).await;
+    assert_eq!(error.kind(), ClientErrorKind::NoResponders, "{error}");
+    assert!(impatient.stats().leader_waits.load(Ordering::Relaxed) > 0);
+    let master = fixture.spawn_submaster(config(&fixture, "sm-a")).await;
+    let client = client(&fixture).await;
     assert_eq!(client.exist(vec!["x".into()]).await.unwrap(), vec![false]);
     master.shutdown().await.unwrap();
 }
 
 #[tokio::test]
 async fn restore_from_snapshot_plus_tail_equals_a_full_replay() {
-    let server = NatsServer::start().await.unwrap();
-    let mut cfg = config("sm-a");
+    let fixture = Fixture::new("t").await;
+    let mut cfg = config(&fixture, "sm-a");
     cfg.snapshot_every_events = 25;
-    let master = SubmasterHandle::spawn(server.connect().await.unwrap(), cfg.clone());
-    let client = client(&server).await;
+    let master = fixture.spawn_submaster(cfg.clone()).await;
+    let client = client(&fixture).await;
     for node in ["n1", "n2"] {
         mount(&client, node, 16 << 20).await;
     }
@@ -377,7 +357,7 @@ async fn restore_from_snapshot_plus_tail_equals_a_full_replay() {
     }
     master.shutdown().await.unwrap();
 
-    let js = jetstream::new(server.connect().await.unwrap());
+    let js = fixture.js.clone();
     let from_snapshot = hkvm_submaster::server::load_state(&js, &cfg, true)
         .await
         .unwrap();
@@ -391,7 +371,7 @@ async fn restore_from_snapshot_plus_tail_equals_a_full_replay() {
     assert!(from_snapshot.state.same_durable_state(&full_replay.state));
     assert_eq!(full_replay.state.object_count(), 120 - 18);
     // The snapshot marker events are in the stream.
-    let log = log_of(js);
+    let log = log_of(&fixture);
     let mut markers = 0;
     let mut entries = log.read(ReadOptions::from(1)).await.unwrap();
     while let Some(entry) = futures::StreamExt::next(&mut entries).await {

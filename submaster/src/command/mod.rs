@@ -10,7 +10,7 @@ mod segments;
 use hkvm_events::rpc::submaster::{
     Exist, ExistReply, GetReplicaList, GetReplicaListReply, MountSegment, Ping, PingReply, PutEnd,
     PutEndReply, PutRevoke, PutRevokeReply, PutStart, PutStartReply, Remount, Remove, RemoveAll,
-    RemoveAllReply, RemoveReply, Status, StatusReply, UnmountSegment,
+    RemoveAllReply, RemoveMatching, RemoveReply, Status, StatusReply, UnmountSegment,
 };
 use hkvm_events::rpc::RpcError;
 use hkvm_events::{KvEvent, Limits};
@@ -84,6 +84,8 @@ pub enum Request {
     Remove(Remove),
     /// See [`RemoveAll`].
     RemoveAll(RemoveAll),
+    /// See [`RemoveMatching`].
+    RemoveMatching(RemoveMatching),
     /// See [`Status`].
     Status(Status),
 }
@@ -209,7 +211,8 @@ pub fn handle(
             check_batch(remove.keys.len(), policy)?;
             Ok(objects::remove(state, remove, now_ms))
         }
-        Request::RemoveAll(remove_all) => objects::remove_all(state, &remove_all, now_ms),
+        Request::RemoveAll(remove_all) => Ok(objects::remove_all(state, &remove_all, now_ms)),
+        Request::RemoveMatching(matching) => objects::remove_matching(state, &matching, now_ms),
         Request::Status(Status {}) => Ok(Outcome::reply(Reply::Status(status(state, serving)))),
     }
 }

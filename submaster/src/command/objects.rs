@@ -3,7 +3,7 @@
 
 use hkvm_events::rpc::submaster::{
     GetReplicaList, ItemError, ItemResult, PutEnd, PutRevoke, PutStart, PutStartItem, Remove,
-    RemoveAll, RemoveAllReply, ReplicaList, ReplicaLocation, MAX_KEY_PATTERN_LEN,
+    RemoveAll, RemoveAllReply, RemoveMatching, ReplicaList, ReplicaLocation, MAX_KEY_PATTERN_LEN,
 };
 use hkvm_events::rpc::RpcError;
 use hkvm_events::{KvEvent, PutCommitted, PutFlags, Removed};
@@ -218,42 +218,51 @@ pub(super) fn remove(state: &mut State, remove: Remove, now_ms: u64) -> Outcome 
     }
 }
 
-/// Removes every object, or every object whose key matches the request's pattern
-/// (leased ones only with `force`).
+/// Removes every object (leased ones only with `force`).
+pub(super) fn remove_all(state: &mut State, remove_all: &RemoveAll, now_ms: u64) -> Outcome {
+    removing(state, remove_all.force, now_ms, |_| true)
+}
+
+/// Removes every object whose key matches the request's pattern (leased ones only
+/// with `force`).
 ///
 /// # Errors
 /// `InvalidRequest` for a pattern that is too long or does not compile.
-pub(super) fn remove_all(
+pub(super) fn remove_matching(
     state: &mut State,
-    remove_all: &RemoveAll,
+    matching: &RemoveMatching,
     now_ms: u64,
 ) -> Result<Outcome, RpcError> {
-    let pattern = match &remove_all.key_pattern {
-        None => None,
-        Some(pattern) if pattern.len() > MAX_KEY_PATTERN_LEN => {
-            return Err(RpcError::invalid(format!(
-                "key pattern of {} bytes exceeds {MAX_KEY_PATTERN_LEN}",
-                pattern.len()
-            )))
-        }
-        Some(pattern) => Some(
-            regex::RegexBuilder::new(pattern)
-                // Bounds the compiled automaton: a hostile pattern is refused, not
-                // compiled into gigabytes.
-                .size_limit(1 << 20)
-                .build()
-                .map_err(|e| RpcError::invalid(format!("key pattern: {e}")))?,
-        ),
-    };
+    if matching.pattern.len() > MAX_KEY_PATTERN_LEN {
+        return Err(RpcError::invalid(format!(
+            "key pattern of {} bytes exceeds {MAX_KEY_PATTERN_LEN}",
+            matching.pattern.len()
+        )));
+    }
+    let pattern = regex::RegexBuilder::new(&matching.pattern)
+        // Bounds the compiled automaton: a hostile pattern is refused, not compiled
+        // into gigabytes.
+        .size_limit(1 << 20)
+        .build()
+        .map_err(|e| RpcError::invalid(format!("key pattern: {e}")))?;
+    Ok(removing(state, matching.force, now_ms, |key| pattern.is_match(key)))
+}
+
+fn removing(
+    state: &mut State,
+    force: bool,
+    now_ms: u64,
+    wanted: impl Fn(&str) -> bool,
+) -> Outcome {
     let keys: Vec<String> = state
         .objects()
-        .filter(|(key, _)| pattern.as_ref().is_none_or(|p| p.is_match(key)))
-        .filter(|(_, object)| remove_all.force || !is_leased(state, object.lease_until_ms, now_ms))
+        .filter(|(key, _)| wanted(key))
+        .filter(|(_, object)| force || !is_leased(state, object.lease_until_ms, now_ms))
         .map(|(key, _)| key.to_owned())
         .collect();
     let removed = keys.len() as u64;
-    Ok(Outcome {
+    Outcome {
         events: chunked(keys, |keys| KvEvent::Removed(Removed { keys })),
         reply: Reply::RemoveAll(RemoveAllReply { removed }),
-    })
+    }
 }

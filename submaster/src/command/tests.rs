@@ -3,7 +3,7 @@
 
 use hkvm_events::rpc::submaster::{
     Exist, GetReplicaList, ItemError, ItemResult, MountSegment, Ping, PutEnd, PutEndItem,
-    PutRevoke, PutStart, PutStartItem, Remount, Remove, RemoveAll, UnmountSegment,
+    PutRevoke, PutStart, PutStartItem, Remount, Remove, RemoveAll, RemoveMatching, UnmountSegment,
     MAX_KEY_PATTERN_LEN,
 };
 use hkvm_events::rpc::RpcErrorCode;
@@ -274,12 +274,12 @@ fn remove_all_respects_leases_and_force() {
     }))
     .unwrap();
     assert!(matches!(
-        h.run(Request::RemoveAll(RemoveAll { force: false, key_pattern: None })),
+        h.run(Request::RemoveAll(RemoveAll { force: false })),
         Ok(Reply::RemoveAll(r)) if r.removed == 9
     ));
     assert_eq!(h.leader.object_count(), 1);
     assert!(matches!(
-        h.run(Request::RemoveAll(RemoveAll { force: true, key_pattern: None })),
+        h.run(Request::RemoveAll(RemoveAll { force: true })),
         Ok(Reply::RemoveAll(r)) if r.removed == 1
     ));
     assert_eq!(h.leader.usage().1, 0, "all space is free again");
@@ -293,9 +293,9 @@ fn remove_all_with_a_pattern_removes_only_matching_keys() {
         h.put(key, 100, 1);
     }
     let by_pattern = |pattern: &str| {
-        Request::RemoveAll(RemoveAll {
+        Request::RemoveMatching(RemoveMatching {
+            pattern: pattern.to_owned(),
             force: false,
-            key_pattern: Some(pattern.to_owned()),
         })
     };
     assert!(matches!(

@@ -63,6 +63,7 @@ fn decode_request(op: Op, body: &[u8]) -> Result<Request, RpcError> {
         Op::Exist => Request::Exist(rpc::decode(body)?),
         Op::Remove => Request::Remove(rpc::decode(body)?),
         Op::RemoveAll => Request::RemoveAll(rpc::decode(body)?),
+        Op::RemoveMatching => Request::RemoveMatching(rpc::decode(body)?),
         Op::Status => Request::Status(rpc::decode(body)?),
     })
 }

@@ -4,7 +4,7 @@
 
 use tokio::process::Command;
 
-use crate::topology::Container;
+use super::topology::Container;
 
 async fn docker(args: &[&str]) -> String {
     let output = Command::new("docker").args(args).output().await.unwrap();

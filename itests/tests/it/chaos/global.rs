@@ -4,11 +4,11 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use hkvm_client::GlobalClient;
 use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp, LabelFilter, LabelMode};
 use hkvm_events::ClusterId;
-use hkvm_globalmaster::GlobalClient;
 
-use crate::topology::{Topology, CLUSTER};
+use super::topology::{Topology, CLUSTER};
 
 /// A global-master client from the test (through NATS node `nats`).
 pub async fn client(topology: &Topology, nats: usize) -> GlobalClient {

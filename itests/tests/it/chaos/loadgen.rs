@@ -7,13 +7,15 @@ use std::time::Duration;
 
 use futures::StreamExt as _;
 
+use hkvm_events::subject::submaster_rpc_subject;
+use hkvm_events::{ClusterId, SubclusterId};
 use hkvm_itests::images::hkvm_image;
 use serde_json::Value;
 use testcontainers::runners::AsyncRunner as _;
 use testcontainers::ImageExt as _;
 
-use crate::docker;
-use crate::topology::{Container, Topology, CLUSTER};
+use super::docker;
+use super::topology::{Container, Topology, CLUSTER};
 
 /// What a `put` run reported.
 #[derive(Debug, Default)]
@@ -48,10 +50,14 @@ async fn serve_keys(
 ) -> (String, tokio::task::JoinHandle<()>) {
     // In the cluster's RPC namespace, where clients may send requests even when
     // NATS runs with per-role permissions.
-    let subject = format!(
-        "hkvm.{CLUSTER}.test-keys.rpc.{}-{}",
-        std::process::id(),
-        NEXT_LIST.fetch_add(1, Ordering::Relaxed)
+    let subject = submaster_rpc_subject(
+        &ClusterId::new(CLUSTER).unwrap(),
+        &SubclusterId::new("test-keys").unwrap(),
+        &format!(
+            "{}-{}",
+            std::process::id(),
+            NEXT_LIST.fetch_add(1, Ordering::Relaxed)
+        ),
     );
     let mut requests = nats.subscribe(subject.clone()).await.unwrap();
     nats.flush().await.unwrap();

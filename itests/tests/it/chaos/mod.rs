@@ -2,9 +2,9 @@
 //! networks (3-node NATS JetStream with R3 streams, sub-masters with hot standbys,
 //! nodes, global-master replicas, load generators), made to lose processes, links
 //! and NATS nodes; every scenario asserts on data. Images come from
-//! `scripts/build-images`. `HKVM_ITESTS_QUICK=1` skips the slowest scenario for
-//! local runs; CI runs them all.
-#![allow(clippy::unwrap_used)]
+//! `scripts/build-images`. Runs only with `HKVM_DOCKER_TESTS=1`;
+//! `HKVM_ITESTS_QUICK=1` skips the slowest scenario for local runs (CI runs them
+//! all). Every scenario writes one row to the summary ([`report`]).
 
 mod docker;
 mod global;

@@ -11,13 +11,13 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use hkvm_client::{ClientConfig, SubmasterClient};
+use hkvm_client::{RetryPolicy, SubmasterClient};
 use hkvm_events::rpc::submaster::{ItemResult, MountSegment, PutEndItem, PutStartItem};
 use hkvm_events::{ClusterId, NodeId, SegmentId, SubclusterId};
 use tokio::sync::watch;
 
-use crate::topology::{Spec, Topology, CLUSTER};
-use crate::{docker, report};
+use super::topology::{Spec, Topology, CLUSTER};
+use super::{docker, report};
 
 /// Objects put before the restart (one `put` event each, plus mounts).
 const OBJECTS: usize = 1_000_000;
@@ -53,7 +53,7 @@ async fn put_batch(client: &SubmasterClient, keys: Vec<String>) -> Result<(), St
 
 /// Polls the container's memory until `stop`; returns the peak in bytes.
 async fn peak_memory(
-    container: &crate::topology::Container,
+    container: &super::topology::Container,
     mut stop: watch::Receiver<bool>,
 ) -> u64 {
     let mut peak = 0;
@@ -66,10 +66,11 @@ async fn peak_memory(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_under_a_retry_storm_recovers_with_bounded_memory() {
-    if std::env::var_os("HKVM_ITESTS_QUICK").is_some() {
-        println!("HKVM_ITESTS_QUICK is set: skipping the avalanche scenario");
+    let Some(scenario) =
+        report::Scenario::start_slow("6 avalanche restart (1M events, 2000 clients)")
+    else {
         return;
-    }
+    };
     let spec = Spec {
         subclusters: vec![("sc-av", "zone=a")],
         submasters: 1,
@@ -120,14 +121,14 @@ async fn a_restart_under_a_retry_storm_recovers_with_bounded_memory() {
     let nats = topology.connect(0).await;
     let storm: Vec<_> = (0..CLIENTS)
         .map(|c| {
-            let client = SubmasterClient::with_config(
+            let client = SubmasterClient::with_policy(
                 nats.clone(),
                 ClusterId::new(CLUSTER).unwrap(),
                 SubclusterId::new("sc-av").unwrap(),
-                ClientConfig {
+                RetryPolicy {
                     request_timeout: Duration::from_secs(2),
                     retry_deadline: Duration::from_secs(120),
-                    ..ClientConfig::default()
+                    ..RetryPolicy::default()
                 },
             );
             tokio::spawn(async move {
@@ -168,8 +169,7 @@ async fn a_restart_under_a_retry_storm_recovers_with_bounded_memory() {
         "clients were told Busy ({waits} waits for a leader)"
     );
     assert!(peak_bytes < 2 << 30, "peak memory {peak_bytes} bytes");
-    report::row(
-        "6 avalanche restart (1M events, 2000 clients)",
+    scenario.passed(
         &format!("all clients served {recovered_ms} ms after restart"),
         0,
         &format!(

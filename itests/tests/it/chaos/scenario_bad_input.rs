@@ -13,9 +13,9 @@ use hkvm_events::rpc::{decode, encode, RpcErrorCode, RpcReply};
 use hkvm_events::subject::{event_subject, global_rpc_subject, submaster_rpc_subject};
 use hkvm_events::{ClusterId, SubclusterId};
 
-use crate::scenario_kill_leader::split;
-use crate::topology::{Spec, Topology, CLUSTER};
-use crate::{global, loadgen, report};
+use super::scenario_kill_leader::split;
+use super::topology::{Spec, Topology, CLUSTER};
+use super::{global, loadgen, report};
 
 /// The bodies every RPC subject is sent: `(what, bytes, must be InvalidRequest)`.
 fn bad_bodies() -> Vec<(&'static str, Vec<u8>, bool)> {
@@ -92,6 +92,9 @@ async fn probe(nats: &async_nats::Client, subject: &str, bodyless: bool) -> usiz
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_at_every_boundary_changes_nothing() {
+    let Some(scenario) = report::Scenario::start("8 bad input at every boundary") else {
+        return;
+    };
     let topology = Topology::start(&Spec::one_subcluster(1)).await;
     let before = loadgen::puts(&topology, "sc-0", "pre", 4, "2s")
         .await
@@ -164,8 +167,7 @@ async fn bad_input_at_every_boundary_changes_nothing() {
     loadgen::assert_verified(&verified, acked.len());
     let global = global::client(&topology, 0).await;
     global::wait_all_held(&global, &acked).await;
-    report::row(
-        "8 bad input at every boundary",
+    scenario.passed(
         "-",
         0,
         &format!(

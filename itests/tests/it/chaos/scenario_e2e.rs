@@ -5,11 +5,14 @@
 
 use hkvm_events::rpc::global::LabelMode;
 
-use crate::topology::{Spec, Topology};
-use crate::{global, loadgen, report};
+use super::topology::{Spec, Topology};
+use super::{global, loadgen, report};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn end_to_end_within_and_across_subclusters() {
+    let Some(scenario) = report::Scenario::start("1 end to end") else {
+        return;
+    };
     let topology = Topology::start(&Spec::default()).await;
     let (a, b) = tokio::join!(
         loadgen::puts(&topology, "sc-0", "e2e-a", 4, "2s"),
@@ -78,8 +81,7 @@ async fn end_to_end_within_and_across_subclusters() {
         "a revoked put is nowhere"
     );
 
-    report::row(
-        "1 end to end",
+    scenario.passed(
         &format!("index caught up in {} ms", caught_up.as_millis()),
         0,
         &format!(

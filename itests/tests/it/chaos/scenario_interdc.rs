@@ -20,8 +20,8 @@ use testcontainers::core::WaitFor;
 use testcontainers::runners::AsyncRunner as _;
 use testcontainers::ImageExt as _;
 
-use crate::topology::{Container, Spec, Topology, CLUSTER};
-use crate::{docker, loadgen, report};
+use super::topology::{Container, Spec, Topology, CLUSTER};
+use super::{docker, loadgen, report};
 
 /// Bytes per block.
 const VALUE_SIZE: &str = "65536";
@@ -93,6 +93,9 @@ async fn master(target: &Topology, source_url: &str, rate: u64, until_idle: bool
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn interdc_copies_over_a_lossy_wan_and_resumes_after_kill() {
+    let Some(scenario) = report::Scenario::start("9 inter-DC copy, kill -9") else {
+        return;
+    };
     let spec = |labels: &'static str| Spec {
         subclusters: vec![("sc-0", labels)],
         submasters: 1,
@@ -205,8 +208,7 @@ async fn interdc_copies_over_a_lossy_wan_and_resumes_after_kill() {
         "the resumed run copied exactly what the killed one had not finished"
     );
     assert!(status.fec_recoveries + status.stripes_retransmitted > 0);
-    report::row(
-        "9 inter-DC copy, kill -9",
+    scenario.passed(
         &format!("{:.1} s for {} MB at a {:.1} MB/s cap", elapsed.as_secs_f64(), total_bytes / 1_000_000, rate as f64 / 1e6),
         keys.len().saturating_sub(verified["ok"].as_u64().unwrap_or(0) as usize),
         &format!(

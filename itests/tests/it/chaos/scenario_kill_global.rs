@@ -5,9 +5,9 @@
 
 use std::time::{Duration, Instant};
 
-use crate::scenario_kill_leader::split;
-use crate::topology::{Container, Spec, Topology};
-use crate::{docker, global, loadgen, report};
+use super::scenario_kill_leader::split;
+use super::topology::{Container, Spec, Topology};
+use super::{docker, global, loadgen, report};
 
 /// How many times `needle` occurs in the container's stderr so far.
 async fn log_count(container: &Container, needle: &str) -> usize {
@@ -16,6 +16,9 @@ async fn log_count(container: &Container, needle: &str) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_a_global_replica_keeps_queries_answered() {
+    let Some(scenario) = report::Scenario::start("3 kill -9 global-master replica") else {
+        return;
+    };
     let spec = Spec {
         subclusters: vec![("sc-0", "zone=a")],
         submasters: 1,
@@ -81,8 +84,7 @@ async fn killing_a_global_replica_keeps_queries_answered() {
     let held = global::holders(&global, &all, None).await;
     let unheld = held.iter().filter(|h| h.is_empty()).count();
     assert_eq!(unheld, 0, "the restarted replica misses keys");
-    report::row(
-        "3 kill -9 global-master replica",
+    scenario.passed(
         &format!("restart to serving {catch_up_ms} ms"),
         0,
         &format!(

@@ -4,8 +4,8 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::topology::{Spec, Topology};
-use crate::{docker, loadgen, report};
+use super::topology::{Spec, Topology};
+use super::{docker, loadgen, report};
 
 /// Unix time in ms (the containers share the host's clock).
 pub fn unix_ms() -> u64 {
@@ -35,6 +35,9 @@ pub fn split(run: &loadgen::PutRun) -> (Vec<String>, Vec<String>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_a_leader_container_loses_no_acknowledged_put() {
+    let Some(scenario) = report::Scenario::start("2 kill -9 sub-master leader") else {
+        return;
+    };
     let topology = Topology::start(&Spec::one_subcluster(0)).await;
     // The standby must be following before the kill.
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -57,8 +60,7 @@ async fn killing_a_leader_container_loses_no_acknowledged_put() {
     loadgen::assert_verified(&verified, acked.len());
     println!("kill -9 leader: {}", run.summary);
     assert!(failover_ms < 10_000, "failover took {failover_ms} ms");
-    report::row(
-        "2 kill -9 sub-master leader",
+    scenario.passed(
         &format!("failover {failover_ms} ms"),
         0,
         &format!(

@@ -9,9 +9,9 @@ use async_nats::jetstream;
 use hkvm_events::subject::stream_name;
 use hkvm_events::{ClusterId, SubclusterId};
 
-use crate::scenario_kill_leader::{first_ack_after, split, unix_ms};
-use crate::topology::{Spec, Topology, CLUSTER};
-use crate::{docker, global, loadgen, report};
+use super::scenario_kill_leader::{first_ack_after, split, unix_ms};
+use super::topology::{Spec, Topology, CLUSTER};
+use super::{docker, global, loadgen, report};
 
 /// Waits until every replica of `stream` is current; returns how long it took.
 async fn wait_replicas_current(js: &jetstream::Context, stream: &str) -> Duration {
@@ -35,6 +35,9 @@ async fn wait_replicas_current(js: &jetstream::Context, stream: &str) -> Duratio
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn losing_a_nats_node_loses_no_acknowledged_event() {
+    let Some(scenario) = report::Scenario::start("4 kill -9 + restart NATS node") else {
+        return;
+    };
     // Room for every put of the run: nothing may be evicted.
     let spec = Spec {
         segment_size: "256MiB",
@@ -88,8 +91,7 @@ async fn losing_a_nats_node_loses_no_acknowledged_event() {
     assert!(info.state.last_sequence > 0);
     let global = global::client(&topology, 2).await;
     global::wait_all_held(&global, &acked).await;
-    report::row(
-        "4 kill -9 + restart NATS node",
+    scenario.passed(
         &format!(
             "writes stalled {stall_ms} ms after the kill; restarted replica current within {:.1} s",
             current_within.as_secs_f64()

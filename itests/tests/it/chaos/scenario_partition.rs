@@ -10,9 +10,9 @@ use async_nats::jetstream;
 use hkvm_events::subject::stream_name;
 use hkvm_events::{decode_message, ClusterId, Limits, SubclusterId};
 
-use crate::scenario_kill_leader::{first_ack_after, split, unix_ms};
-use crate::topology::{Spec, Topology, CLUSTER};
-use crate::{docker, loadgen, report};
+use super::scenario_kill_leader::{first_ack_after, split, unix_ms};
+use super::topology::{Spec, Topology, CLUSTER};
+use super::{docker, loadgen, report};
 
 /// Every message of the stream as `(sequence, producer, epoch)`; empty messages
 /// (epoch markers) are skipped, undecodable ones counted.
@@ -65,6 +65,9 @@ pub fn assert_one_history(entries: &[(u64, String, u64)]) -> Vec<(u64, String)> 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partitioned_leader_cannot_fork_the_history() {
+    let Some(scenario) = report::Scenario::start("5 network cut of a sub-master leader") else {
+        return;
+    };
     let topology = Topology::start(&Spec::one_subcluster(0)).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let old_leader = topology.container("sc-0/0");
@@ -126,8 +129,7 @@ async fn a_partitioned_leader_cannot_fork_the_history() {
         Some("sc-0-sm1"),
         "the new leader's epoch is the last: {epochs:?}"
     );
-    report::row(
-        "5 network cut of a sub-master leader",
+    scenario.passed(
         &format!("first put {first_put_ms} ms after the cut (status saw the standby lead after {takeover_ms} ms)"),
         0,
         &format!(

@@ -10,9 +10,9 @@ use hkvm_events::subject::{event_subject, stream_name};
 use hkvm_events::{ClusterId, SubclusterId};
 use hkvm_itests::security;
 
-use crate::scenario_kill_leader::split;
-use crate::topology::{Spec, Topology, CLUSTER};
-use crate::{global, loadgen, report};
+use super::scenario_kill_leader::split;
+use super::topology::{Spec, Topology, CLUSTER};
+use super::{global, loadgen, report};
 
 /// The last sequence of `subcluster`'s stream, read as the operator.
 async fn last_seq(topology: &Topology, subcluster: &str) -> u64 {
@@ -48,6 +48,9 @@ async fn append_as(topology: &Topology, user: &str, subcluster: &str) -> Result<
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_a_subclusters_own_submaster_can_append_to_its_stream() {
+    let Some(scenario) = report::Scenario::start("7 security (per-role NATS users)") else {
+        return;
+    };
     let spec = Spec {
         submasters: 1,
         nodes: 2,
@@ -66,8 +69,7 @@ async fn only_a_subclusters_own_submaster_can_append_to_its_stream() {
     let verified = loadgen::verify(&topology, "sc-0", &acked, &absent).await;
     loadgen::assert_verified(&verified, acked.len());
     let client_view = topology.connect_as(0, security::CLIENT_USER).await;
-    let global =
-        hkvm_globalmaster::GlobalClient::new(client_view, ClusterId::new(CLUSTER).unwrap());
+    let global = hkvm_client::GlobalClient::new(client_view, ClusterId::new(CLUSTER).unwrap());
     global::wait_all_held(&global, &acked).await;
 
     let before = (
@@ -99,8 +101,7 @@ async fn only_a_subclusters_own_submaster_can_append_to_its_stream() {
 
     let verified = loadgen::verify(&topology, "sc-0", &acked, &absent).await;
     loadgen::assert_verified(&verified, acked.len());
-    report::row(
-        "7 security (per-role NATS users)",
+    scenario.passed(
         "-",
         0,
         &format!(

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use hkvm_client::{ClientConfig, SubmasterClient};
+use hkvm_client::{RetryPolicy, SubmasterClient};
 use hkvm_events::{ClusterId, SubclusterId};
 use hkvm_itests::images::{hkvm_image, nats_image, NATS_CLIENT_PORT};
 use hkvm_itests::security;
@@ -204,7 +204,7 @@ impl Topology {
             .with_startup_timeout(Duration::from_secs(60));
         if spec.secure {
             let subclusters: Vec<&str> = spec.subclusters.iter().map(|(s, _)| *s).collect();
-            let conf = security::nats_conf(CLUSTER, &subclusters);
+            let conf = security::nats_conf(CLUSTER, &subclusters).unwrap();
             cmd.extend(["-c".to_owned(), "/etc/nats.conf".to_owned()]);
             request = request.with_copy_to("/etc/nats.conf", conf.into_bytes());
         }
@@ -322,14 +322,14 @@ impl Topology {
 
     /// A sub-master client from the test (through NATS node 0).
     pub async fn client(&self, subcluster: &str) -> SubmasterClient {
-        SubmasterClient::with_config(
+        SubmasterClient::with_policy(
             self.connect(0).await,
             ClusterId::new(CLUSTER).unwrap(),
             SubclusterId::new(subcluster).unwrap(),
-            ClientConfig {
+            RetryPolicy {
                 request_timeout: Duration::from_secs(2),
                 retry_deadline: Duration::from_secs(60),
-                ..ClientConfig::default()
+                ..RetryPolicy::default()
             },
         )
     }

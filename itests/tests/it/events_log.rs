@@ -1,0 +1,155 @@
+//! The event log over JetStream on a real nats-server: the contract every log
+//! keeps (shared with the in-memory twin's tests in `hkvm-events`), truncation,
+//! vanished and full streams, stream settings, and group commit.
+
+#[path = "../../../events/tests/support/log_contract.rs"]
+mod log_contract;
+
+use std::sync::Arc;
+
+use async_nats::jetstream;
+use hkvm_events::commit::{CommitConfig, GroupCommitter};
+use hkvm_events::log::{EventLog, JetStreamLog, LogErrorKind, ReadOptions};
+use hkvm_events::stream::{ensure_stream, StreamSettings};
+use hkvm_events::{ProducerId, SubclusterId};
+
+use log_contract::{
+    a_follower_sees_later_appends, append, appends_are_fenced_and_deduplicated,
+    many_callers_share_messages, put, read_all, reads_start_anywhere_and_stop_where_asked,
+};
+
+use crate::fixture::Fixture;
+
+/// A nats-server for cluster `test`.
+async fn server() -> Fixture {
+    Fixture::new("test").await
+}
+
+#[tokio::test]
+async fn jetstream_log_keeps_the_contract() {
+    let fixture = server().await;
+    appends_are_fenced_and_deduplicated(fixture.stream("a").await).await;
+    reads_start_anywhere_and_stop_where_asked(fixture.stream("b").await).await;
+    a_follower_sees_later_appends(fixture.stream("c").await).await;
+}
+
+// ---- truncation, gaps, vanished streams ------------------------------------------
+
+#[tokio::test]
+async fn a_purged_start_is_reported_as_truncated() {
+    let fixture = server().await;
+    let log = fixture.stream("purged").await;
+    for i in 0..5u64 {
+        log.append(append(Some(i), &format!("t-{i}"), "x"))
+            .await
+            .unwrap();
+    }
+    let stream = fixture.js.get_stream(log.stream_name()).await.unwrap();
+    stream.purge().sequence(4).await.unwrap();
+    let err = log.read(ReadOptions::from(2)).await.err().unwrap();
+    assert_eq!(
+        err.kind(),
+        &LogErrorKind::Truncated {
+            requested: 2,
+            first_seq: 4
+        }
+    );
+    // Appends continue after the purge, fenced on the true last sequence.
+    log.append(append(Some(5), "t-5", "x")).await.unwrap();
+    assert_eq!(read_all(&log, ReadOptions::from(4)).await.len(), 3);
+}
+
+#[tokio::test]
+async fn a_vanished_stream_is_a_typed_error() {
+    let fixture = server().await;
+    let log = fixture.stream("gone").await;
+    log.append(append(Some(0), "g-0", "x")).await.unwrap();
+    fixture.js.delete_stream(log.stream_name()).await.unwrap();
+    assert_eq!(
+        log.bounds().await.unwrap_err().kind(),
+        &LogErrorKind::StreamNotFound
+    );
+    assert_eq!(
+        log.read(ReadOptions::from(1)).await.err().unwrap().kind(),
+        &LogErrorKind::StreamNotFound
+    );
+    let err = log.append(append(Some(1), "g-1", "x")).await.unwrap_err();
+    assert_eq!(err.kind(), &LogErrorKind::StreamNotFound);
+}
+
+#[tokio::test]
+async fn ensure_stream_is_idempotent_and_applies_new_settings() {
+    let fixture = server().await;
+    let (js, cluster) = (&fixture.js, &fixture.cluster);
+    let sc = SubclusterId::new("sc-0").unwrap();
+    let settings = StreamSettings::default();
+    ensure_stream(js, cluster, &sc, &settings).await.unwrap();
+    let mut again = ensure_stream(js, cluster, &sc, &settings).await.unwrap();
+    let config = again.info().await.unwrap().config.clone();
+    assert_eq!(config.discard, jetstream::stream::DiscardPolicy::New);
+    assert!(config.deny_delete);
+    assert_eq!(config.storage, jetstream::stream::StorageType::File);
+
+    let bigger = StreamSettings {
+        max_bytes: 1 << 30,
+        ..settings
+    };
+    let mut updated = ensure_stream(js, cluster, &sc, &bigger).await.unwrap();
+    assert_eq!(updated.info().await.unwrap().config.max_bytes, 1 << 30);
+}
+
+#[tokio::test]
+async fn a_full_stream_refuses_appends_instead_of_dropping_history() {
+    let fixture = server().await;
+    let settings = StreamSettings {
+        max_messages: 3,
+        ..StreamSettings::default()
+    };
+    let log: JetStreamLog = fixture.stream_with("full", &settings).await;
+    for i in 0..3u64 {
+        log.append(append(Some(i), &format!("x-{i}"), "x"))
+            .await
+            .unwrap();
+    }
+    assert!(log.append(append(Some(3), "x-3", "x")).await.is_err());
+    let bounds = log.bounds().await.unwrap();
+    assert_eq!(
+        (bounds.first_seq, bounds.last_seq),
+        (1, 3),
+        "nothing was dropped"
+    );
+}
+
+// ---- group commit ------------------------------------------------------------------
+
+#[tokio::test]
+async fn group_commit_packs_concurrent_callers_into_few_messages() {
+    let fixture = server().await;
+    many_callers_share_messages(fixture.stream("gc").await).await;
+}
+
+#[tokio::test]
+async fn two_committers_on_one_stream_cannot_both_write() {
+    let fixture = server().await;
+    let log = fixture.stream("split").await;
+    let leader = GroupCommitter::spawn(
+        log.clone(),
+        ProducerId::new("leader").unwrap(),
+        1,
+        0,
+        CommitConfig::default(),
+    );
+    leader.commit(vec![put("a")]).await.unwrap();
+    // A second writer that started from the same point (a split brain) is fenced.
+    let rival = GroupCommitter::spawn(
+        log.clone(),
+        ProducerId::new("rival").unwrap(),
+        2,
+        0,
+        CommitConfig::default(),
+    );
+    assert!(rival.commit(vec![put("b")]).await.is_err());
+    let results = Arc::new(leader.commit(vec![put("c")]).await.unwrap());
+    assert_eq!(results.seq, 2);
+    assert_eq!(read_all(&log, ReadOptions::from(1)).await.len(), 2);
+}

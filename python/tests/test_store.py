@@ -1,0 +1,254 @@
+"""`hkvm.store.MooncakeDistributedStore` against a real local cluster: every
+method with its return values and Mooncake error codes."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import subprocess
+import threading
+import time
+
+import pytest
+
+from conftest import address, open_store, python
+from hkvm.store import BufferHandle, ErrorCode, MooncakeDistributedStore, ReplicateConfig
+
+
+def registered(store, size=1 << 20):
+    """A registered buffer (kept alive by the returned ctypes object)."""
+    buffer = ctypes.create_string_buffer(size)
+    assert store.register_buffer(ctypes.addressof(buffer), size) == 0
+    return buffer, ctypes.addressof(buffer)
+
+
+def test_put_get_exist_size(store, key):
+    value = bytes(range(256)) * 16
+    assert store.put(key, value) == 0
+    assert store.get(key) == value
+    assert store.is_exist(key) == 1
+    assert store.get_size(key) == len(value)
+    assert store.get(key + "-missing") == b""
+    assert store.is_exist(key + "-missing") == 0
+    assert store.get_size(key + "-missing") == ErrorCode.OBJECT_NOT_FOUND
+    assert store.batch_is_exist([key, key + "-missing"]) == [1, 0]
+    assert store.batch_is_exist([]) == []
+
+
+def test_put_accepts_bytes_likes_and_first_writer_wins(store, key):
+    assert store.put(key, bytearray(b"first")) == 0
+    assert store.put(key, memoryview(b"second")) == 0, "an existing key is success"
+    assert store.get(key) == b"first", "and keeps its value"
+    assert store.put(key + "-e", b"") == ErrorCode.INVALID_PARAMS, "empty values are refused"
+
+
+def test_batches(store, key):
+    keys = [f"{key}-{i}" for i in range(20)]
+    values = [bytes([i]) * (i * 100 + 1) for i in range(20)]
+    assert store.put_batch(keys, values) == 0
+    assert store.get_batch(keys + [key + "-missing"]) == values + [b""]
+    assert store.put_batch(keys, values[:3]) == ErrorCode.INVALID_PARAMS
+    assert store.batch_remove(keys[:2], True) == [0, 0]
+    assert store.batch_remove(keys[:1]) == [ErrorCode.OBJECT_NOT_FOUND]
+
+
+def test_put_parts_concatenates(store, key):
+    assert store.put_parts(key, b"ab", bytearray(b"cd"), memoryview(b"ef")) == 0
+    assert store.get(key) == b"abcdef"
+
+
+def test_replicate_config(store, key):
+    config = ReplicateConfig()
+    config.replica_num = 2
+    config.with_hard_pin = True
+    config.preferred_segment = store.get_hostname()
+    assert "2" in str(config)
+    assert store.put(key, b"x" * 1000, config) == 0
+    assert store.get(key) == b"x" * 1000
+    too_many = ReplicateConfig()
+    too_many.replica_num = 50
+    assert store.put(key + "-many", b"y", too_many) < 0
+
+
+def test_remove_respects_the_read_lease(store, key):
+    assert store.put(key, b"v") == 0
+    assert store.get(key) == b"v"  # takes a read lease
+    assert store.remove(key) == ErrorCode.OBJECT_HAS_LEASE
+    assert store.remove(key, True) == 0
+    assert store.remove(key) == ErrorCode.OBJECT_NOT_FOUND
+    assert store.is_exist(key) == 0
+
+
+def test_remove_all_and_by_regex(store, other, key):
+    for i in range(3):
+        assert store.put(f"{key}-a-{i}", b"a") == 0
+    assert store.put(f"{key}-b-0", b"b") == 0
+    assert store.remove_by_regex(f"^{key}-a-", True) == 3
+    assert store.is_exist(f"{key}-b-0") == 1
+    assert store.remove_by_regex("(unclosed", True) == ErrorCode.INVALID_PARAMS
+    removed = other.remove_all(True)
+    assert removed >= 1, "remove_all reaches every sub-cluster"
+    assert store.is_exist(f"{key}-b-0") == 0
+
+
+def test_zero_copy_put_from_and_get_into(store, key):
+    buffer, base = registered(store)
+    buffer[0:5] = b"hello"
+    assert store.put_from(key, base, 5) == 0
+    assert store.get_into(key, base + 4096, 100) == 5
+    assert buffer[4096:4101] == b"hello"
+    assert store.get_into(key, base + 4096, 2) == ErrorCode.BUFFER_OVERFLOW
+    assert store.get_into(key + "-missing", base, 100) == ErrorCode.OBJECT_NOT_FOUND
+    outside = ctypes.create_string_buffer(64)
+    assert store.get_into(key, ctypes.addressof(outside), 64) == ErrorCode.INVALID_PARAMS
+    assert store.put_from(key + "-x", ctypes.addressof(outside), 5) == ErrorCode.INVALID_PARAMS
+    assert store.get_into(key, base + (1 << 20) - 2, 5) == ErrorCode.INVALID_PARAMS, "runs past the end"
+    assert store.unregister_buffer(base) == 0
+    assert store.unregister_buffer(base) == ErrorCode.INVALID_PARAMS
+    assert store.get_into(key, base + 4096, 100) == ErrorCode.INVALID_PARAMS
+
+
+def test_zero_copy_batches_and_multi_buffers(store, key):
+    buffer, base = registered(store)
+    keys = [f"{key}-{i}" for i in range(4)]
+    for i in range(4):
+        buffer[i * 1000 : i * 1000 + 10] = bytes([65 + i]) * 10
+    ptrs = [base + i * 1000 for i in range(4)]
+    assert store.batch_put_from(keys, ptrs, [10] * 4) == [0] * 4
+    assert store.batch_put_from(keys, ptrs[:2], [10] * 4) == [ErrorCode.INVALID_PARAMS] * 4
+    out = [base + 100_000 + i * 1000 for i in range(4)]
+    assert store.batch_get_into(keys, out, [10] * 4) == [10] * 4
+    assert bytes(buffer[100_000:100_010]) == b"A" * 10
+    assert store.batch_get_into(keys, out, [10] * 3) == [ErrorCode.INVALID_PARAMS] * 4
+    # A value scattered over three buffers, read back scattered differently.
+    buffer[200_000:200_003] = b"abc"
+    buffer[200_100:200_104] = b"defg"
+    buffer[200_200:200_201] = b"h"
+    multi = [key + "-multi"]
+    assert store.batch_put_from_multi_buffers(
+        multi, [[base + 200_000, base + 200_100, base + 200_200]], [[3, 4, 1]]
+    ) == [0]
+    assert store.get(multi[0]) == b"abcdefgh"
+    assert store.batch_get_into_multi_buffers(multi, [[base + 300_000, base + 300_100]], [[5, 10]]) == [8]
+    assert bytes(buffer[300_000:300_005]) == b"abcde"
+    assert bytes(buffer[300_100:300_103]) == b"fgh"
+    assert store.batch_put_from_multi_buffers(multi, [[base]], [[1, 2]]) == [ErrorCode.INVALID_PARAMS]
+
+
+def test_get_buffer(store, key):
+    assert store.put(key, b"buffered") == 0
+    handle = store.get_buffer(key)
+    assert isinstance(handle, BufferHandle)
+    assert bytes(handle) == b"buffered" and len(handle) == 8 and handle.size() == 8
+    assert memoryview(handle).tobytes() == b"buffered"
+    assert ctypes.string_at(handle.ptr(), 8) == b"buffered"
+    assert store.get_buffer(key + "-missing") is None
+    handles = store.batch_get_buffer([key, key + "-missing"])
+    assert bytes(handles[0]) == b"buffered" and handles[1] is None
+
+
+def test_the_staging_buffer_bounds_copying_calls(cluster, key):
+    small = open_store(cluster, "sc-0", segment=8 << 20, buffer=1024)
+    try:
+        assert small.put(key, b"x" * 2048) == ErrorCode.BUFFER_OVERFLOW
+        assert small.put(key, b"x" * 1024) == 0
+        assert small.get(key) == b"x" * 1024
+    finally:
+        small.close()
+
+
+def test_a_value_crosses_sub_clusters_in_another_process(store, cluster, key):
+    value = bytes((i * 31) % 256 for i in range(300_000))
+    assert store.put(key, value) == 0
+    expected = hashlib.sha256(value).hexdigest()
+    # Another process, a client of the other sub-cluster, reads it through the
+    # global master. The global master folds the put asynchronously: poll.
+    script = f"""
+import hashlib, sys, time
+from hkvm.store import MooncakeDistributedStore
+s = MooncakeDistributedStore()
+assert s.setup("localhost", "", 0, 16 << 20, "tcp", "", {address(cluster, 'sc-1')!r}) == 0
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:
+    got = s.get({key!r})
+    if got:
+        break
+    time.sleep(0.05)
+assert hashlib.sha256(got).hexdigest() == {expected!r}, len(got)
+assert s.is_exist({key!r}) == 1
+print("ok")
+"""
+    result = subprocess.run([python(), "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
+def test_eight_threads_share_one_store(store, key):
+    errors = []
+
+    def hammer(thread: int) -> None:
+        try:
+            for i in range(40):
+                k = f"{key}-{thread}-{i}"
+                v = f"{thread}:{i}".encode() * 50
+                assert store.put(k, v) == 0
+                assert store.get(k) == v
+                assert store.is_exist(k) == 1
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=hammer, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_a_closed_store_answers_with_codes(cluster, key):
+    s = open_store(cluster)
+    assert s.health_check() == 0
+    assert s.put(key, b"v") == 0
+    assert s.close() == 0
+    assert s.close() == 0, "closing twice is fine"
+    assert s.health_check() == 1
+    assert s.put(key, b"v") == ErrorCode.INVALID_PARAMS
+    assert s.get(key) == b""
+    assert s.is_exist(key) == -1
+    assert s.batch_get_into([key], [1], [1]) == [ErrorCode.INVALID_PARAMS]
+    assert s.get_hostname() == ""
+    # And it can be set up again.
+    assert s.setup("localhost", "", 8 << 20, 1 << 20, "tcp", "", address(cluster, "sc-0")) == 0
+    assert s.get(key) == b"v"
+    s.close()
+
+
+def test_setup_forms_and_bad_setups(cluster):
+    s = MooncakeDistributedStore()
+    config = {
+        "local_hostname": "localhost",
+        "metadata_server": "P2PHANDSHAKE",
+        "global_segment_size": "8MB",
+        "local_buffer_size": "1 MiB",
+        "protocol": "tcp",
+        "device_name": "",
+        "master_server_address": address(cluster, "sc-1"),
+    }
+    assert s.setup(config) == 0
+    assert s.get_hostname().startswith("localhost:")
+    assert s.setup(config) == ErrorCode.INVALID_PARAMS, "already set up"
+    s.close()
+    bad = MooncakeDistributedStore()
+    assert bad.setup("localhost", "", 0, 0, "tcp", "", "127.0.0.1:50051") == ErrorCode.INVALID_PARAMS
+    assert bad.setup("localhost", "", 0, 0, "rdma", "mlx5_0", address(cluster, "sc-0")) == ErrorCode.INVALID_PARAMS
+    assert bad.setup("localhost", "", "lots", 0, "tcp", "", address(cluster, "sc-0")) == ErrorCode.INVALID_PARAMS
+    started = time.monotonic()
+    assert bad.setup("localhost", "", 0, 0, "tcp", "", "nats://127.0.0.1:1/pytest/sc-0") == ErrorCode.RPC_FAIL
+    assert time.monotonic() - started < 10
+    assert bad.setup("localhost", "", 0, 0, "tcp", "", address(cluster, "no-such-sc")) == ErrorCode.RPC_FAIL
+    assert bad.health_check() == 1
+
+
+def test_dummy_setup_is_not_available_yet():
+    s = MooncakeDistributedStore()
+    assert s.setup_dummy(1 << 20, 1 << 20, "localhost:50052") == ErrorCode.UNAVAILABLE_IN_CURRENT_MODE
+    assert s.get("k") == b""
