@@ -724,8 +724,8 @@ impl PutOptions {
 }
 
 /// The reads that fill `parts` in order with the first `size` bytes of `replica`.
-fn carve<'a, 'b>(
-    parts: &'b mut [&'a mut [u8]],
+fn carve<'b>(
+    parts: &'b mut [&mut [u8]],
     size: u64,
     replica: &'b ReplicaLocation,
 ) -> Vec<ReadInto<'b>> {

@@ -87,7 +87,11 @@ impl std::fmt::Debug for NodeHandle {
 fn advertised_endpoint(advertise: Option<&str>, listening: SocketAddr) -> String {
     match advertise {
         None => listening.to_string(),
-        Some(host) if host.rsplit_once(':').is_some_and(|(_, port)| port.parse::<u16>().is_ok()) => {
+        Some(host)
+            if host
+                .rsplit_once(':')
+                .is_some_and(|(_, port)| port.parse::<u16>().is_ok()) =>
+        {
             host.to_owned()
         }
         Some(host) => format!("{host}:{}", listening.port()),
@@ -205,7 +209,13 @@ mod tests {
     fn a_bare_host_takes_the_listeners_port() {
         let listening = SocketAddr::from(([127, 0, 0, 1], 4567));
         assert_eq!(advertised_endpoint(None, listening), "127.0.0.1:4567");
-        assert_eq!(advertised_endpoint(Some("node-a"), listening), "node-a:4567");
-        assert_eq!(advertised_endpoint(Some("node-a:80"), listening), "node-a:80");
+        assert_eq!(
+            advertised_endpoint(Some("node-a"), listening),
+            "node-a:4567"
+        );
+        assert_eq!(
+            advertised_endpoint(Some("node-a:80"), listening),
+            "node-a:80"
+        );
     }
 }

@@ -294,6 +294,10 @@ mod tests {
         let delays: std::collections::BTreeSet<_> = (0..50)
             .map(|_| policy.delay(Duration::from_millis(200), &RetryCause::TimedOut))
             .collect();
-        assert!(delays.len() > 5, "jitter produced {} distinct delays", delays.len());
+        assert!(
+            delays.len() > 5,
+            "jitter produced {} distinct delays",
+            delays.len()
+        );
     }
 }

@@ -4,8 +4,8 @@
 use hkvm_events::rpc::submaster::{
     Exist, ExistReply, GetReplicaList, GetReplicaListReply, MountSegment, Op, Ping, PingReply,
     PutEnd, PutEndItem, PutEndReply, PutRevoke, PutRevokeReply, PutStart, PutStartItem,
-    PutStartReply, Remount, Remove, RemoveAll, RemoveAllReply, RemoveMatching, RemoveReply, Status, StatusReply,
-    UnmountSegment, MAX_BATCH_ITEMS,
+    PutStartReply, Remount, Remove, RemoveAll, RemoveAllReply, RemoveMatching, RemoveReply, Status,
+    StatusReply, UnmountSegment, MAX_BATCH_ITEMS,
 };
 use hkvm_events::subject::submaster_rpc_subject;
 use hkvm_events::{ClusterId, SubclusterId};

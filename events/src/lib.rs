@@ -20,8 +20,8 @@ pub mod subject;
 pub use codec::{decode_message, encode_message, DecodedMessage, Header, MessageBuilder};
 pub use error::{DecodeError, EncodeError, EventError, EventErrorKind};
 pub use event::{
-    key_hash, value_checksum, value_checksum_parts, EventKind, Evicted, KvEvent, NodeLost, Placement, PutCommitted,
-    PutFlags, Removed, SegmentMounted, SegmentUnmounted, SnapshotTaken,
+    key_hash, value_checksum, value_checksum_parts, EventKind, Evicted, KvEvent, NodeLost,
+    Placement, PutCommitted, PutFlags, Removed, SegmentMounted, SegmentUnmounted, SnapshotTaken,
 };
 pub use id::{ClusterId, IdError, NodeId, ProducerId, SegmentId, SubclusterId};
 pub use limits::{Limits, ValidationError};

@@ -158,7 +158,10 @@ impl SnapshotError {
         }
     }
 
-    fn store(what: impl Into<String>, source: impl std::error::Error + Send + Sync + 'static) -> Self {
+    fn store(
+        what: impl Into<String>,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
         Self::Store {
             what: what.into(),
             source: Box::new(source),

@@ -177,10 +177,7 @@ mod tests {
         let producer = ProducerId::new("sm-a").unwrap();
         assert_eq!(message_id(&producer, 3, 17), "sm-a-3-17");
         assert_eq!(Bucket::Snapshots.name(&cluster), "hkvm_prod_snapshots");
-        assert_eq!(
-            snapshot_object_name(&sc, 42),
-            "sc-0.00000000000000000042"
-        );
+        assert_eq!(snapshot_object_name(&sc, 42), "sc-0.00000000000000000042");
         assert_eq!(checkpoint_object_name("r1"), "projection-r1");
         assert_eq!(bloom_object_name(&sc), "sc-0");
         assert_eq!(

@@ -13,7 +13,6 @@ use tokio::io::AsyncReadExt as _;
 use crate::state::Shared;
 use crate::GlobalMasterError;
 
-
 /// Opens or creates an object store.
 ///
 /// # Errors
@@ -115,7 +114,10 @@ pub(crate) async fn publish_blooms(
             .enumerate()
             .filter_map(|(source, state)| {
                 let subcluster = state.subcluster.as_ref()?;
-                Some((bloom_object_name(subcluster), projection.bloom(source).to_bytes()))
+                Some((
+                    bloom_object_name(subcluster),
+                    projection.bloom(source).to_bytes(),
+                ))
             })
             .collect()
     };

@@ -75,8 +75,9 @@ impl GlobalMasterConfig {
     /// # Errors
     /// When the file cannot be read or is not valid.
     pub fn from_file(path: &std::path::Path) -> Result<Self, crate::GlobalMasterError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| crate::GlobalMasterError::config(format!("reading {}", path.display()), e))?;
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            crate::GlobalMasterError::config(format!("reading {}", path.display()), e)
+        })?;
         toml::from_str(&text)
             .map_err(|e| crate::GlobalMasterError::config(format!("parsing {}", path.display()), e))
     }

@@ -128,7 +128,10 @@ impl FoldTarget for ProjectionSource {
         }
         let metrics = &self.shared.metrics;
         metrics.events_applied.get_or_create(&labels).inc_by(events);
-        metrics.messages_applied.get_or_create(&labels).inc_by(folded);
+        metrics
+            .messages_applied
+            .get_or_create(&labels)
+            .inc_by(folded);
         result
     }
 

@@ -61,8 +61,7 @@ impl GlobalMaster {
         let mut projection = Projection::new();
         if config.restore_checkpoint {
             let store =
-                checkpoints::object_store(&js, &config.cluster, Bucket::Checkpoints)
-                    .await?;
+                checkpoints::object_store(&js, &config.cluster, Bucket::Checkpoints).await?;
             if let Some((name, restored)) = checkpoints::load_newest(&store).await? {
                 tracing::info!(
                     name,
@@ -85,7 +84,11 @@ impl GlobalMaster {
                 hkvm_telemetry::MetricsServer::start(addr, shared.metrics.registry())
                     .await
                     .map_err(|e| {
-                        GlobalMasterError::caused(GlobalMasterErrorKind::Metrics, format!("binding {addr}"), e)
+                        GlobalMasterError::caused(
+                            GlobalMasterErrorKind::Metrics,
+                            format!("binding {addr}"),
+                            e,
+                        )
                     })?,
             ),
             None => None,
@@ -145,12 +148,9 @@ impl GlobalMaster {
     /// # Errors
     /// When the object store fails.
     pub async fn checkpoint_now(&self) -> Result<usize, GlobalMasterError> {
-        let store = checkpoints::object_store(
-            &self.js,
-            &self.shared.config.cluster,
-            Bucket::Checkpoints,
-        )
-        .await?;
+        let store =
+            checkpoints::object_store(&self.js, &self.shared.config.cluster, Bucket::Checkpoints)
+                .await?;
         checkpoints::write(&self.shared, &store).await
     }
 

@@ -10,11 +10,11 @@ use std::time::{Duration, Instant};
 
 use async_nats::Message;
 use futures::StreamExt as _;
+use hkvm_client::{ClientError, RetryPolicy, RpcCaller, SubmasterClient};
 use hkvm_events::rpc::global::{
     GlobalOp, GlobalStatusReply, LabelFilter, Locate, LocateReply, PrefixHit, PrefixHitReply,
     ProxyGetReplicaList, ProxyGetReplicaListReply,
 };
-use hkvm_client::{ClientError, RetryPolicy, RpcCaller, SubmasterClient};
 use hkvm_events::rpc::submaster::{GetReplicaListReply, ItemError, ItemResult};
 use hkvm_events::rpc::{decode, encode, RpcError, RpcErrorCode, RpcReply};
 use hkvm_events::subject::global_rpc_subject;

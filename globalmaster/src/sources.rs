@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use futures::StreamExt as _;
-use hkvm_events::subject::Bucket;
 use hkvm_events::log::{EventLog, JetStreamLog};
 use hkvm_events::registry::{self, Registered, RegistryChange};
+use hkvm_events::subject::Bucket;
 use hkvm_events::subject::{event_subject, stream_name};
 use hkvm_events::SubclusterId;
 use tokio::task::JoinHandle;
@@ -210,11 +210,8 @@ impl Sources {
             }
         }));
 
-        self.spawn_periodic(
-            config.checkpoint_interval_ms,
-            Bucket::Checkpoints,
-        )
-        .await?;
+        self.spawn_periodic(config.checkpoint_interval_ms, Bucket::Checkpoints)
+            .await?;
         self.spawn_periodic(config.bloom_interval_ms, Bucket::Blooms)
             .await
     }

@@ -12,8 +12,8 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
-use hkvm_events::{key_hash, KvEvent, SubclusterId};
 use hkvm_events::codec::Decoded;
+use hkvm_events::{key_hash, KvEvent, SubclusterId};
 use hkvm_projector::KeyIndex;
 use roaring::RoaringBitmap;
 use serde::{Deserialize, Serialize};

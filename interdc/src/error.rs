@@ -161,7 +161,10 @@ mod tests {
 
     #[test]
     fn kinds_follow_the_cause() {
-        assert_eq!(InterDcError::Policy("x".into()).kind(), InterDcErrorKind::Policy);
+        assert_eq!(
+            InterDcError::Policy("x".into()).kind(),
+            InterDcErrorKind::Policy
+        );
         let io = std::io::Error::other("refused");
         assert_eq!(
             InterDcError::nats("connecting", io).kind(),

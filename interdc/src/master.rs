@@ -159,10 +159,7 @@ impl InterDc {
             Some(addr) => Some(
                 hkvm_telemetry::MetricsServer::start(addr, shared.metrics.registry())
                     .await
-                    .map_err(|e| InterDcError::Metrics {
-                        addr,
-                        source: e,
-                    })?,
+                    .map_err(|e| InterDcError::Metrics { addr, source: e })?,
             ),
             None => None,
         };

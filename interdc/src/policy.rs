@@ -109,16 +109,14 @@ impl Policy {
     /// # Errors
     /// [`InterDcError::Policy`] when the file cannot be read or is invalid.
     pub fn from_file(path: &Path) -> Result<Self, InterDcError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| InterDcError::PolicyFile {
-                path: path.display().to_string(),
-                source: e.into(),
-            })?;
-        let policy: Self = toml::from_str(&text)
-            .map_err(|e| InterDcError::PolicyFile {
-                path: path.display().to_string(),
-                source: e.into(),
-            })?;
+        let text = std::fs::read_to_string(path).map_err(|e| InterDcError::PolicyFile {
+            path: path.display().to_string(),
+            source: e.into(),
+        })?;
+        let policy: Self = toml::from_str(&text).map_err(|e| InterDcError::PolicyFile {
+            path: path.display().to_string(),
+            source: e.into(),
+        })?;
         policy.validate()?;
         Ok(policy)
     }

@@ -147,9 +147,8 @@ impl Progress {
                 if let Some(hex) = entry.key.strip_prefix(COPIED_PREFIX) {
                     loaded.copied.push(parse_hash(&entry.key, hex)?);
                 } else if let Some(hex) = entry.key.strip_prefix(IN_FLIGHT_PREFIX) {
-                    let record = rmp_serde::from_slice(&entry.value).map_err(|e| {
-                        InterDcError::progress(entry.key.clone(), e)
-                    })?;
+                    let record = rmp_serde::from_slice(&entry.value)
+                        .map_err(|e| InterDcError::progress(entry.key.clone(), e))?;
                     loaded
                         .in_flight
                         .push((parse_hash(&entry.key, hex)?, record));
@@ -183,7 +182,8 @@ impl Progress {
         record: &T,
         what: &str,
     ) -> Result<(), InterDcError> {
-        let value = rmp_serde::to_vec_named(record).map_err(|e| InterDcError::progress(key.to_owned(), e))?;
+        let value = rmp_serde::to_vec_named(record)
+            .map_err(|e| InterDcError::progress(key.to_owned(), e))?;
         self.store
             .put(entry, value.into())
             .await
@@ -242,7 +242,8 @@ impl Progress {
     /// # Errors
     /// [`InterDcError::Nats`] when the write fails.
     pub async fn write_status(&self, status: &InterDcStatus) -> Result<(), InterDcError> {
-        let value = serde_json::to_vec(status).map_err(|e| InterDcError::progress(STATUS_KEY, e))?;
+        let value =
+            serde_json::to_vec(status).map_err(|e| InterDcError::progress(STATUS_KEY, e))?;
         self.store
             .put(STATUS_KEY, value.into())
             .await

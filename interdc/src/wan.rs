@@ -13,9 +13,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::StreamExt as _;
 use hkvm_client::KvError;
-use hkvm_events::rpc::interdc::{
-    FetchReply, FetchRequest, SentReport, WanShape, GATEWAY_QUEUE,
-};
+use hkvm_events::rpc::interdc::{FetchReply, FetchRequest, SentReport, WanShape, GATEWAY_QUEUE};
 use hkvm_events::subject::interdc_fetch_subject;
 use hkvm_events::{value_checksum, ClusterId, SubclusterId};
 use hkvm_transfer::wan::{
@@ -260,8 +258,8 @@ pub async fn fetch(
         reply_addr: format!("{}:{port}", settings.advertise_host),
         shape,
     };
-    let payload =
-        rmp_serde::to_vec_named(&request).map_err(|e| InterDcError::wan_caused("encoding the fetch request", e))?;
+    let payload = rmp_serde::to_vec_named(&request)
+        .map_err(|e| InterDcError::wan_caused("encoding the fetch request", e))?;
     // Room for the whole send at the paced rate (with recovery shards and a few
     // rounds) plus the LAN read on the far side.
     let expected =
@@ -353,7 +351,10 @@ mod tests {
             feedback_timeout_ms: 0,
             ..shape()
         };
-        assert_eq!(wan_config(&unset).feedback_timeout, DEFAULT_FEEDBACK_TIMEOUT);
+        assert_eq!(
+            wan_config(&unset).feedback_timeout,
+            DEFAULT_FEEDBACK_TIMEOUT
+        );
         let zero = WanShape {
             rate_bytes_per_sec: 0,
             ..shape()

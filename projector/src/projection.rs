@@ -4,8 +4,8 @@
 
 use std::collections::BTreeMap;
 
-use hkvm_events::rpc::global::BloomFilter;
 use hkvm_events::codec::{decode_stored, Decoded};
+use hkvm_events::rpc::global::BloomFilter;
 use hkvm_events::{key_hash, KvEvent, Limits, NodeId, SegmentId, SubclusterId};
 
 use crate::error::{ProjectorError, ProjectorErrorKind};

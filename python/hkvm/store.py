@@ -257,7 +257,7 @@ class MooncakeDistributedStore:
         except TypeError:
             return [ErrorCode.INVALID_PARAMS] * len(keys)
         replicas, preferred, pin = self._placement(config)
-        return native.put(keys, parts, replicas, preferred, pin, True)
+        return native.put(keys, parts, (replicas, preferred, pin), True)
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, or ``b""`` when it is missing or unreadable."""
@@ -381,7 +381,7 @@ class MooncakeDistributedStore:
         replicas, preferred, pin = self._placement(config)
         try:
             return native.put_from(
-                list(keys), _int_lists(ptrs), _int_lists(sizes), replicas, preferred, pin
+                list(keys), _int_lists(ptrs), _int_lists(sizes), (replicas, preferred, pin)
             )
         except (TypeError, ValueError, OverflowError):
             return [ErrorCode.INVALID_PARAMS] * len(keys)

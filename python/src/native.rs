@@ -32,6 +32,10 @@ fn code_of(error: &StoreError) -> i32 {
 }
 
 const INVALID: i32 = ErrorCode::InvalidParams as i32;
+
+/// How Python passes a put's placement: replicas, preferred segment
+/// (`host:port`), hard pin.
+type Placement = (u32, Option<String>, bool);
 const OVERFLOW: i32 = ErrorCode::BufferOverflow as i32;
 
 /// A set-up store (see `hkvm.store.MooncakeDistributedStore`).
@@ -81,13 +85,16 @@ impl NativeStore {
             .all(|(&ptr, &size)| self.buffers.contains(ptr, size))
     }
 
-    fn options(replicas: u32, preferred_segment: Option<&str>, hard_pin: bool) -> PutOptions {
+    /// Placement options from Python's `(replicas, preferred segment, hard pin)`.
+    fn options(placement: &Placement) -> PutOptions {
+        let (replicas, preferred_segment, hard_pin) = placement;
         PutOptions {
-            replicas: replicas.max(1),
+            replicas: (*replicas).max(1),
             preferred_segment: preferred_segment
+                .as_deref()
                 .filter(|s| !s.is_empty())
                 .and_then(segment_for),
-            hard_pin,
+            hard_pin: *hard_pin,
         }
     }
 
@@ -183,15 +190,12 @@ impl NativeStore {
 
     /// Puts values given as bytes parts (one list of parts per key). With
     /// `staged`, a value larger than the staging buffer is refused.
-    #[pyo3(signature = (keys, values, replicas, preferred_segment, hard_pin, staged))]
     fn put(
         &self,
         py: Python<'_>,
         keys: Vec<String>,
         values: Vec<Vec<Bound<'_, PyBytes>>>,
-        replicas: u32,
-        preferred_segment: Option<&str>,
-        hard_pin: bool,
+        placement: Placement,
         staged: bool,
     ) -> Vec<i32> {
         if keys.len() != values.len() {
@@ -213,23 +217,20 @@ impl NativeStore {
                 indexes.push(index);
             }
         }
-        let options = Self::options(replicas, preferred_segment, hard_pin);
+        let options = Self::options(&placement);
         self.put_items(py, &items, &indexes, &options, &mut codes);
         codes
     }
 
     /// Puts values read from registered memory: per key a list of (pointer, size)
     /// parts, concatenated in order.
-    #[pyo3(signature = (keys, ptrs, sizes, replicas, preferred_segment, hard_pin))]
     fn put_from(
         &self,
         py: Python<'_>,
         keys: Vec<String>,
         ptrs: Vec<Vec<usize>>,
         sizes: Vec<Vec<usize>>,
-        replicas: u32,
-        preferred_segment: Option<&str>,
-        hard_pin: bool,
+        placement: Placement,
     ) -> Vec<i32> {
         if !shape_ok(keys.len(), &ptrs, &sizes) {
             return vec![INVALID; keys.len()];
@@ -258,7 +259,7 @@ impl NativeStore {
             .zip(&slices)
             .map(|(&index, parts)| (keys[index].as_str(), parts.as_slice()))
             .collect();
-        let options = Self::options(replicas, preferred_segment, hard_pin);
+        let options = Self::options(&placement);
         self.put_items(py, &items, &indexes, &options, &mut codes);
         codes
     }
@@ -273,7 +274,10 @@ impl NativeStore {
                 let code = code_of(&error);
                 return keys
                     .iter()
-                    .map(|_| code.into_pyobject(py).map_or_else(|_| py.None(), |o| o.into_any().unbind()))
+                    .map(|_| {
+                        code.into_pyobject(py)
+                            .map_or_else(|_| py.None(), |o| o.into_any().unbind())
+                    })
                     .collect();
             }
         };
@@ -288,10 +292,8 @@ impl NativeStore {
                     // The value is read straight into the new bytes object, with the
                     // GIL released while it arrives.
                     let bytes = PyBytes::new_with(py, size, |buffer| {
-                        let read = self.wait(
-                            py,
-                            self.store.read_located(key, &located, &mut [buffer]),
-                        );
+                        let read =
+                            self.wait(py, self.store.read_located(key, &located, &mut [buffer]));
                         read.map(|_| ()).map_err(|error| {
                             failed = code_of(&error);
                             HkvmError::new_err(failed)
@@ -333,7 +335,9 @@ impl NativeStore {
             let buffers = p
                 .iter()
                 .zip(s)
-                .map(|(&ptr, &size)| unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, size) })
+                .map(|(&ptr, &size)| unsafe {
+                    std::slice::from_raw_parts_mut(ptr as *mut u8, size)
+                })
                 .collect();
             parts.push(buffers);
             indexes.push(index);

@@ -58,12 +58,8 @@ pub fn from_file(file: SnapshotFile) -> State {
     }
     for object in &file.objects {
         let placements = file.placements(object).collect();
-        let mut put = PutCommitted::new(
-            object.key.clone(),
-            object.size,
-            object.checksum,
-            placements,
-        );
+        let mut put =
+            PutCommitted::new(object.key.clone(), object.size, object.checksum, placements);
         put.flags = PutFlags(object.flags);
         state.apply(&KvEvent::PutCommitted(put));
     }
@@ -101,8 +97,5 @@ pub async fn save(store: &SnapshotStore, state: &State) -> Result<(String, u64),
 /// # Errors
 /// When the object store cannot be listed.
 pub async fn load_newest(store: &SnapshotStore) -> Result<Option<State>, SubmasterError> {
-    Ok(store
-        .load_newest()
-        .await?
-        .map(|(_, file)| from_file(file)))
+    Ok(store.load_newest().await?.map(|(_, file)| from_file(file)))
 }

@@ -36,9 +36,7 @@ impl FromStr for StoreAddress {
             address: text.to_owned(),
             reason: reason.to_owned(),
         };
-        let (scheme, rest) = text
-            .split_once("://")
-            .ok_or_else(|| bad("no scheme"))?;
+        let (scheme, rest) = text.split_once("://").ok_or_else(|| bad("no scheme"))?;
         if !matches!(scheme, "nats" | "tls" | "ws" | "wss") {
             return Err(bad("the scheme is not nats, tls, ws or wss"));
         }
@@ -109,7 +107,11 @@ mod tests {
         assert_eq!(address.subcluster.as_str(), "sc-3");
         let secret: StoreAddress = "nats://u:p@h1:4222/prod/sc-0/".parse().unwrap();
         assert_eq!(secret.servers, "nats://u:p@h1:4222");
-        assert_eq!(secret.to_string(), "nats://h1:4222/prod/sc-0", "no credentials shown");
+        assert_eq!(
+            secret.to_string(),
+            "nats://h1:4222/prod/sc-0",
+            "no credentials shown"
+        );
     }
 
     #[test]

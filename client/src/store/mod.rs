@@ -251,7 +251,8 @@ impl Store {
             (config.local_hostname.clone(), None)
         };
         tracing::info!(%address, hostname, segment_bytes = config.global_segment_size, "store set up");
-        let global = GlobalClient::with_caller(kv.metadata().caller().clone(), address.cluster.clone());
+        let global =
+            GlobalClient::with_caller(kv.metadata().caller().clone(), address.cluster.clone());
         Ok(Self {
             kv,
             global,

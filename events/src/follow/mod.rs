@@ -23,7 +23,9 @@ use futures::StreamExt as _;
 use crate::codec::{decode_stored, Decoded};
 use crate::id::{ClusterId, SubclusterId};
 use crate::limits::Limits;
-use crate::log::{EventLog as _, JetStreamLog, LogBounds, LogEntry, LogError, LogErrorKind, ReadOptions};
+use crate::log::{
+    EventLog as _, JetStreamLog, LogBounds, LogEntry, LogError, LogErrorKind, ReadOptions,
+};
 use crate::snapshot::SnapshotStore;
 use crate::subject::{event_subject, stream_name};
 
@@ -143,7 +145,10 @@ impl<T: FoldTarget> Follower<T> {
             reason = reason.as_str(),
             "re-reading the sub-cluster's stream from its start"
         );
-        if matches!(reason, ResyncReason::StreamDeleted | ResyncReason::StreamReset) {
+        if matches!(
+            reason,
+            ResyncReason::StreamDeleted | ResyncReason::StreamReset
+        ) {
             // A new stream: the old stream's bad sequences mean nothing there.
             self.known_corrupt.clear();
         }
@@ -243,8 +248,7 @@ impl<T: FoldTarget> Follower<T> {
     /// Seeds the target from the sub-master's newest snapshot when it reaches the
     /// stream's first sequence. Returns whether it did.
     async fn seed_from_snapshot(&mut self, bounds: LogBounds) -> bool {
-        let loaded = match SnapshotStore::open(&self.js, &self.cluster, &self.subcluster, 1).await
-        {
+        let loaded = match SnapshotStore::open(&self.js, &self.cluster, &self.subcluster, 1).await {
             Ok(store) => store.load_newest().await,
             Err(error) => Err(error),
         };
@@ -302,7 +306,12 @@ impl<T: FoldTarget> Follower<T> {
                 }
             };
             last_seen = entry.seq;
-            match decode_stored(entry.seq, entry.unix_ms, &entry.payload, &self.config.limits) {
+            match decode_stored(
+                entry.seq,
+                entry.unix_ms,
+                &entry.payload,
+                &self.config.limits,
+            ) {
                 Ok(message) => decoded.push(message),
                 Err(error) => {
                     // Fold what decoded before it, then deal with it.

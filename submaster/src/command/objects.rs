@@ -245,15 +245,12 @@ pub(super) fn remove_matching(
         .size_limit(1 << 20)
         .build()
         .map_err(|e| RpcError::invalid(format!("key pattern: {e}")))?;
-    Ok(removing(state, matching.force, now_ms, |key| pattern.is_match(key)))
+    Ok(removing(state, matching.force, now_ms, |key| {
+        pattern.is_match(key)
+    }))
 }
 
-fn removing(
-    state: &mut State,
-    force: bool,
-    now_ms: u64,
-    wanted: impl Fn(&str) -> bool,
-) -> Outcome {
+fn removing(state: &mut State, force: bool, now_ms: u64, wanted: impl Fn(&str) -> bool) -> Outcome {
     let keys: Vec<String> = state
         .objects()
         .filter(|(key, _)| wanted(key))

@@ -309,9 +309,15 @@ fn remove_all_with_a_pattern_removes_only_matching_keys() {
     ));
     let invalid = h.run(by_pattern("(unclosed")).unwrap_err();
     assert_eq!(invalid.code, RpcErrorCode::InvalidRequest);
-    let huge = h.run(by_pattern(&"a".repeat(MAX_KEY_PATTERN_LEN + 1))).unwrap_err();
+    let huge = h
+        .run(by_pattern(&"a".repeat(MAX_KEY_PATTERN_LEN + 1)))
+        .unwrap_err();
     assert_eq!(huge.code, RpcErrorCode::InvalidRequest);
-    assert_eq!(h.leader.object_count(), 1, "refused patterns remove nothing");
+    assert_eq!(
+        h.leader.object_count(),
+        1,
+        "refused patterns remove nothing"
+    );
     h.assert_standby_agrees();
 }
 

@@ -8,8 +8,8 @@ use tokio::time::Instant;
 
 use crate::error::SubmasterError;
 use crate::metrics::{gauge_value, SubmasterMetrics};
-use hkvm_events::snapshot::SnapshotStore;
 use crate::state::State;
+use hkvm_events::snapshot::SnapshotStore;
 
 /// Applies one stored message. Undecodable messages or events are skipped with an
 /// error log and a metric: only a foreign publisher writes them, and stopping the

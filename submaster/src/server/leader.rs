@@ -106,8 +106,9 @@ async fn open_epoch(ctx: &Context, state: &mut State) -> Result<u64, SubmasterEr
             epoch,
             unix_ms: registry::now_unix_ms(),
         };
-        let payload = encode_message(&header, &[], &ctx.config.policy.limits)
-            .map_err(|e| SubmasterError::caused(SubmasterErrorKind::Log, "encoding the epoch marker", e))?;
+        let payload = encode_message(&header, &[], &ctx.config.policy.limits).map_err(|e| {
+            SubmasterError::caused(SubmasterErrorKind::Log, "encoding the epoch marker", e)
+        })?;
         let append = Append {
             expected_last_seq: Some(state.applied_seq),
             msg_id: epoch_marker_id(&ctx.config.producer, epoch),

@@ -27,8 +27,8 @@ use crate::config::SubmasterConfig;
 use crate::election::{LeaderLease, LeaseHolder};
 use crate::error::{SubmasterError, SubmasterErrorKind};
 use crate::metrics::{gauge_value, SubmasterMetrics};
-use hkvm_events::snapshot::SnapshotStore;
 use crate::state::State;
+use hkvm_events::snapshot::SnapshotStore;
 use leader::LeadEnd;
 
 /// How often a standby looks at the leader lease.
@@ -260,7 +260,9 @@ pub async fn load_state(
             config.stream.replicas,
         )
         .await?;
-        crate::snapshot::load_newest(&snapshots).await?.unwrap_or_default()
+        crate::snapshot::load_newest(&snapshots)
+            .await?
+            .unwrap_or_default()
     } else {
         State::new()
     };
@@ -298,9 +300,9 @@ impl SubmasterHandle {
     /// The sub-master's own error, if it failed.
     pub async fn shutdown(self) -> Result<(), SubmasterError> {
         let _ = self.shutdown.send(true);
-        self.task
-            .await
-            .map_err(|e| SubmasterError::caused(SubmasterErrorKind::Setup, "the sub-master task", e))?
+        self.task.await.map_err(|e| {
+            SubmasterError::caused(SubmasterErrorKind::Setup, "the sub-master task", e)
+        })?
     }
 
     /// Stops abruptly, as a crash would: no lease hand-over, in-flight work dropped.
