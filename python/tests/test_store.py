@@ -207,7 +207,10 @@ def test_eight_threads_share_one_store(store, key):
 def test_a_closed_store_answers_with_codes(cluster, key):
     s = open_store(cluster)
     assert s.health_check() == 0
-    assert s.put(key, b"v") == 0
+    # Placed on this process's own segment, which close() unmounts.
+    own = ReplicateConfig()
+    own.preferred_segment = s.get_hostname()
+    assert s.put(key, b"v", own) == 0
     assert s.close() == 0
     assert s.close() == 0, "closing twice is fine"
     assert s.health_check() == 1
@@ -216,9 +219,11 @@ def test_a_closed_store_answers_with_codes(cluster, key):
     assert s.is_exist(key) == -1
     assert s.batch_get_into([key], [1], [1]) == [ErrorCode.INVALID_PARAMS]
     assert s.get_hostname() == ""
-    # And it can be set up again.
+    # It can be set up again; what lived on its old segment left with it.
     assert s.setup("localhost", "", 8 << 20, 1 << 20, "tcp", "", address(cluster, "sc-0")) == 0
-    assert s.get(key) == b"v"
+    assert s.is_exist(key) == 0
+    assert s.put(key, b"again") == 0
+    assert s.get(key) == b"again"
     s.close()
 
 
