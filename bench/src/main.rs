@@ -17,6 +17,7 @@ mod loadgen;
 mod logging;
 mod memory;
 mod put;
+mod python;
 mod raw;
 mod recover;
 mod report;
@@ -68,6 +69,9 @@ enum Command {
     /// The inter-DC replicator over an emulated WAN (25 ms, 1% loss): goodput
     /// against the bandwidth cap, wire bytes against the FEC shape's overhead.
     Interdc(BenchArgs),
+    /// The hkvm Python package's operations timed from Python against the same
+    /// operations through the Rust client.
+    Python(BenchArgs),
     /// Every workload.
     All(ScaleBenchArgs),
     /// Drive puts, gets or global queries for a while and print one JSON line per
@@ -110,6 +114,7 @@ enum Workload {
     Scale(scale::Setup),
     Memory,
     Interdc,
+    Python,
 }
 
 /// Counts allocations so that benchmarks can report allocations per event.
@@ -149,6 +154,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         ),
         Command::Memory(args) => (args, vec![Workload::Memory]),
         Command::Interdc(args) => (args, vec![Workload::Interdc]),
+        Command::Python(args) => (args, vec![Workload::Python]),
         // Memory first: its RSS figure needs a process that has not freed much yet.
         Command::All(args) => (
             args.bench,
@@ -161,6 +167,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 Workload::Ingest,
                 Workload::Exist,
                 Workload::Recover,
+                Workload::Python,
                 Workload::Scale(scale::Setup::new(args.scale)?),
             ],
         ),
@@ -224,6 +231,7 @@ async fn bench(args: BenchArgs, workloads: Vec<Workload>) -> anyhow::Result<()> 
             Workload::Scale(setup) => scale::run(&nats, quick, &setup, &mut printer).await?,
             Workload::Memory => memory::run(quick, &mut printer)?,
             Workload::Interdc => interdc::run(&nats, quick, &mut printer).await?,
+            Workload::Python => python::run(&nats, quick, &mut printer).await?,
         }
     }
     printer.finish();

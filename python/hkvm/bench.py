@@ -1,0 +1,103 @@
+"""The Python side of ``hkvm bench python``: the operations of ``hkvm.store`` timed
+from Python, one client, each for a fixed duration. ``hkvm-bench`` runs this
+module and the same operations through the Rust client in the same run, and
+reports their ratio.
+
+Usage: ``python -m hkvm.bench --address nats://h:4222/<cluster>/<subcluster>
+--seconds 3`` prints one JSON object: operation name to operations per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import time
+from typing import Callable, Dict
+
+from .store import MooncakeDistributedStore
+
+KIB = 1024
+MIB = 1024 * 1024
+
+
+def _rate(seconds: float, step: Callable[[int], None], at_least: int = 1) -> float:
+    """Operations per second of ``step(i)`` run for ``seconds`` (and at least
+    ``at_least`` times)."""
+    done = 0
+    started = time.perf_counter()
+    deadline = started + seconds
+    while True:
+        step(done)
+        done += 1
+        now = time.perf_counter()
+        if now >= deadline and done >= at_least:
+            return done / (now - started)
+
+
+def run(address: str, seconds: float) -> Dict[str, float]:
+    """Measures every operation; keys are namespaced by this process's id."""
+    store = MooncakeDistributedStore()
+    code = store.setup("localhost", "", 512 * MIB, 8 * MIB, "tcp", "", address)
+    if code != 0:
+        raise SystemExit(f"setup failed: {code}")
+    tag = f"py{os.getpid()}"
+    small, large = os.urandom(4 * KIB), os.urandom(1 * MIB)
+    results: Dict[str, float] = {}
+
+    def put(prefix: str, value: bytes) -> Callable[[int], None]:
+        def step(i: int) -> None:
+            assert store.put(f"{tag}-{prefix}-{i}", value) == 0
+
+        return step
+
+    def get(prefix: str, count: int, size: int) -> Callable[[int], None]:
+        def step(i: int) -> None:
+            assert len(store.get(f"{tag}-{prefix}-{i % count}")) == size
+
+        return step
+
+    # At least 1000 small values: batch_is_exist asks for exactly those.
+    results["put_4k"] = _rate(seconds, put("s", small), at_least=1000)
+    results["get_4k"] = _rate(seconds, get("s", 1000, len(small)))
+    results["put_1m"] = _rate(seconds, put("l", large))
+    results["get_1m"] = _rate(seconds, get("l", max(1, int(results["put_1m"] * seconds)), len(large)))
+
+    buffer = ctypes.create_string_buffer(2 * MIB)
+    base = ctypes.addressof(buffer)
+    assert store.register_buffer(base, 2 * MIB) == 0
+    ctypes.memmove(base, large, len(large))
+
+    def put_from(i: int) -> None:
+        assert store.put_from(f"{tag}-f-{i}", base, MIB) == 0
+
+    results["put_from_1m"] = _rate(seconds, put_from)
+    written = max(1, int(results["put_from_1m"] * seconds))
+
+    def get_into(i: int) -> None:
+        assert store.get_into(f"{tag}-f-{i % written}", base + MIB, MIB) == MIB
+
+    results["get_into_1m"] = _rate(seconds, get_into)
+    keys = [f"{tag}-s-{i}" for i in range(1000)]
+    assert store.batch_is_exist(keys) == [1] * len(keys)
+
+    def exist(_: int) -> None:
+        store.batch_is_exist(keys)
+
+    results["batch_is_exist_1000"] = _rate(seconds, exist)
+    store.remove_by_regex(f"^{tag}-", True)
+    store.close()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--address", required=True, help="nats://host:port/<cluster>/<subcluster>")
+    parser.add_argument("--seconds", type=float, default=3.0, help="duration of each operation")
+    args = parser.parse_args()
+    print(json.dumps(run(args.address, args.seconds)))
+
+
+if __name__ == "__main__":
+    main()
