@@ -125,18 +125,36 @@ static ALLOCATOR: alloc::CountingAllocator = alloc::CountingAllocator;
 /// stuck on a slow resolver, say) before the process exits anyway.
 const EXIT_GRACE: Duration = Duration::from_secs(2);
 
-fn main() -> anyhow::Result<()> {
+fn main() {
     let cli = Cli::parse();
     logging::init(cli.log_format);
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    let result = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
-        .build()?;
-    let result = runtime.block_on(run(cli.command));
-    // Dropping a runtime waits for every blocking task without limit: a command
-    // whose work is done must not hang on one (seen: a load generator that printed
-    // its summary and never exited).
-    runtime.shutdown_timeout(EXIT_GRACE);
-    result
+        .build()
+        .map_err(anyhow::Error::from)
+        .and_then(|runtime| {
+            let result = runtime.block_on(run(cli.command));
+            // Dropping a runtime waits for every blocking task without limit: a
+            // command whose work is done must not hang on one.
+            runtime.shutdown_timeout(EXIT_GRACE);
+            result
+        });
+    let code = match result {
+        Ok(()) => 0,
+        Err(error) => {
+            eprintln!("Error: {error:?}");
+            1
+        }
+    };
+    // The results are printed: end now. A normal exit runs the C library's exit
+    // handlers, which can wait on threads still stuck in the runtime (seen: a load
+    // generator that printed its summary and whose container never exited).
+    use std::io::Write as _;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    // SAFETY: `_exit` ends the process at once; every output was flushed above and
+    // nothing else needs to run.
+    unsafe { libc::_exit(code) }
 }
 
 async fn run(command: Command) -> anyhow::Result<()> {

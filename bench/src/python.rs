@@ -203,7 +203,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
             metric,
             python_rate * scale,
             unit,
-            format!("the same through the Rust client (target >= 0.8)"),
+            "the same through the Rust client (target >= 0.8)",
             rust_rate * scale,
         ));
     }

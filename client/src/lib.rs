@@ -4,6 +4,7 @@
 //! crate: every request and reply is a wire type of `hkvm-events`.
 
 pub mod connect;
+pub mod dummy;
 pub mod error;
 pub mod global;
 pub mod kv;

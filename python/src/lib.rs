@@ -4,6 +4,7 @@
 //! `MooncakeDistributedStore` class) is in `hkvm/store.py`. Every network wait and
 //! copy runs with the GIL released, on a Tokio runtime owned by the store.
 
+mod dummy;
 mod native;
 
 use pyo3::prelude::*;
@@ -36,5 +37,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("HkvmError", m.py().get_type::<HkvmError>())?;
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     m.add_class::<native::NativeStore>()?;
+    m.add_class::<dummy::NativeDummy>()?;
     Ok(())
 }

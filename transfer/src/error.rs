@@ -120,6 +120,21 @@ pub enum TransferError {
     /// No RDMA device, or no RDMA support in this build.
     #[error("no RDMA device: {0}")]
     NoDevice(String),
+    /// RDMA was asked for (a named device, or any) and this host has no such device.
+    #[error(
+        "no RDMA device {} on this host (found: {}){}",
+        wanted_name(.wanted),
+        found_names(.found),
+        detail_suffix(.detail)
+    )]
+    NoRdmaDevice {
+        /// The device asked for (`None`: any device).
+        wanted: Option<String>,
+        /// The devices this host has (empty when it has none, or no RDMA support).
+        found: Vec<String>,
+        /// Why the host could not even list devices, when it could not.
+        detail: Option<String>,
+    },
     /// A verbs call failed.
     #[error("RDMA {call} failed: {reason}")]
     Rdma {
@@ -163,7 +178,7 @@ impl TransferError {
             Self::Timeout { .. } => ErrorKind::Timeout,
             Self::Remote { kind, .. } => *kind,
             Self::Invalid(_) => ErrorKind::Invalid,
-            Self::NoDevice(_) => ErrorKind::NoDevice,
+            Self::NoDevice(_) | Self::NoRdmaDevice { .. } => ErrorKind::NoDevice,
             Self::Rdma { .. } => ErrorKind::Rdma,
             Self::Fec(_) => ErrorKind::Fec,
             Self::Exhausted { .. } => ErrorKind::Exhausted,
@@ -179,6 +194,28 @@ impl TransferError {
             ErrorKind::Connect | ErrorKind::Disconnected | ErrorKind::Timeout
         )
     }
+}
+
+fn wanted_name(wanted: &Option<String>) -> String {
+    match wanted {
+        Some(name) => format!("{name:?}"),
+        None => "(any)".to_owned(),
+    }
+}
+
+fn found_names(found: &[String]) -> String {
+    if found.is_empty() {
+        "none".to_owned()
+    } else {
+        found.join(", ")
+    }
+}
+
+fn detail_suffix(detail: &Option<String>) -> String {
+    detail
+        .as_ref()
+        .map(|detail| format!("; {detail}"))
+        .unwrap_or_default()
 }
 
 impl ErrorKind {
@@ -234,5 +271,30 @@ mod tests {
         }
         assert_eq!(ErrorKind::from_code(0), ErrorKind::Protocol);
         assert_eq!(ErrorKind::from_code(200), ErrorKind::Protocol);
+    }
+
+    #[test]
+    fn a_missing_rdma_device_names_what_was_asked_and_found() {
+        let error = TransferError::NoRdmaDevice {
+            wanted: Some("mlx5_9".into()),
+            found: vec!["mlx5_0".into(), "mlx5_1".into()],
+            detail: None,
+        };
+        assert_eq!(error.kind(), ErrorKind::NoDevice);
+        assert_eq!(
+            error.to_string(),
+            "no RDMA device \"mlx5_9\" on this host (found: mlx5_0, mlx5_1)"
+        );
+        let error = TransferError::NoRdmaDevice {
+            wanted: None,
+            found: Vec::new(),
+            detail: Some("ibv_get_device_list: Function not implemented".into()),
+        };
+        assert_eq!(
+            error.to_string(),
+            "no RDMA device (any) on this host (found: none); \
+             ibv_get_device_list: Function not implemented"
+        );
+        assert!(!error.is_transient());
     }
 }

@@ -14,8 +14,11 @@ use rdma_sys::{
     ibv_qp_attr, ibv_qp_init_attr, ibv_qp_type, ibv_query_gid, ibv_reg_mr, ibv_send_wr, ibv_wc,
 };
 
+use super::completion::Completion;
+use super::staging::{MemoryKeys, Registrar};
 use super::status::call_error;
 use crate::error::TransferError;
+use crate::region::Segment;
 
 fn errno() -> i32 {
     std::io::Error::last_os_error()
@@ -77,18 +80,22 @@ impl DeviceList {
     }
 
     /// Opens the named device, or the first one.
+    ///
+    /// # Errors
+    /// [`TransferError::NoRdmaDevice`] naming what was asked for and what this host
+    /// has, when it has no such device.
     pub(crate) fn open(&self, name: Option<&str>) -> Result<Arc<Context>, TransferError> {
         let names = self.names();
-        let index = match name {
-            None if names.is_empty() => {
-                return Err(TransferError::NoDevice(
-                    "no RDMA device on this host".into(),
-                ))
-            }
-            None => 0,
-            Some(wanted) => names.iter().position(|n| n == wanted).ok_or_else(|| {
-                TransferError::NoDevice(format!("no RDMA device named {wanted} (have {names:?})"))
-            })?,
+        let found = match name {
+            None => (!names.is_empty()).then_some(0),
+            Some(wanted) => names.iter().position(|n| n == wanted),
+        };
+        let Some(index) = found else {
+            return Err(TransferError::NoRdmaDevice {
+                wanted: name.map(str::to_owned),
+                found: names,
+                detail: None,
+            });
         };
         // SAFETY: the device pointer comes from the live list.
         let context = unsafe { ibv_open_device(self.device(index)) };
@@ -239,6 +246,28 @@ impl Drop for Mr {
     }
 }
 
+impl MemoryKeys for Mr {
+    fn lkey(&self) -> u32 {
+        Mr::lkey(self)
+    }
+
+    fn rkey(&self) -> u32 {
+        Mr::rkey(self)
+    }
+}
+
+/// The protection domain registers memory for [`Registered`](super::staging::Registered)
+/// and the staging pool.
+impl Registrar for Arc<Pd> {
+    type Registration = Mr;
+
+    unsafe fn register(&self, memory: &Arc<Segment>) -> Result<Mr, TransferError> {
+        // SAFETY: the caller keeps the mapping alive for as long as the `Mr`
+        // (`Registrar::register`'s contract).
+        unsafe { Mr::register(self, memory.base_ptr(), memory.len() as usize) }
+    }
+}
+
 /// A completion queue.
 pub(crate) struct Cq {
     cq: *mut ibv_cq,
@@ -246,14 +275,6 @@ pub(crate) struct Cq {
 }
 
 verbs_handle!(Cq);
-
-/// One polled completion.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Completion {
-    pub(crate) wr_id: u64,
-    pub(crate) status: u32,
-    pub(crate) vendor_err: u32,
-}
 
 impl Cq {
     pub(crate) fn new(context: &Arc<Context>, depth: i32) -> Result<Arc<Self>, TransferError> {

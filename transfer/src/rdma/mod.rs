@@ -1,13 +1,16 @@
 //! The RDMA verbs backend. What needs no device is always compiled and tested: the
 //! out-of-band exchange of queue pair info over TCP ([`exchange`]), the planning of
-//! batches into work requests ([`batch`]) and the mapping of verbs failures to
-//! errors ([`status`]). The verbs themselves (`rdma-sys`) are behind the `rdma`
+//! batches into work requests ([`batch`]), the routing of completions to the batch
+//! that posted them ([`completion`]), registered memory and the pool of staging
+//! buffers ([`staging`]) and the mapping of verbs failures to errors ([`status`]). The verbs themselves (`rdma-sys`) are behind the `rdma`
 //! feature: [`RdmaTransport`] then opens a device, registers segments and runs
 //! one-sided READ/WRITE on RC queue pairs. Without the feature, [`devices`] says so
 //! with a `NoDevice` error. See docs/transfer.md for what has run on hardware.
 
 pub mod batch;
+pub mod completion;
 pub mod exchange;
+pub mod staging;
 pub mod status;
 
 #[cfg(feature = "rdma")]

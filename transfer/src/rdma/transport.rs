@@ -1,26 +1,33 @@
 //! [`RdmaTransport`]: the RDMA implementation of [`Transport`]. Registered segments
 //! become memory regions that peers read and write one-sidedly; a peer connects by
 //! dialing the node's out-of-band TCP endpoint, where both sides exchange
-//! [`QpInfo`] and bring an RC queue pair up. The client side copies through one
-//! registered staging buffer, so its batches run one at a time per transport.
+//! [`QpInfo`] and bring an RC queue pair up. The client side copies through
+//! registered staging buffers checked out of a bounded pool, one per batch, so up to
+//! `staging_buffers` batches run at once. Every queue pair completes into one
+//! completion queue; completions are routed to the batch that posted them by the
+//! batch tag in their `wr_id`.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
 use tokio::io::AsyncReadExt as _;
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use super::batch::{plan, PlanLimits, PlanOp, Round};
+use super::completion::{BatchTag, Completion, CompletionRouter, RoundState};
 use super::exchange::{exchange, QpInfo, RemoteRegion};
-use super::ffi::{Completion, Context, Cq, DeviceList, Mr, Pd, PostRequest, Qp};
+use super::ffi::{Context, Cq, DeviceList, Mr, Pd, PostRequest, Qp};
 use super::qp::{connect, local_info, PortInfo};
+use super::staging::{Lease, Registered, StagingPool};
 use super::status::completion_error;
 use crate::error::TransferError;
-use crate::region::{RegionId, RegionTable, Segment};
+use crate::region::{RegionId, Segment};
 use crate::tcp::ServerHandle;
 use crate::transport::{ReadInto, Transport, WriteOp};
 
@@ -33,10 +40,13 @@ pub struct RdmaConfig {
     pub port: u8,
     /// The GID index (RoCE v2 usually needs the index of an IPv4-mapped GID).
     pub gid_index: u8,
-    /// Send queue depth and work requests in flight per round.
+    /// Send queue depth of each queue pair, and work requests in flight per round.
     pub queue_depth: u32,
-    /// Size of the registered staging buffer of the client side.
+    /// Size of each registered staging buffer of the client side.
     pub staging_bytes: u64,
+    /// How many staging buffers the client side registers at most: how many of its
+    /// batches run at once (buffers are registered as batches need them).
+    pub staging_buffers: usize,
     /// Deadline of the out-of-band exchange.
     pub exchange_timeout: Duration,
     /// Deadline of one round's completion.
@@ -53,10 +63,34 @@ impl Default for RdmaConfig {
             gid_index: 0,
             queue_depth: 128,
             staging_bytes: 64 << 20,
+            staging_buffers: 4,
             exchange_timeout: Duration::from_secs(5),
             completion_timeout: Duration::from_secs(10),
             max_op_bytes: 1 << 30,
         }
+    }
+}
+
+impl RdmaConfig {
+    fn validate(&self) -> Result<(), TransferError> {
+        if self.queue_depth == 0 || self.staging_bytes == 0 || self.staging_buffers == 0 {
+            return Err(TransferError::Invalid(format!(
+                "RDMA queue_depth ({}), staging_bytes ({}) and staging_buffers ({}) \
+                 must be positive",
+                self.queue_depth, self.staging_bytes, self.staging_buffers
+            )));
+        }
+        Ok(())
+    }
+
+    /// Completions that can be outstanding at once: every request of every batch
+    /// in flight (failed requests complete even when unsignaled), with room to
+    /// spare.
+    fn completion_queue_depth(&self) -> i32 {
+        let depth = u64::from(self.queue_depth)
+            .saturating_mul(self.staging_buffers as u64)
+            .saturating_mul(2);
+        i32::try_from(depth).unwrap_or(i32::MAX)
     }
 }
 
@@ -72,27 +106,56 @@ pub fn devices() -> Result<Vec<String>, TransferError> {
 struct Peer {
     qp: Qp,
     remote: QpInfo,
+    /// Free slots of the send queue: concurrent batches to this peer share it.
+    slots: Semaphore,
     // The out-of-band connection stays open: the peer drops its queue pair when it
     // closes.
     _oob: TcpStream,
 }
 
-/// The staging buffer and the completion queue polling happens on.
-struct Staging {
-    buffer: Arc<Segment>,
-    mr: Mr,
+type StagingLease = Lease<Arc<Pd>>;
+
+/// How many completions one poll takes.
+const POLL_BATCH: usize = 64;
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poison| poison.into_inner())
 }
 
+// Fields drop in order: registrations end before the queue pairs go, and every
+// verbs object holds an `Arc` of its parent, so the context closes last.
 struct Inner {
     config: RdmaConfig,
     port: PortInfo,
     pd: Arc<Pd>,
     cq: Arc<Cq>,
-    regions: RegionTable,
-    registrations: Mutex<HashMap<RegionId, Mr>>,
-    staging: tokio::sync::Mutex<Staging>,
+    router: Mutex<CompletionRouter>,
+    /// Served segments, each with its registration (which ends before the segment
+    /// is released).
+    registrations: Mutex<HashMap<RegionId, Registered<Mr>>>,
+    staging: StagingPool<Arc<Pd>>,
     peers: tokio::sync::Mutex<HashMap<String, Arc<Peer>>>,
     _context: Arc<Context>,
+}
+
+/// A batch's tag, open in the router for as long as this lives.
+struct OpenBatch<'a> {
+    router: &'a Mutex<CompletionRouter>,
+    tag: BatchTag,
+}
+
+impl<'a> OpenBatch<'a> {
+    fn new(router: &'a Mutex<CompletionRouter>) -> Self {
+        let tag = lock(router).open();
+        Self { router, tag }
+    }
+}
+
+impl Drop for OpenBatch<'_> {
+    fn drop(&mut self) {
+        // Completions that still arrive for this batch are dropped by the router.
+        lock(self.router).close(self.tag);
+    }
 }
 
 /// The RDMA transport.
@@ -102,31 +165,46 @@ pub struct RdmaTransport {
 }
 
 impl RdmaTransport {
-    /// Opens the device, allocates a protection domain, a completion queue and the
-    /// registered staging buffer.
+    /// Opens the device, allocates a protection domain and a completion queue, and
+    /// registers the first staging buffer.
     ///
     /// # Errors
-    /// [`TransferError::NoDevice`] without a device or an active port;
-    /// [`TransferError::Rdma`] when a verbs call fails.
+    /// [`TransferError::Invalid`] for a bad config (checked first);
+    /// [`TransferError::NoRdmaDevice`] when this host has no RDMA device (or not
+    /// the one named), naming what was asked for and what was found;
+    /// [`TransferError::NoDevice`] for an inactive port; [`TransferError::Rdma`]
+    /// when a verbs call fails.
     pub fn open(config: RdmaConfig) -> Result<Self, TransferError> {
-        let context = DeviceList::new()?.open(config.device.as_deref())?;
+        config.validate()?;
+        let list = DeviceList::new().map_err(|error| match error {
+            TransferError::NoDevice(detail) => TransferError::NoRdmaDevice {
+                wanted: config.device.clone(),
+                found: Vec::new(),
+                detail: Some(detail),
+            },
+            other => other,
+        })?;
+        let context = list.open(config.device.as_deref())?;
+        drop(list);
         let port = PortInfo::query(&context, config.port, config.gid_index)?;
         let pd = Pd::new(&context)?;
-        let depth = i32::try_from(config.queue_depth.max(1) * 2).unwrap_or(i32::MAX);
-        let cq = Cq::new(&context, depth)?;
-        let buffer = Segment::allocate(RegionId::new("staging")?, config.staging_bytes)?;
-        // SAFETY: the staging segment lives in `Staging` next to its registration
-        // and is dropped after it (field order).
-        let mr = unsafe { Mr::register(&pd, buffer.base_ptr(), buffer.len() as usize)? };
+        let cq = Cq::new(&context, config.completion_queue_depth())?;
+        let staging = StagingPool::new(
+            Arc::clone(&pd),
+            config.staging_bytes,
+            config.staging_buffers,
+        )?;
+        // One buffer now, so that a host that cannot register memory fails here.
+        staging.prefill(1)?;
         Ok(Self {
             inner: Arc::new(Inner {
                 config,
                 port,
                 pd,
                 cq,
-                regions: RegionTable::new(),
+                router: Mutex::new(CompletionRouter::new()),
                 registrations: Mutex::new(HashMap::new()),
-                staging: tokio::sync::Mutex::new(Staging { buffer, mr }),
+                staging,
                 peers: tokio::sync::Mutex::new(HashMap::new()),
                 _context: context,
             }),
@@ -134,26 +212,18 @@ impl RdmaTransport {
     }
 
     fn advertised(&self) -> Vec<RemoteRegion> {
-        let registrations = self
-            .inner
-            .registrations
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner());
-        self.inner
-            .regions
-            .ids()
-            .into_iter()
-            .filter_map(|id| {
-                let segment = self.inner.regions.get(id.as_str()).ok()?;
-                let mr = registrations.get(&id)?;
-                Some(RemoteRegion {
-                    id,
-                    addr: segment.base_ptr() as u64,
-                    rkey: mr.rkey(),
-                    len: segment.len(),
-                })
+        let registrations = lock(&self.inner.registrations);
+        let mut regions: Vec<RemoteRegion> = registrations
+            .iter()
+            .map(|(id, registered)| RemoteRegion {
+                id: id.clone(),
+                addr: registered.memory().base_ptr() as u64,
+                rkey: registered.rkey(),
+                len: registered.memory().len(),
             })
-            .collect()
+            .collect();
+        regions.sort_by(|a, b| a.id.cmp(&b.id));
+        regions
     }
 
     /// Accepts out-of-band connections on `listener`: each one gets a queue pair
@@ -228,21 +298,30 @@ impl RdmaTransport {
         let peer = Arc::new(Peer {
             qp,
             remote,
+            slots: Semaphore::new(self.inner.config.queue_depth as usize),
             _oob: stream,
         });
         peers.insert(endpoint.to_owned(), Arc::clone(&peer));
         Ok(peer)
     }
 
-    async fn forget(&self, endpoint: &str) {
-        self.inner.peers.lock().await.remove(endpoint);
+    /// Forgets `peer` (its queue pair failed) unless a newer one already took its
+    /// place.
+    async fn forget(&self, endpoint: &str, peer: &Arc<Peer>) {
+        let mut peers = self.inner.peers.lock().await;
+        if peers
+            .get(endpoint)
+            .is_some_and(|known| Arc::ptr_eq(known, peer))
+        {
+            peers.remove(endpoint);
+        }
     }
 
     fn limits(&self) -> PlanLimits {
         PlanLimits {
             max_message: self.inner.port.max_message,
-            staging_bytes: self.inner.config.staging_bytes,
-            max_outstanding: self.inner.config.queue_depth.max(1) as usize,
+            staging_bytes: self.inner.staging.buffer_bytes(),
+            max_outstanding: self.inner.config.queue_depth as usize,
         }
     }
 
@@ -251,70 +330,92 @@ impl RdmaTransport {
     async fn run_round(
         &self,
         endpoint: &str,
-        peer: &Peer,
-        staging: &Staging,
+        peer: &Arc<Peer>,
+        staging: &StagingLease,
+        tag: BatchTag,
         round: &Round,
         opcode: u32,
     ) -> Result<(), TransferError> {
         let outcome = self
-            .post_and_poll(endpoint, peer, staging, round, opcode)
+            .post_and_wait(endpoint, peer, staging, tag, round, opcode)
             .await;
         if outcome.is_err() {
-            self.forget(endpoint).await;
+            self.forget(endpoint, peer).await;
         }
         outcome
     }
 
-    async fn post_and_poll(
+    async fn post_and_wait(
         &self,
         endpoint: &str,
         peer: &Peer,
-        staging: &Staging,
+        staging: &StagingLease,
+        tag: BatchTag,
         round: &Round,
         opcode: u32,
     ) -> Result<(), TransferError> {
-        let base = staging.buffer.base_ptr() as u64;
-        let requests: Vec<PostRequest> = round
-            .requests
-            .iter()
-            .map(|w| PostRequest {
-                wr_id: w.wr_id,
-                opcode,
-                local_addr: base + w.staging_offset,
-                lkey: staging.mr.lkey(),
-                len: w.len,
-                remote_addr: w.remote_addr,
-                rkey: w.rkey,
-                signaled: w.signaled,
-            })
-            .collect();
-        peer.qp.post(&requests)?;
-        let Some(last) = round.requests.last().map(|w| w.wr_id) else {
+        let Some(last) = round.requests.last() else {
             return Ok(());
         };
-        let deadline = Instant::now() + self.inner.config.completion_timeout;
-        let mut completions: Vec<Completion> = Vec::with_capacity(16);
+        let last = tag.wr_id(last.wr_id)?;
+        let timeout = self.inner.config.completion_timeout;
+        let deadline = Instant::now() + timeout;
+        let timed_out = || TransferError::Timeout {
+            what: "RDMA completion",
+            endpoint: endpoint.to_owned(),
+            after: timeout,
+        };
+        // A round has at most `queue_depth` requests (the plan's limit), as many
+        // as the semaphore holds.
+        let wanted = u32::try_from(round.requests.len()).unwrap_or(u32::MAX);
+        let _slots = tokio::time::timeout_at(deadline, peer.slots.acquire_many(wanted))
+            .await
+            .map_err(|_| timed_out())?
+            .map_err(|_| TransferError::Invalid("the peer's send queue is closed".into()))?;
+        let base = staging.memory().base_ptr() as u64;
+        let lkey = staging.lkey();
+        let requests = round
+            .requests
+            .iter()
+            .map(|w| {
+                Ok(PostRequest {
+                    wr_id: tag.wr_id(w.wr_id)?,
+                    opcode,
+                    local_addr: base + w.staging_offset,
+                    lkey,
+                    len: w.len,
+                    remote_addr: w.remote_addr,
+                    rkey: w.rkey,
+                    signaled: w.signaled,
+                })
+            })
+            .collect::<Result<Vec<_>, TransferError>>()?;
+        peer.qp.post(&requests)?;
+        let mut polled: Vec<Completion> = Vec::with_capacity(POLL_BATCH);
         loop {
-            completions.clear();
-            self.inner.cq.poll(&mut completions, 16)?;
-            for completion in &completions {
-                if completion.status != super::status::WC_SUCCESS {
-                    return Err(completion_error(
-                        endpoint,
-                        completion.status,
-                        completion.vendor_err,
-                    ));
+            let state = {
+                // Whoever polls files every completion with its own batch.
+                let mut router = lock(&self.inner.router);
+                self.inner.cq.poll(&mut polled, POLL_BATCH)?;
+                for completion in polled.drain(..) {
+                    router.deliver(completion);
                 }
-                if completion.wr_id == last {
-                    return Ok(());
+                router.round_state(tag, last)
+            };
+            match state {
+                RoundState::Done => return Ok(()),
+                RoundState::Failed(failed) => {
+                    return Err(completion_error(endpoint, failed.status, failed.vendor_err))
                 }
+                RoundState::NotOpen => {
+                    return Err(TransferError::Invalid(
+                        "an RDMA round waited on a closed batch".into(),
+                    ))
+                }
+                RoundState::Pending => {}
             }
             if Instant::now() >= deadline {
-                return Err(TransferError::Timeout {
-                    what: "RDMA completion",
-                    endpoint: endpoint.to_owned(),
-                    after: self.inner.config.completion_timeout,
-                });
+                return Err(timed_out());
             }
             tokio::task::yield_now().await;
         }
@@ -335,17 +436,22 @@ impl RdmaTransport {
     async fn write(&self, endpoint: &str, ops: &[WriteOp<'_>]) -> Result<(), TransferError> {
         let planned: Vec<PlanOp<'_>> = ops.iter().map(PlanOp::from).collect();
         let (peer, rounds) = self.prepare(endpoint, &planned).await?;
-        let staging = self.inner.staging.lock().await;
+        // Dropped without `release` on any error: the buffer is discarded, since
+        // requests of a failed round may still be in flight.
+        let staging = self.inner.staging.checkout().await?;
+        let batch = OpenBatch::new(&self.inner.router);
         for round in &rounds {
             for w in &round.requests {
                 let start = w.op_offset as usize;
                 let bytes = &ops[w.op].data[start..start + w.len as usize];
-                staging.buffer.write_at(w.staging_offset, bytes)?;
+                staging.memory().write_at(w.staging_offset, bytes)?;
             }
             let opcode = rdma_sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
-            self.run_round(endpoint, &peer, &staging, round, opcode)
+            self.run_round(endpoint, &peer, &staging, batch.tag, round, opcode)
                 .await?;
         }
+        drop(batch);
+        staging.release();
         Ok(())
     }
 
@@ -353,17 +459,20 @@ impl RdmaTransport {
         let planned: Vec<PlanOp<'_>> = ops.iter().map(PlanOp::from).collect();
         let (peer, rounds) = self.prepare(endpoint, &planned).await?;
         drop(planned);
-        let staging = self.inner.staging.lock().await;
+        let staging = self.inner.staging.checkout().await?;
+        let batch = OpenBatch::new(&self.inner.router);
         for round in &rounds {
             let opcode = rdma_sys::ibv_wr_opcode::IBV_WR_RDMA_READ;
-            self.run_round(endpoint, &peer, &staging, round, opcode)
+            self.run_round(endpoint, &peer, &staging, batch.tag, round, opcode)
                 .await?;
             for w in &round.requests {
                 let start = w.op_offset as usize;
                 let out = &mut ops[w.op].buf[start..start + w.len as usize];
-                staging.buffer.read_at(w.staging_offset, out)?;
+                staging.memory().read_at(w.staging_offset, out)?;
             }
         }
+        drop(batch);
+        staging.release();
         Ok(())
     }
 
@@ -390,28 +499,31 @@ impl Transport for RdmaTransport {
     }
 
     fn register(&self, segment: Arc<Segment>) -> Result<(), TransferError> {
-        // SAFETY: the segment is kept in the region table for as long as the
-        // registration exists (`unregister` removes both together).
-        let mr =
-            unsafe { Mr::register(&self.inner.pd, segment.base_ptr(), segment.len() as usize)? };
         let id = segment.id().clone();
-        self.inner.regions.insert(segment)?;
-        self.inner
-            .registrations
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
-            .insert(id, mr);
-        Ok(())
+        let duplicate = || TransferError::Invalid(format!("region {id} is already registered"));
+        if lock(&self.inner.registrations).contains_key(&id) {
+            return Err(duplicate());
+        }
+        // Registered outside the lock: pinning a large segment takes a while.
+        let registered = Registered::new(&self.inner.pd, segment)?;
+        match lock(&self.inner.registrations).entry(id.clone()) {
+            // Registered concurrently: this registration ends, then its `Arc` goes.
+            Entry::Occupied(_) => Err(duplicate()),
+            Entry::Vacant(slot) => {
+                slot.insert(registered);
+                Ok(())
+            }
+        }
     }
 
     fn unregister(&self, id: &RegionId) -> Result<Arc<Segment>, TransferError> {
-        // Deregister first, so no peer can reach the memory once it is handed back.
-        self.inner
-            .registrations
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
-            .remove(id);
-        self.inner.regions.remove(id)
+        let registered = lock(&self.inner.registrations).remove(id).ok_or_else(|| {
+            TransferError::UnknownRegion {
+                region: id.to_string(),
+            }
+        })?;
+        // Deregistered before it is handed back: no peer reaches the memory after.
+        Ok(registered.into_memory())
     }
 
     fn write_batch<'a>(
@@ -436,23 +548,87 @@ mod tests {
     use super::*;
     use crate::ErrorKind;
 
-    /// On a host without an RDMA device (this one, and CI) opening the transport
-    /// goes through the real verbs calls and comes back as a typed error.
+    /// Asking for RDMA on a host without a device (this one, and CI) goes through
+    /// the real `ibv_get_device_list` and comes back quickly as
+    /// [`TransferError::NoRdmaDevice`], naming what was asked for and found.
     #[test]
-    fn opening_without_a_device_is_a_typed_error() {
+    fn asking_for_rdma_without_a_device_fails_fast_with_a_typed_error() {
+        let started = std::time::Instant::now();
+        let host = devices().unwrap_or_default();
         match RdmaTransport::open(RdmaConfig::default()) {
-            Err(error) => assert_eq!(error.kind(), ErrorKind::NoDevice, "{error}"),
-            // A host with a device: at least the discovery agrees.
+            Err(TransferError::NoRdmaDevice {
+                wanted,
+                found,
+                detail,
+            }) => {
+                assert!(host.is_empty(), "{host:?}");
+                assert_eq!(wanted, None);
+                assert!(found.is_empty());
+                eprintln!("no RDMA device here, as expected (detail: {detail:?})");
+            }
+            Err(error) => {
+                // A host with a device whose port is down, say.
+                assert!(!host.is_empty(), "{error}");
+                assert_eq!(error.kind(), ErrorKind::NoDevice, "{error}");
+            }
             Ok(transport) => {
+                assert!(!host.is_empty());
                 assert_eq!(transport.backend(), "rdma");
-                assert!(!devices().unwrap_or_default().is_empty());
             }
         }
         let named = RdmaConfig {
             device: Some("no-such-device-0".into()),
             ..RdmaConfig::default()
         };
-        let error = RdmaTransport::open(named).err().map(|e| e.kind());
-        assert_eq!(error, Some(ErrorKind::NoDevice));
+        let Some(error) = RdmaTransport::open(named).err() else {
+            panic!("a device named no-such-device-0 opened");
+        };
+        assert_eq!(error.kind(), ErrorKind::NoDevice);
+        let message = error.to_string();
+        assert!(message.contains("\"no-such-device-0\""), "{message}");
+        let TransferError::NoRdmaDevice { wanted, found, .. } = error else {
+            panic!("expected NoRdmaDevice, got {message}");
+        };
+        assert_eq!(wanted.as_deref(), Some("no-such-device-0"));
+        assert_eq!(found, host);
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "took {:?}",
+            started.elapsed()
+        );
+    }
+
+    #[test]
+    fn a_bad_config_is_refused_before_any_device_is_touched() {
+        for config in [
+            RdmaConfig {
+                staging_buffers: 0,
+                ..RdmaConfig::default()
+            },
+            RdmaConfig {
+                staging_bytes: 0,
+                ..RdmaConfig::default()
+            },
+            RdmaConfig {
+                queue_depth: 0,
+                ..RdmaConfig::default()
+            },
+        ] {
+            let error = RdmaTransport::open(config).err().map(|e| e.kind());
+            assert_eq!(error, Some(ErrorKind::Invalid));
+        }
+    }
+
+    #[test]
+    fn the_completion_queue_holds_every_request_in_flight() {
+        let config = RdmaConfig::default();
+        let in_flight = i64::from(config.queue_depth) * config.staging_buffers as i64;
+        assert!(i64::from(config.completion_queue_depth()) >= in_flight);
+        let huge = RdmaConfig {
+            queue_depth: u32::MAX,
+            staging_buffers: usize::MAX,
+            ..RdmaConfig::default()
+        };
+        assert_eq!(huge.completion_queue_depth(), i32::MAX);
     }
 }

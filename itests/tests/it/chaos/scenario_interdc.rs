@@ -27,6 +27,10 @@ use super::{docker, loadgen, report};
 const VALUE_SIZE: &str = "65536";
 
 /// How many times each key was committed in `topology`'s `sc-0` stream.
+///
+/// Right after the containers start, the stream may have no elected leader yet
+/// and a read fails ("no responders"): the stream counts as ready once one whole
+/// read succeeds, which this waits for (60 s at most).
 async fn commits(topology: &Topology) -> BTreeMap<String, u32> {
     let cluster = ClusterId::new(CLUSTER).unwrap();
     let subcluster = SubclusterId::new("sc-0").unwrap();
@@ -35,12 +39,33 @@ async fn commits(topology: &Topology) -> BTreeMap<String, u32> {
         stream_name(&cluster, &subcluster),
         event_subject(&cluster, &subcluster),
     );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match read_commits(&log).await {
+            Ok(commits) => return commits,
+            Err(error) if Instant::now() < deadline => {
+                eprintln!("the source stream is not readable yet ({error}); reading again");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(error) => panic!("the source stream stayed unreadable for 60 s: {error}"),
+        }
+    }
+}
+
+/// One whole read of the stream; a stream that does not exist yet has no commits.
+async fn read_commits(
+    log: &JetStreamLog,
+) -> Result<BTreeMap<String, u32>, hkvm_events::log::LogError> {
     let mut commits = BTreeMap::new();
-    let Ok(mut entries) = log.read(ReadOptions::from(1)).await else {
-        return commits;
+    let mut entries = match log.read(ReadOptions::from(1)).await {
+        Ok(entries) => entries,
+        Err(error) if *error.kind() == hkvm_events::log::LogErrorKind::StreamNotFound => {
+            return Ok(commits)
+        }
+        Err(error) => return Err(error),
     };
     while let Some(entry) = entries.next().await {
-        let entry = entry.unwrap();
+        let entry = entry?;
         let message = decode_message(&entry.payload, &Limits::default()).unwrap();
         for event in message.events {
             if let Ok(KvEvent::PutCommitted(put)) = event {
@@ -48,7 +73,7 @@ async fn commits(topology: &Topology) -> BTreeMap<String, u32> {
             }
         }
     }
-    commits
+    Ok(commits)
 }
 
 async fn master(target: &Topology, source_url: &str, rate: u64, until_idle: bool) -> Container {

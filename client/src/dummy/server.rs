@@ -1,0 +1,372 @@
+//! The real client's side: accepts dummy clients on an abstract Unix socket, maps
+//! each one's shared region, and serves its requests through the real client's
+//! [`Store`], reading and writing values straight in the shared region. A dummy
+//! that goes away takes nothing with it: requests it had in flight finish (a put
+//! completes or is revoked by the store as any put), then its region is unmapped.
+
+use std::os::fd::AsFd as _;
+use std::os::linux::net::SocketAddrExt as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use hkvm_events::rpc::dummy::{
+    decode_frame, dummy_socket_name, encode_frame, frame_len, DummyReply, DummyRequest, Frame,
+    Hello, Span, Welcome, DUMMY_PROTOCOL_VERSION,
+};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::UnixStream;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use super::fd::recv_with_fd;
+use super::region::SharedRegion;
+use crate::kv::PutOptions;
+use crate::store::{segment_for, ErrorCode, Store};
+
+/// How many dummies are connected and what they asked (for logs, metrics, tests).
+#[derive(Debug, Default)]
+pub struct DummyServerStats {
+    /// Connections accepted.
+    pub connected: AtomicU64,
+    /// Connections closed.
+    pub disconnected: AtomicU64,
+    /// Requests served.
+    pub requests: AtomicU64,
+}
+
+/// A running dummy server. Dropping it stops accepting (connected dummies are
+/// served until they close).
+#[derive(Debug)]
+pub struct DummyServer {
+    name: String,
+    stats: Arc<DummyServerStats>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for DummyServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl DummyServer {
+    /// Listens on the abstract socket of `port` ([`dummy_socket_name`]) and serves
+    /// dummies through `store`.
+    ///
+    /// # Errors
+    /// When the socket name is taken (another real client serves that port).
+    pub fn start(store: Arc<Store>, port: u16) -> std::io::Result<Self> {
+        let name = dummy_socket_name(port);
+        let address = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
+        let listener = std::os::unix::net::UnixListener::bind_addr(&address)?;
+        listener.set_nonblocking(true)?;
+        let listener = tokio::net::UnixListener::from_std(listener)?;
+        let stats = Arc::new(DummyServerStats::default());
+        let task = {
+            let stats = Arc::clone(&stats);
+            tokio::spawn(async move {
+                loop {
+                    match listener.accept().await {
+                        Ok((stream, _)) => {
+                            stats.connected.fetch_add(1, Ordering::Relaxed);
+                            let (store, stats) = (Arc::clone(&store), Arc::clone(&stats));
+                            tokio::spawn(async move {
+                                if let Err(error) = serve(stream, store, &stats).await {
+                                    tracing::warn!(%error, "a dummy client's connection failed");
+                                }
+                                stats.disconnected.fetch_add(1, Ordering::Relaxed);
+                            });
+                        }
+                        Err(error) => {
+                            tracing::warn!(%error, "accepting a dummy client");
+                            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        }
+                    }
+                }
+            })
+        };
+        tracing::info!(socket = %name, "serving dummy clients");
+        Ok(Self { name, stats, task })
+    }
+
+    /// The abstract socket name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// What it served so far.
+    pub fn stats(&self) -> &DummyServerStats {
+        &self.stats
+    }
+}
+
+/// Reads the Hello frame and the region's descriptor.
+async fn handshake(stream: &UnixStream) -> std::io::Result<(Hello, SharedRegion)> {
+    let mut buffer = vec![0u8; 4096];
+    let (mut filled, fd) = loop {
+        stream.readable().await?;
+        match stream.try_io(tokio::io::Interest::READABLE, || {
+            recv_with_fd(stream.as_fd(), &mut buffer)
+        }) {
+            Ok(received) => break received,
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(error) => return Err(error),
+        }
+    };
+    let invalid = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
+    let fd = fd.ok_or_else(|| invalid("the first frame carried no region".into()))?;
+    while filled < 4 {
+        let n = stream.try_read(&mut buffer[filled..]).or_else(|e| {
+            if e.kind() == std::io::ErrorKind::WouldBlock {
+                Ok(0)
+            } else {
+                Err(e)
+            }
+        })?;
+        if n == 0 {
+            stream.readable().await?;
+        }
+        filled += n;
+    }
+    let len = frame_len([buffer[0], buffer[1], buffer[2], buffer[3]])
+        .map_err(|e| invalid(e.to_string()))?;
+    if 4 + len > buffer.len() {
+        return Err(invalid(format!("hello frame of {len} bytes")));
+    }
+    while filled < 4 + len {
+        stream.readable().await?;
+        match stream.try_read(&mut buffer[filled..4 + len]) {
+            Ok(0) => return Err(invalid("closed during the handshake".into())),
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let hello: Frame<Hello> =
+        decode_frame(&buffer[4..4 + len]).map_err(|e| invalid(e.to_string()))?;
+    let hello = hello.body;
+    let region = SharedRegion::map(fd, hello.region_bytes)?;
+    Ok((hello, region))
+}
+
+async fn serve(
+    stream: UnixStream,
+    store: Arc<Store>,
+    stats: &DummyServerStats,
+) -> std::io::Result<()> {
+    let (hello, region) = handshake(&stream).await?;
+    let (mut reader, mut writer) = stream.into_split();
+    let welcome = if hello.version == DUMMY_PROTOCOL_VERSION {
+        Welcome::Ready {
+            hostname: store.hostname().to_owned(),
+        }
+    } else {
+        Welcome::Refused {
+            reason: format!(
+                "protocol version {} (this real client speaks {DUMMY_PROTOCOL_VERSION})",
+                hello.version
+            ),
+        }
+    };
+    let refused = matches!(welcome, Welcome::Refused { .. });
+    let bytes = encode_frame(&Frame {
+        id: 0,
+        body: welcome,
+    })
+    .map_err(std::io::Error::other)?;
+    writer.write_all(&bytes).await?;
+    if refused {
+        return Ok(());
+    }
+    tracing::info!(
+        pid = hello.pid,
+        region_bytes = hello.region_bytes,
+        "a dummy client connected"
+    );
+    let region = Arc::new(region);
+    let (replies, mut outgoing) = mpsc::channel::<Vec<u8>>(256);
+    let writing = tokio::spawn(async move {
+        while let Some(bytes) = outgoing.recv().await {
+            if writer.write_all(&bytes).await.is_err() {
+                break;
+            }
+        }
+    });
+    let mut prefix = [0u8; 4];
+    loop {
+        if reader.read_exact(&mut prefix).await.is_err() {
+            break;
+        }
+        let len = frame_len(prefix).map_err(std::io::Error::other)?;
+        let mut body = vec![0u8; len];
+        reader.read_exact(&mut body).await?;
+        let frame: Frame<DummyRequest> = match decode_frame(&body) {
+            Ok(frame) => frame,
+            Err(error) => {
+                tracing::warn!(%error, pid = hello.pid, "a malformed request; closing");
+                break;
+            }
+        };
+        stats.requests.fetch_add(1, Ordering::Relaxed);
+        let (store, region, replies) = (Arc::clone(&store), Arc::clone(&region), replies.clone());
+        tokio::spawn(async move {
+            let body = handle(&store, &region, frame.body).await;
+            if let Ok(bytes) = encode_frame(&Frame { id: frame.id, body }) {
+                let _ = replies.send(bytes).await;
+            }
+        });
+    }
+    drop(replies);
+    let _ = writing.await;
+    tracing::info!(pid = hello.pid, "a dummy client disconnected");
+    Ok(())
+}
+
+/// Slices of the region for `spans`, or `None` when one lies outside it.
+fn read_slices<'r>(region: &'r SharedRegion, spans: &[Span]) -> Option<Vec<&'r [u8]>> {
+    spans
+        .iter()
+        // SAFETY: the dummy hands these ranges to this request and does not write
+        // them until it has the reply (the protocol's contract, as with DMA).
+        .map(|span| unsafe { region.slice(span.offset, span.len) })
+        .collect()
+}
+
+async fn handle(store: &Store, region: &SharedRegion, request: DummyRequest) -> DummyReply {
+    let invalid = ErrorCode::InvalidParams.value();
+    match request {
+        DummyRequest::Put {
+            keys,
+            spans,
+            placement,
+        } => {
+            if spans.len() != keys.len() {
+                return DummyReply::Codes(vec![invalid; keys.len()]);
+            }
+            let mut codes = vec![0; keys.len()];
+            let mut slices = Vec::with_capacity(keys.len());
+            let mut indexes = Vec::with_capacity(keys.len());
+            for (index, spans) in spans.iter().enumerate() {
+                match read_slices(region, spans) {
+                    Some(parts) => {
+                        slices.push(parts);
+                        indexes.push(index);
+                    }
+                    None => codes[index] = invalid,
+                }
+            }
+            let items: Vec<(&str, &[&[u8]])> = indexes
+                .iter()
+                .zip(&slices)
+                .map(|(&i, parts)| (keys[i].as_str(), parts.as_slice()))
+                .collect();
+            let options = PutOptions {
+                replicas: placement.replicas.max(1),
+                preferred_segment: placement
+                    .preferred_segment
+                    .as_deref()
+                    .filter(|s| !s.is_empty())
+                    .and_then(segment_for),
+                hard_pin: placement.hard_pin,
+            };
+            if !items.is_empty() {
+                match store.put(&items, &options).await {
+                    Ok(results) => {
+                        for (&index, result) in indexes.iter().zip(results) {
+                            codes[index] = result.map_or_else(|e| e.code().value(), |()| 0);
+                        }
+                    }
+                    Err(error) => {
+                        for &index in &indexes {
+                            codes[index] = error.code().value();
+                        }
+                    }
+                }
+            }
+            DummyReply::Codes(codes)
+        }
+        DummyRequest::GetInto { keys, spans } => {
+            if spans.len() != keys.len() {
+                return DummyReply::Sizes(vec![i64::from(invalid); keys.len()]);
+            }
+            let mut sizes = vec![0i64; keys.len()];
+            let mut parts: Vec<Vec<&mut [u8]>> = Vec::with_capacity(keys.len());
+            let mut indexes = Vec::with_capacity(keys.len());
+            for (index, spans) in spans.iter().enumerate() {
+                // SAFETY: as for reads; the dummy leaves these ranges to this
+                // request until the reply.
+                let buffers: Option<Vec<&mut [u8]>> = spans
+                    .iter()
+                    .map(|span| unsafe { region.slice_mut(span.offset, span.len) })
+                    .collect();
+                match buffers {
+                    Some(buffers) => {
+                        parts.push(buffers);
+                        indexes.push(index);
+                    }
+                    None => sizes[index] = i64::from(invalid),
+                }
+            }
+            let mut items: Vec<(&str, &mut [&mut [u8]])> = indexes
+                .iter()
+                .zip(parts.iter_mut())
+                .map(|(&i, buffers)| (keys[i].as_str(), buffers.as_mut_slice()))
+                .collect();
+            if !items.is_empty() {
+                match store.get_into(&mut items).await {
+                    Ok(results) => {
+                        for (&index, result) in indexes.iter().zip(results) {
+                            sizes[index] = result.map_or_else(
+                                |e| i64::from(e.code().value()),
+                                |n| i64::try_from(n).unwrap_or(i64::MAX),
+                            );
+                        }
+                    }
+                    Err(error) => {
+                        for &index in &indexes {
+                            sizes[index] = i64::from(error.code().value());
+                        }
+                    }
+                }
+            }
+            DummyReply::Sizes(sizes)
+        }
+        DummyRequest::Size { keys } => {
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            match store.locate(&refs).await {
+                Ok(located) => DummyReply::Sizes(
+                    located
+                        .into_iter()
+                        .map(|l| {
+                            l.map_or_else(
+                                |e| i64::from(e.code().value()),
+                                |l| i64::try_from(l.list.size).unwrap_or(i64::MAX),
+                            )
+                        })
+                        .collect(),
+                ),
+                Err(error) => DummyReply::Sizes(vec![i64::from(error.code().value()); keys.len()]),
+            }
+        }
+        DummyRequest::Exist { keys } => match store.exist(&keys).await {
+            Ok(exists) => DummyReply::Exist(exists.into_iter().map(i32::from).collect()),
+            Err(_) => DummyReply::Exist(vec![-1; keys.len()]),
+        },
+        DummyRequest::Remove { keys, force } => match store.remove(&keys, force).await {
+            Ok(results) => DummyReply::Codes(
+                results
+                    .into_iter()
+                    .map(|r| r.map_or_else(|e| e.code().value(), |()| 0))
+                    .collect(),
+            ),
+            Err(error) => DummyReply::Codes(vec![error.code().value(); keys.len()]),
+        },
+        DummyRequest::RemoveAll { pattern, force } => {
+            match store.remove_all(pattern.as_deref(), force).await {
+                Ok(removed) => DummyReply::Count(i64::try_from(removed).unwrap_or(i64::MAX)),
+                Err(error) => DummyReply::Count(i64::from(error.code().value())),
+            }
+        }
+        DummyRequest::Health => DummyReply::Health(store.health().await as i32),
+    }
+}

@@ -1,0 +1,273 @@
+//! The local protocol between a real client (`hkvm node`, one per host) and its
+//! dummy clients (one per inference process), over a Unix domain socket. A dummy
+//! shares one memory region with its real client (a memfd passed with the first
+//! frame); requests name bytes by [`Span`]s of that region, so values move
+//! between the dummy's buffers and the pool with no copy through the socket.
+//!
+//! Framing: a 4-byte little-endian length, then a named-field MessagePack
+//! [`Frame`]. Replies carry the id of their request; requests are pipelined.
+
+use serde::{Deserialize, Serialize};
+
+/// The protocol version this build speaks.
+pub const DUMMY_PROTOCOL_VERSION: u16 = 1;
+/// The largest frame either side accepts.
+pub const MAX_FRAME_BYTES: usize = 16 << 20;
+
+/// The abstract Unix socket name a real client serving dummies on `port` listens
+/// on (Mooncake's `server_address` is `host:port`; the port names the socket).
+pub fn dummy_socket_name(port: u16) -> String {
+    format!("hkvm-node-{port}")
+}
+
+/// The first frame of a connection, sent by the dummy with the region's file
+/// descriptor attached.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// The dummy's protocol version.
+    pub version: u16,
+    /// The dummy's process id (for logs).
+    pub pid: u32,
+    /// The shared region's length in bytes.
+    pub region_bytes: u64,
+}
+
+/// The real client's answer to [`Hello`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Welcome {
+    /// The region is mapped; requests may follow.
+    Ready {
+        /// The real client's node endpoint (`host:port`).
+        hostname: String,
+    },
+    /// The connection is refused.
+    Refused {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// A range of the shared region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Span {
+    /// Offset from the region's start.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+impl Span {
+    /// Whether the span lies inside a region of `region_bytes`.
+    pub fn fits(&self, region_bytes: u64) -> bool {
+        self.offset
+            .checked_add(self.len)
+            .is_some_and(|end| end <= region_bytes)
+    }
+}
+
+/// How a put is placed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    /// Replicas on distinct nodes.
+    pub replicas: u32,
+    /// The first replica's preferred segment (`host:port`).
+    pub preferred_segment: Option<String>,
+    /// Never evict.
+    pub hard_pin: bool,
+}
+
+/// A dummy's request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DummyRequest {
+    /// Store each key's value: the concatenation of its spans.
+    Put {
+        /// The keys.
+        keys: Vec<String>,
+        /// Per key, the spans holding its value, in order.
+        spans: Vec<Vec<Span>>,
+        /// Placement.
+        placement: Placement,
+    },
+    /// Read each key's value into its spans, in order.
+    GetInto {
+        /// The keys.
+        keys: Vec<String>,
+        /// Per key, where to put its value.
+        spans: Vec<Vec<Span>>,
+    },
+    /// Each key's value size.
+    Size {
+        /// The keys.
+        keys: Vec<String>,
+    },
+    /// Whether each key exists anywhere.
+    Exist {
+        /// The keys.
+        keys: Vec<String>,
+    },
+    /// Remove keys wherever they are.
+    Remove {
+        /// The keys.
+        keys: Vec<String>,
+        /// Even when leased.
+        force: bool,
+    },
+    /// Remove every object, or those whose key matches `pattern`.
+    RemoveAll {
+        /// A regular expression, or all.
+        pattern: Option<String>,
+        /// Even when leased.
+        force: bool,
+    },
+    /// Whether the real client's sub-master answers.
+    Health,
+}
+
+/// The real client's reply. Integer results are Mooncake codes (0 or negative),
+/// sizes (≥ 0 or a negative code), or existence (1, 0, -1).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DummyReply {
+    /// Per key, 0 or a negative code (put, remove).
+    Codes(Vec<i32>),
+    /// Per key, a size or a negative code (get_into, size).
+    Sizes(Vec<i64>),
+    /// Per key, 1, 0, or -1 (exist).
+    Exist(Vec<i32>),
+    /// A count or a negative code (remove_all).
+    Count(i64),
+    /// 0 healthy, 2 sub-master unreachable (health).
+    Health(i32),
+    /// The request as a whole was refused (malformed, a span outside the region).
+    Refused {
+        /// A Mooncake code.
+        code: i32,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// A request or reply with the id that pairs them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Frame<T> {
+    /// Chosen by the dummy, echoed by the real client.
+    pub id: u64,
+    /// The request or reply.
+    pub body: T,
+}
+
+/// Why a frame could not be encoded or decoded.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    /// Longer than [`MAX_FRAME_BYTES`].
+    #[error("frame of {len} bytes exceeds {MAX_FRAME_BYTES}")]
+    TooLarge {
+        /// Its length.
+        len: usize,
+    },
+    /// The body does not decode.
+    #[error("malformed frame")]
+    Malformed(#[source] rmp_serde::decode::Error),
+    /// The body could not be encoded.
+    #[error("encoding a frame")]
+    Encode(#[source] rmp_serde::encode::Error),
+}
+
+/// Encodes `value` with its 4-byte length prefix.
+///
+/// # Errors
+/// [`FrameError::TooLarge`] or [`FrameError::Encode`].
+pub fn encode_frame<T: Serialize>(value: &T) -> Result<Vec<u8>, FrameError> {
+    let mut bytes = vec![0u8; 4];
+    rmp_serde::encode::write_named(&mut bytes, value).map_err(FrameError::Encode)?;
+    let len = bytes.len() - 4;
+    if len > MAX_FRAME_BYTES {
+        return Err(FrameError::TooLarge { len });
+    }
+    bytes[..4].copy_from_slice(&(len as u32).to_le_bytes());
+    Ok(bytes)
+}
+
+/// The body length a 4-byte prefix announces.
+///
+/// # Errors
+/// [`FrameError::TooLarge`] for a length beyond the limit.
+pub fn frame_len(prefix: [u8; 4]) -> Result<usize, FrameError> {
+    let len = u32::from_le_bytes(prefix) as usize;
+    if len > MAX_FRAME_BYTES {
+        return Err(FrameError::TooLarge { len });
+    }
+    Ok(len)
+}
+
+/// Decodes a frame body (without its prefix).
+///
+/// # Errors
+/// [`FrameError::Malformed`].
+pub fn decode_frame<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, FrameError> {
+    rmp_serde::from_slice(body).map_err(FrameError::Malformed)
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn request() -> Frame<DummyRequest> {
+        Frame {
+            id: 7,
+            body: DummyRequest::Put {
+                keys: vec!["k".into()],
+                spans: vec![vec![
+                    Span { offset: 16, len: 4 },
+                    Span { offset: 64, len: 2 },
+                ]],
+                placement: Placement {
+                    replicas: 2,
+                    preferred_segment: Some("h:1".into()),
+                    hard_pin: true,
+                },
+            },
+        }
+    }
+
+    #[test]
+    fn frames_round_trip() {
+        let bytes = encode_frame(&request()).unwrap();
+        let len = frame_len(bytes[..4].try_into().unwrap()).unwrap();
+        assert_eq!(len, bytes.len() - 4);
+        let back: Frame<DummyRequest> = decode_frame(&bytes[4..]).unwrap();
+        assert_eq!(back, request());
+        let reply = Frame {
+            id: 7,
+            body: DummyReply::Sizes(vec![5, -704]),
+        };
+        let bytes = encode_frame(&reply).unwrap();
+        assert_eq!(
+            decode_frame::<Frame<DummyReply>>(&bytes[4..]).unwrap(),
+            reply
+        );
+        assert_eq!(dummy_socket_name(50052), "hkvm-node-50052");
+    }
+
+    #[test]
+    fn spans_must_fit_the_region() {
+        assert!(Span { offset: 0, len: 10 }.fits(10));
+        assert!(!Span { offset: 1, len: 10 }.fits(10));
+        assert!(!Span {
+            offset: u64::MAX,
+            len: 2
+        }
+        .fits(u64::MAX));
+        assert!(frame_len((MAX_FRAME_BYTES as u32 + 1).to_le_bytes()).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bodies_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = decode_frame::<Frame<DummyRequest>>(&bytes);
+            let _ = decode_frame::<Frame<DummyReply>>(&bytes);
+            let _ = decode_frame::<Frame<Hello>>(&bytes);
+        }
+    }
+}

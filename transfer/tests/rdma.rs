@@ -1,0 +1,206 @@
+//! The RDMA backend on a real device: nodes and clients are `RdmaTransport`s of one
+//! process on the device named by `HKVM_RDMA_DEVICE` (`ibv_devices` lists them; with
+//! soft-RoCE, `rdma link add rxe0 type rxe netdev eth0` and `HKVM_RDMA_DEVICE=rxe0`).
+//! RoCE v2 needs the index of an IPv4-mapped GID in `HKVM_RDMA_GID_INDEX`
+//! (`ibv_devinfo -v`; default 0). Without `HKVM_RDMA_DEVICE` every test prints a
+//! `SKIPPED` line and returns without claiming anything: device-free coverage of the
+//! backend is in the unit tests of `transfer/src/rdma/`.
+
+#![cfg(feature = "rdma")]
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use hkvm_transfer::rdma::{RdmaConfig, RdmaTransport};
+use hkvm_transfer::{ErrorKind, ReadOp, RegionId, Segment, ServerHandle, Transport, WriteOp};
+use tokio::net::TcpListener;
+
+/// The device's config, or `None` after printing why the test is skipped.
+fn device(test: &str) -> Option<RdmaConfig> {
+    match std::env::var("HKVM_RDMA_DEVICE") {
+        Ok(name) if !name.is_empty() => {
+            let gid_index = std::env::var("HKVM_RDMA_GID_INDEX")
+                .ok()
+                .and_then(|index| index.parse().ok())
+                .unwrap_or(0);
+            Some(RdmaConfig {
+                device: Some(name),
+                gid_index,
+                ..RdmaConfig::default()
+            })
+        }
+        _ => {
+            println!(
+                "SKIPPED {test}: needs an RDMA device \
+                 (set HKVM_RDMA_DEVICE=<device, e.g. mlx5_0 or rxe0>)"
+            );
+            None
+        }
+    }
+}
+
+/// A node serving the given regions of `size` bytes each on 127.0.0.1.
+async fn node(
+    config: &RdmaConfig,
+    regions: &[&str],
+    size: u64,
+) -> (RdmaTransport, ServerHandle, String) {
+    let transport = RdmaTransport::open(config.clone()).unwrap();
+    for region in regions {
+        let segment = Segment::allocate(RegionId::new(*region).unwrap(), size).unwrap();
+        transport.register(segment).unwrap();
+    }
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let server = transport.serve(listener).unwrap();
+    let endpoint = server.local_addr().to_string();
+    (transport, server, endpoint)
+}
+
+/// A client whose small staging buffers make large ops take several rounds.
+fn client(config: &RdmaConfig, staging_buffers: usize) -> RdmaTransport {
+    RdmaTransport::open(RdmaConfig {
+        staging_bytes: 64 * 1024,
+        staging_buffers,
+        queue_depth: 8,
+        ..config.clone()
+    })
+    .unwrap()
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (seed.wrapping_mul(31).wrapping_add(i as u64 * 7) % 251) as u8)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_writes_and_reads_round_trip_across_rounds() {
+    let Some(config) = device("device_writes_and_reads_round_trip_across_rounds") else {
+        return;
+    };
+    let (_node, _server, endpoint) = node(&config, &["seg"], 16 << 20).await;
+    let client = client(&config, 2);
+    let sizes = [1usize, 4096, 100_000, 1 << 20];
+    let values: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| pattern(i as u64, len))
+        .collect();
+    let offsets: Vec<u64> = (0..sizes.len() as u64).map(|i| i * (2 << 20)).collect();
+    let writes: Vec<WriteOp<'_>> = values
+        .iter()
+        .zip(&offsets)
+        .map(|(value, &offset)| WriteOp {
+            region: "seg",
+            offset,
+            data: value,
+        })
+        .collect();
+    client.write_batch(&endpoint, &writes).await.unwrap();
+    let reads: Vec<ReadOp<'_>> = sizes
+        .iter()
+        .zip(&offsets)
+        .map(|(&len, &offset)| ReadOp {
+            region: "seg",
+            offset,
+            len: len as u64,
+        })
+        .collect();
+    let got = client.read_batch(&endpoint, &reads).await.unwrap();
+    for (value, got) in values.iter().zip(&got) {
+        assert_eq!(&got[..], &value[..]);
+    }
+    let outside = [ReadOp {
+        region: "seg",
+        offset: (16 << 20) - 1,
+        len: 2,
+    }];
+    let error = client.read_batch(&endpoint, &outside).await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::OutOfBounds);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_concurrent_batches_each_get_their_own_bytes() {
+    let Some(config) = device("device_concurrent_batches_each_get_their_own_bytes") else {
+        return;
+    };
+    let (_node, _server, endpoint) = node(&config, &["seg"], 16 << 20).await;
+    // Sixteen batches over four staging buffers.
+    let client = Arc::new(client(&config, 4));
+    let mut tasks = Vec::new();
+    for batch in 0..16u64 {
+        let client = Arc::clone(&client);
+        let endpoint = endpoint.clone();
+        tasks.push(tokio::spawn(async move {
+            let value = pattern(batch, 300_000);
+            let offset = batch * (512 << 10);
+            let write = [WriteOp {
+                region: "seg",
+                offset,
+                data: &value,
+            }];
+            client.write_batch(&endpoint, &write).await.unwrap();
+            let read = [ReadOp {
+                region: "seg",
+                offset,
+                len: value.len() as u64,
+            }];
+            let got = client.read_batch(&endpoint, &read).await.unwrap();
+            assert_eq!(&got[0][..], &value[..], "batch {batch}");
+        }));
+    }
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(60), task)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+}
+
+/// A batch to node A fails at the NIC (A deregistered the region after the client
+/// connected) and its remaining requests are flushed; the batch to node B that
+/// starts right after polls the same completion queue and must not take A's
+/// flushes for its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_a_failed_batch_fails_alone() {
+    let Some(config) = device("device_a_failed_batch_fails_alone") else {
+        return;
+    };
+    let (node_a, _server_a, endpoint_a) = node(&config, &["a"], 8 << 20).await;
+    let (_node_b, _server_b, endpoint_b) = node(&config, &["b"], 8 << 20).await;
+    let client = client(&config, 2);
+    let value = pattern(1, 4 << 20);
+    // 4 KiB ops: eight requests per round (the queue depth), so a failed request is
+    // followed by flushed ones.
+    let write_a: Vec<WriteOp<'_>> = value
+        .chunks(4096)
+        .enumerate()
+        .map(|(i, chunk)| WriteOp {
+            region: "a",
+            offset: i as u64 * 4096,
+            data: chunk,
+        })
+        .collect();
+    client.write_batch(&endpoint_a, &write_a).await.unwrap();
+    // The client still holds A's old rkey.
+    node_a.unregister(&RegionId::new("a").unwrap()).unwrap();
+    let error = client.write_batch(&endpoint_a, &write_a).await.unwrap_err();
+    assert!(
+        matches!(error.kind(), ErrorKind::Rdma | ErrorKind::Disconnected),
+        "{error}"
+    );
+    let write_b = [WriteOp {
+        region: "b",
+        offset: 0,
+        data: &value,
+    }];
+    client.write_batch(&endpoint_b, &write_b).await.unwrap();
+    let read_b = [ReadOp {
+        region: "b",
+        offset: 0,
+        len: value.len() as u64,
+    }];
+    let got = client.read_batch(&endpoint_b, &read_b).await.unwrap();
+    assert_eq!(&got[0][..], &value[..]);
+}
