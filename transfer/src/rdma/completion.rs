@@ -84,7 +84,6 @@ pub struct CompletionRouter {
     open: HashMap<u32, Inbox>,
     next: u32,
     orphans: u64,
-    last_failure: Option<Completion>,
 }
 
 impl CompletionRouter {
@@ -101,7 +100,7 @@ impl CompletionRouter {
             let tag = self.next;
             self.next = self.next.wrapping_add(1);
             if let Entry::Vacant(slot) = self.open.entry(tag) {
-                slot.insert(Inbox { failure: self.last_failure.take(), succeeded: Vec::new() });
+                slot.insert(Inbox::default());
                 return BatchTag(tag);
             }
         }
@@ -117,12 +116,6 @@ impl CompletionRouter {
     /// ended.
     pub fn deliver(&mut self, completion: Completion) -> Delivery {
         let tag = BatchTag::of(completion.wr_id);
-        if completion.status != WC_SUCCESS {
-            for inbox in self.open.values_mut() {
-                inbox.failure.get_or_insert(completion);
-            }
-            self.last_failure = Some(completion);
-        }
         let Some(inbox) = self.open.get_mut(&tag.0) else {
             self.orphans += 1;
             let status = status_name(completion.status);

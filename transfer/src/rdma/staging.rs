@@ -55,9 +55,9 @@ pub trait Registrar: Send + Sync + 'static {
 
 /// Memory together with its registration; the registration always ends first.
 pub struct Registered<M> {
-    memory: Arc<Segment>,
     /// `Some` from construction until `Drop` or [`Registered::into_memory`].
     registration: Option<M>,
+    memory: Arc<Segment>,
 }
 
 impl<M> Registered<M> {
@@ -97,7 +97,12 @@ impl<M> Registered<M> {
     }
 }
 
-
+impl<M> Drop for Registered<M> {
+    fn drop(&mut self) {
+        // Deregister first; `memory` is released afterwards, with the fields.
+        drop(self.registration.take());
+    }
+}
 
 impl<M: MemoryKeys> Registered<M> {
     /// The local key.
