@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context as _;
+use hkvm_client::dummy::DummyServer;
+use hkvm_client::store::{Store, StoreAddress, StoreConfig};
 use hkvm_client::{KvClient, NodeConfig, NodeHandle, SubmasterClient};
 use hkvm_events::NodeId;
 use hkvm_transfer::TcpTransport;
@@ -51,6 +53,11 @@ pub struct NodeArgs {
     /// The address peers should use (default: the listen address).
     #[arg(long)]
     pub advertise: Option<String>,
+    /// Serve dummy clients (inference processes on this host calling
+    /// `setup_dummy(..., "localhost:<port>")`) on the abstract Unix socket
+    /// `hkvm-node-<port>`: this node is then their real client.
+    #[arg(long)]
+    pub dummy_port: Option<u16>,
 }
 
 /// Runs a node until Ctrl-C or SIGTERM, then unmounts.
@@ -58,6 +65,9 @@ pub struct NodeArgs {
 /// # Errors
 /// When the segment cannot be served or mounted.
 pub async fn node(args: NodeArgs) -> anyhow::Result<()> {
+    if let Some(port) = args.dummy_port {
+        return real_client(args, port).await;
+    }
     let id = match args.id {
         Some(id) => id,
         None => NodeId::new(format!("node-{}", std::process::id()))?,
@@ -74,6 +84,36 @@ pub async fn node(args: NodeArgs) -> anyhow::Result<()> {
     );
     crate::signals::terminated().await;
     node.shutdown().await.context("unmounting")?;
+    Ok(())
+}
+
+/// Runs a node that is also the real client of this host's dummy clients.
+async fn real_client(args: NodeArgs, port: u16) -> anyhow::Result<()> {
+    let address = StoreAddress {
+        servers: args.at.target.nats_url.clone(),
+        cluster: args.at.target.cluster.clone(),
+        subcluster: args.at.subcluster.clone(),
+    };
+    let host = args
+        .advertise
+        .clone()
+        .unwrap_or_else(|| args.listen.ip().to_string());
+    let mut config = StoreConfig::new(address, host);
+    config.global_segment_size = args.segment_size;
+    config.listen = Some(args.listen);
+    config.node_id = args.id.clone();
+    let store = Arc::new(Store::open(config).await.context("starting the node")?);
+    let server = DummyServer::start(Arc::clone(&store), port)
+        .with_context(|| format!("serving dummy clients on port {port}"))?;
+    println!(
+        "node serving {} bytes at {}; real client of dummies on {}",
+        args.segment_size,
+        store.hostname(),
+        server.name()
+    );
+    crate::signals::terminated().await;
+    drop(server);
+    store.close().await;
     Ok(())
 }
 

@@ -127,8 +127,10 @@ class MooncakeDistributedStore:
     Store's API. Construct it, then ``setup(...)``."""
 
     def __init__(self) -> None:
-        self._native: Optional[_native.NativeStore] = None
+        self._native: Any = None
         self._lock = threading.Lock()
+        # Memory alloc_from_mem_pool handed out (a full store's private buffers).
+        self._owned: Dict[int, Any] = {}
         _native.init_logging()
 
     # -- setup and lifecycle ------------------------------------------------------
@@ -191,13 +193,64 @@ class MooncakeDistributedStore:
                 code, message = error.args
                 log.error("setup failed: %s", message)
                 return int(code)
+        self._owned = {}
         return ErrorCode.OK
 
-    def setup_dummy(self, mem_pool_size: int, local_buffer_size: int, server_address: str) -> int:
-        """Attaching to a real client process is not available in this build:
-        returns ``UNAVAILABLE_IN_CURRENT_MODE`` (-1011)."""
-        log.error("setup_dummy: dummy clients are not available in this build; use setup()")
-        return ErrorCode.UNAVAILABLE_IN_CURRENT_MODE
+    def setup_dummy(self, mem_pool_size: Union[int, str], local_buffer_size: Union[int, str], server_address: str) -> int:
+        """Makes this process a dummy client of the real client on this host
+        (``hkvm node --dummy-port <port>``) serving ``server_address``
+        (``host:port``; the port names its socket). The real client talks to the
+        masters; values move through memory shared with it: ``mem_pool_size`` bytes
+        for buffers from :meth:`alloc_from_mem_pool` (the only memory zero-copy
+        calls accept) and ``local_buffer_size`` bytes for staging copying calls.
+        Returns 0, or a negative code (-900 when no real client answers)."""
+        try:
+            pool = _parse_size(mem_pool_size)
+            staging = _parse_size(local_buffer_size)
+        except ValueError as error:
+            log.error("setup_dummy: %s", error)
+            return ErrorCode.INVALID_PARAMS
+        with self._lock:
+            if self._native is not None:
+                log.error("setup_dummy: the store is set up already; close() it first")
+                return ErrorCode.INVALID_PARAMS
+            try:
+                self._native = _native.NativeDummy(pool, staging, str(server_address))
+            except _native.HkvmError as error:
+                code, message = error.args
+                log.error("setup_dummy failed: %s", message)
+                return int(code)
+        self._owned = {}
+        return ErrorCode.OK
+
+    def alloc_from_mem_pool(self, size: int) -> int:
+        """The address of ``size`` bytes of memory usable by zero-copy calls (0 when
+        none is left). A dummy client allocates it in the memory it shares with its
+        real client and registers it; a full store allocates and registers private
+        memory. Give it back with :meth:`free_to_mem_pool`."""
+        native = self._native
+        if native is None or size <= 0:
+            return 0
+        if isinstance(native, _native.NativeDummy):
+            address = native.alloc_from_mem_pool(int(size))
+        else:
+            buffer = ctypes.create_string_buffer(int(size))
+            address = ctypes.addressof(buffer)
+            self._owned[address] = buffer
+        if address and native.register_buffer(address, int(size)) != 0:
+            self.free_to_mem_pool(address)
+            return 0
+        return address
+
+    def free_to_mem_pool(self, address: int) -> int:
+        """Gives memory from :meth:`alloc_from_mem_pool` back: 0 or -600."""
+        native = self._native
+        if native is None:
+            return ErrorCode.INVALID_PARAMS
+        native.unregister_buffer(int(address))
+        if isinstance(native, _native.NativeDummy):
+            return native.free_to_mem_pool(int(address))
+        return ErrorCode.OK if self._owned.pop(int(address), None) is not None else ErrorCode.INVALID_PARAMS
 
     def init_all(self, protocol: str, device_name: str, mount_segment_size: int = _DEFAULT_SEGMENT) -> int:
         """Mooncake's legacy all-in-one setup is not available: returns -1011."""
@@ -211,6 +264,7 @@ class MooncakeDistributedStore:
             native, self._native = self._native, None
         if native is not None:
             native.close()
+        self._owned = {}
         return ErrorCode.OK
 
     def health_check(self) -> int:

@@ -40,7 +40,7 @@ def cluster():
     process = subprocess.Popen(
         [
             str(_hkvm_binary()), "local", "--cluster", CLUSTER, "--port", "0",
-            "--metrics-base-port", "0", "--no-demo", "--node-mib", "64",
+            "--metrics-base-port", "0", "--no-demo", "--node-mib", "256",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -81,10 +81,81 @@ def open_store(url: str, subcluster: str = "sc-0", segment: int = 32 << 20, buff
     return store
 
 
-@pytest.fixture
-def store(cluster):
-    """A store that is a node of sc-0."""
-    s = open_store(cluster, "sc-0")
+class RealClient:
+    """An `hkvm node --dummy-port` process: the real client of dummy stores."""
+
+    def __init__(self, url: str, subcluster: str = "sc-0"):
+        import random
+        import socket
+
+        self.url = url
+        self.subcluster = subcluster
+        # The dummy port names an abstract socket; the listen port is the node's
+        # transfer endpoint, kept across restarts so a restarted real client is
+        # the same node (its mount replaces the dead one's).
+        self.port = random.randint(20000, 60000)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.listen_port = probe.getsockname()[1]
+        self.process = None
+
+    def start(self) -> "RealClient":
+        self.process = subprocess.Popen(
+            [
+                str(_hkvm_binary()), "node", "--nats", self.url, "--cluster", CLUSTER,
+                "--subcluster", self.subcluster, "--segment-size", "64MiB",
+                "--listen", f"127.0.0.1:{self.listen_port}", "--dummy-port", str(self.port),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        # Readiness: the line it prints once its node is mounted and it listens.
+        line = self.process.stdout.readline()
+        if "real client of dummies" not in line:
+            self.process.kill()
+            pytest.fail(f"hkvm node did not start: {line!r}")
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=20)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+@pytest.fixture(scope="session")
+def real_client(cluster):
+    """A real client of sc-0 serving dummies for the session."""
+    client = RealClient(cluster).start()
+    yield client
+    client.stop()
+
+
+def open_dummy(port: int, pool: int = 8 << 20, staging: int = 4 << 20):
+    store = MooncakeDistributedStore()
+    code = store.setup_dummy(pool, staging, f"localhost:{port}")
+    assert code == 0, f"setup_dummy returned {code}"
+    return store
+
+
+@pytest.fixture(params=["full", "dummy"])
+def store(request, cluster):
+    """A store of sc-0: a full one (this process is a node), or a dummy client of
+    the session's real client. Both must give the same results and codes."""
+    if request.param == "full":
+        s = open_store(cluster, "sc-0")
+    else:
+        s = open_dummy(request.getfixturevalue("real_client").port)
     yield s
     s.close()
 

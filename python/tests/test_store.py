@@ -16,10 +16,11 @@ from hkvm.store import BufferHandle, ErrorCode, MooncakeDistributedStore, Replic
 
 
 def registered(store, size=1 << 20):
-    """A registered buffer (kept alive by the returned ctypes object)."""
-    buffer = ctypes.create_string_buffer(size)
-    assert store.register_buffer(ctypes.addressof(buffer), size) == 0
-    return buffer, ctypes.addressof(buffer)
+    """A registered buffer from the store's pool (shared with the real client for
+    a dummy) and its address."""
+    address = store.alloc_from_mem_pool(size)
+    assert address != 0
+    return (ctypes.c_char * size).from_address(address), address
 
 
 def test_put_get_exist_size(store, key):
@@ -251,9 +252,3 @@ def test_setup_forms_and_bad_setups(cluster):
     assert time.monotonic() - started < 10
     assert bad.setup("localhost", "", 0, 0, "tcp", "", address(cluster, "no-such-sc")) == ErrorCode.RPC_FAIL
     assert bad.health_check() == 1
-
-
-def test_dummy_setup_is_not_available_yet():
-    s = MooncakeDistributedStore()
-    assert s.setup_dummy(1 << 20, 1 << 20, "localhost:50052") == ErrorCode.UNAVAILABLE_IN_CURRENT_MODE
-    assert s.get("k") == b""

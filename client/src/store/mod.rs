@@ -49,6 +49,11 @@ pub struct StoreConfig {
     pub retry: RetryPolicy,
     /// How long setup waits for the sub-master to answer.
     pub setup_timeout: Duration,
+    /// The node's id (default: named after its endpoint).
+    pub node_id: Option<NodeId>,
+    /// Where the node listens (default: the local host name's address, with its
+    /// port or a free one).
+    pub listen: Option<std::net::SocketAddr>,
 }
 
 impl StoreConfig {
@@ -64,6 +69,8 @@ impl StoreConfig {
                 ..RetryPolicy::default()
             },
             setup_timeout: Duration::from_secs(5),
+            node_id: None,
+            listen: None,
         }
     }
 }
@@ -236,13 +243,23 @@ impl Store {
                 .and_then(|mut addrs| addrs.next())
                 .map(|addr| addr.ip())
                 .ok_or_else(|| StoreError::InvalidParams(format!("cannot resolve {host:?}")))?;
-            let port = if port == 0 { free_port(ip)? } else { port };
-            let endpoint = format!("{host}:{port}");
-            let node_id = NodeId::new(node_name_for(&endpoint))
-                .map_err(|e| StoreError::InvalidParams(e.to_string()))?;
+            let listen = match config.listen {
+                Some(listen) if listen.port() != 0 => listen,
+                Some(listen) => std::net::SocketAddr::new(listen.ip(), free_port(listen.ip())?),
+                None => {
+                    let port = if port == 0 { free_port(ip)? } else { port };
+                    std::net::SocketAddr::new(ip, port)
+                }
+            };
+            let endpoint = format!("{host}:{}", if port == 0 { listen.port() } else { port });
+            let node_id = match config.node_id.clone() {
+                Some(id) => id,
+                None => NodeId::new(node_name_for(&endpoint))
+                    .map_err(|e| StoreError::InvalidParams(e.to_string()))?,
+            };
             let mut node_config = NodeConfig::new(node_id, config.global_segment_size)
                 .map_err(|e| StoreError::InvalidParams(e.to_string()))?;
-            node_config.listen = std::net::SocketAddr::new(ip, port);
+            node_config.listen = listen;
             node_config.advertise = Some(endpoint.clone());
             let node = NodeHandle::start(node_config, metadata).await?;
             kv = kv.with_local_endpoint(node.endpoint());

@@ -1,0 +1,174 @@
+"""Dummy clients behind a real client (`hkvm node --dummy-port`): shared-memory
+zero-copy calls from several processes, memory outside the shared region refused,
+and failures — a dummy killed mid-put leaks nothing, a real client killed gives
+its dummies an error at once and they reconnect by themselves."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import subprocess
+import time
+
+from conftest import CLUSTER, RealClient, _hkvm_binary, open_dummy, python
+from hkvm.store import ErrorCode
+
+
+def test_memory_outside_the_shared_region_is_refused(real_client, key):
+    store = open_dummy(real_client.port)
+    try:
+        private = ctypes.create_string_buffer(4096)
+        assert store.register_buffer(ctypes.addressof(private), 4096) == ErrorCode.INVALID_PARAMS
+        assert store.put_from(key, ctypes.addressof(private), 10) == ErrorCode.INVALID_PARAMS
+        assert store.get_into(key, ctypes.addressof(private), 10) == ErrorCode.INVALID_PARAMS
+        shared = store.alloc_from_mem_pool(4096)
+        assert shared != 0
+        ctypes.memmove(shared, b"shared", 6)
+        assert store.put_from(key, shared, 6) == 0
+        assert store.get(key) == b"shared"
+        assert store.free_to_mem_pool(shared) == 0
+        assert store.alloc_from_mem_pool(1 << 40) == 0, "larger than the pool"
+    finally:
+        store.close()
+
+
+WORKER = """
+import ctypes, hashlib, sys
+from hkvm.store import MooncakeDistributedStore
+port, tag = int(sys.argv[1]), sys.argv[2]
+s = MooncakeDistributedStore()
+assert s.setup_dummy(8 << 20, 1 << 20, f"localhost:{port}") == 0
+size = 256 * 1024
+src, dst = s.alloc_from_mem_pool(size), s.alloc_from_mem_pool(size)
+for i in range(20):
+    data = hashlib.sha256(f"{tag}-{i}".encode()).digest() * (size // 32)
+    ctypes.memmove(src, data, size)
+    assert s.put_from(f"{tag}-{i}", src, size) == 0
+for i in range(20):
+    data = hashlib.sha256(f"{tag}-{i}".encode()).digest() * (size // 32)
+    assert s.get_into(f"{tag}-{i}", dst, size) == size
+    assert ctypes.string_at(dst, size) == data, i
+print("ok")
+"""
+
+
+def test_eight_dummy_processes_put_from_and_get_into_byte_exact(real_client, key):
+    workers = [
+        subprocess.Popen(
+            [python(), "-c", WORKER, str(real_client.port), f"{key}-w{n}"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for n in range(8)
+    ]
+    for worker in workers:
+        out, err = worker.communicate(timeout=120)
+        assert worker.returncode == 0 and "ok" in out, err
+    cleanup = open_dummy(real_client.port)
+    assert cleanup.remove_by_regex(f"^{key}-w", True) == 8 * 20
+    cleanup.close()
+
+
+def _dummy_mappings(pid: int) -> int:
+    """How many shared regions of dummies the process maps."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return sum(1 for line in maps if "hkvm-dummy" in line)
+
+
+def _pending_puts(url: str, subcluster: str) -> int:
+    out = subprocess.run(
+        [str(_hkvm_binary()), "stat", "--nats", url, "--cluster", CLUSTER, "--subcluster", subcluster],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout
+    found = re.search(r"\((\d+) pending puts\)", out)
+    assert found, out
+    return int(found.group(1))
+
+
+PUTTER = """
+import ctypes, sys
+from hkvm.store import MooncakeDistributedStore
+port, tag = int(sys.argv[1]), sys.argv[2]
+s = MooncakeDistributedStore()
+assert s.setup_dummy(8 << 20, 1 << 20, f"localhost:{port}") == 0
+src = s.alloc_from_mem_pool(1 << 20)
+print("ready", flush=True)
+i = 0
+while True:
+    s.put_from(f"{tag}-{i}", src, 1 << 20)
+    i += 1
+"""
+
+
+# The failure tests run their real clients in sc-1: a killed node's segment stays
+# mounted until the sub-master declares it lost, and puts placed on it fail
+# meanwhile; the other tests use sc-0.
+
+
+def test_a_dummy_killed_mid_put_leaks_nothing(cluster, key):
+    real = RealClient(cluster, "sc-1").start()
+    try:
+        pid = real.process.pid
+        before = _dummy_mappings(pid)
+        putter = subprocess.Popen(
+            [python(), "-c", PUTTER, str(real.port), key],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+        assert putter.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 20
+        while _dummy_mappings(pid) == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _dummy_mappings(pid) == before + 1, "the real client maps the dummy's region"
+        time.sleep(0.3)  # let it be in the middle of its put loop
+        putter.kill()
+        putter.wait(timeout=10)
+        # The real client finishes what was in flight, then unmaps the region and
+        # holds no reservation.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if _dummy_mappings(pid) == before and _pending_puts(cluster, "sc-1") == 0:
+                break
+            time.sleep(0.1)
+        assert _dummy_mappings(pid) == before, "the dummy's shared memory was reclaimed"
+        assert _pending_puts(cluster, "sc-1") == 0, "no reservation leaked"
+        # And it still serves others.
+        other = open_dummy(real.port)
+        assert other.put(key + "-after", b"still serving") == 0
+        assert other.get(key + "-after") == b"still serving"
+        assert other.remove_by_regex(f"^{key}", True) >= 1
+        other.close()
+    finally:
+        real.stop()
+
+
+def test_a_killed_real_client_fails_its_dummies_at_once_and_they_reconnect(cluster, key):
+    real = RealClient(cluster, "sc-1").start()
+    try:
+        dummy = open_dummy(real.port)
+        assert dummy.put(key, b"before") == 0
+        real.kill()
+        started = time.monotonic()
+        assert dummy.put(key + "-during", b"x") == ErrorCode.RPC_FAIL
+        assert dummy.get(key) == b""
+        assert dummy.health_check() == 2
+        assert time.monotonic() - started < 2, "the failure is immediate, not a timeout"
+        # The real client comes back on the same port: the dummy reconnects by itself.
+        restarted = RealClient(cluster, "sc-1")
+        restarted.port, restarted.listen_port = real.port, real.listen_port
+        real = restarted.start()
+        assert dummy.put(key + "-after", b"after") == 0
+        assert dummy.get(key + "-after") == b"after"
+        assert dummy.health_check() == 0
+        dummy.close()
+    finally:
+        real.stop()
+
+
+def test_setup_dummy_without_a_real_client_fails_cleanly():
+    from hkvm.store import MooncakeDistributedStore
+
+    s = MooncakeDistributedStore()
+    assert s.setup_dummy(1 << 20, 1 << 20, "localhost:1") == ErrorCode.RPC_FAIL
+    assert s.setup_dummy(1 << 20, 1 << 20, "no-port") == ErrorCode.INVALID_PARAMS
+    assert s.get("k") == b""
+    assert os.environ.get("HKVM_NEVER_SET") is None
