@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context as _;
+use hkvm_client::coalesce::CoalesceConfig;
 use hkvm_client::dummy::DummyServer;
 use hkvm_client::store::{Store, StoreAddress, StoreConfig};
 use hkvm_client::{KvClient, NodeConfig, NodeHandle, SubmasterClient};
@@ -58,6 +59,11 @@ pub struct NodeArgs {
     /// `hkvm-node-<port>`: this node is then their real client.
     #[arg(long)]
     pub dummy_port: Option<u16>,
+    /// With --dummy-port: how long (µs) a batch of the dummies' metadata calls
+    /// waits for more after the first (0: send what queued while the previous
+    /// batch was in flight, adding no latency when idle).
+    #[arg(long, default_value_t = 0)]
+    pub coalesce_window_us: u64,
 }
 
 /// Runs a node until Ctrl-C or SIGTERM, then unmounts.
@@ -102,6 +108,10 @@ async fn real_client(args: NodeArgs, port: u16) -> anyhow::Result<()> {
     config.global_segment_size = args.segment_size;
     config.listen = Some(args.listen);
     config.node_id = args.id.clone();
+    config.coalesce = Some(CoalesceConfig {
+        window: std::time::Duration::from_micros(args.coalesce_window_us),
+        ..CoalesceConfig::default()
+    });
     let store = Arc::new(Store::open(config).await.context("starting the node")?);
     let server = DummyServer::start(Arc::clone(&store), port)
         .with_context(|| format!("serving dummy clients on port {port}"))?;

@@ -77,6 +77,29 @@ pub enum ClientError {
         #[source]
         source: RpcError,
     },
+    /// The coalesced batch this call was part of failed.
+    #[error("{op}: the batched request failed: {source}")]
+    Batch {
+        /// The operation.
+        op: &'static str,
+        /// The batch's failure, shared by every call in it.
+        #[source]
+        source: std::sync::Arc<ClientError>,
+    },
+    /// The coalescer of this operation stopped (its runtime shut down).
+    #[error("{op}: the coalescer stopped")]
+    Stopped {
+        /// The operation.
+        op: &'static str,
+    },
+    /// A batch reply had another number of items than the request.
+    #[error("a batch of {asked} items was answered with {answered}")]
+    Mismatch {
+        /// Items asked.
+        asked: usize,
+        /// Items answered.
+        answered: usize,
+    },
 }
 
 /// The kind of a [`ClientError`], for matching.
@@ -112,8 +135,9 @@ impl ClientError {
                 RetryCause::NoResponders { .. } => ClientErrorKind::NoResponders,
                 RetryCause::TimedOut => ClientErrorKind::Timeout,
             },
-            Self::Transport { .. } => ClientErrorKind::Transport,
-            Self::Codec { .. } => ClientErrorKind::Codec,
+            Self::Transport { .. } | Self::Stopped { .. } => ClientErrorKind::Transport,
+            Self::Codec { .. } | Self::Mismatch { .. } => ClientErrorKind::Codec,
+            Self::Batch { source, .. } => source.kind(),
         }
     }
 
@@ -133,6 +157,7 @@ impl ClientError {
     pub fn rpc_code(&self) -> Option<&RpcErrorCode> {
         match self {
             Self::Rpc { source, .. } => Some(&source.code),
+            Self::Batch { source, .. } => source.rpc_code(),
             _ => None,
         }
     }

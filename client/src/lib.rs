@@ -3,6 +3,7 @@
 //! retry policy), and the checksummed data path to nodes. It depends on no server
 //! crate: every request and reply is a wire type of `hkvm-events`.
 
+pub mod coalesce;
 pub mod connect;
 pub mod dummy;
 pub mod error;

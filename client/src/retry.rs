@@ -73,6 +73,8 @@ pub struct ClientStats {
     pub leader_waits: AtomicU64,
     /// Resendable requests retried after a timeout.
     pub timeouts: AtomicU64,
+    /// Requests sent (every attempt).
+    pub requests: AtomicU64,
 }
 
 impl ClientStats {
@@ -198,6 +200,7 @@ impl RpcCaller {
         body: bytes::Bytes,
     ) -> Result<async_nats::Message, ClientError> {
         let timeout = self.policy.request_timeout;
+        self.stats.requests.fetch_add(1, Ordering::Relaxed);
         match tokio::time::timeout(timeout, self.nats.request(subject, body)).await {
             Ok(Ok(message)) => Ok(message),
             Ok(Err(source)) => Err(ClientError::Transport { op, source }),

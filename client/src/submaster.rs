@@ -12,6 +12,11 @@ use hkvm_events::{ClusterId, SubclusterId};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use std::sync::Arc;
+
+use hkvm_events::rpc::submaster::{ItemResult, ReplicaList, ReplicaLocation};
+
+use crate::coalesce::{CoalesceConfig, Coalescer};
 use crate::error::ClientError;
 use crate::retry::{ClientStats, Resend, RetryPolicy, RpcCaller};
 
@@ -21,6 +26,22 @@ pub struct SubmasterClient {
     caller: RpcCaller,
     cluster: ClusterId,
     subcluster: SubclusterId,
+    /// Set on a real client: concurrent calls share batched requests.
+    coalescing: Option<Arc<Coalescing>>,
+}
+
+/// The coalesced operations of one client.
+struct Coalescing {
+    put_start: Coalescer<PutStartItem, ItemResult<Vec<ReplicaLocation>>>,
+    put_end: Coalescer<PutEndItem, ItemResult<()>>,
+    get_replica_list: Coalescer<String, ItemResult<ReplicaList>>,
+    exist: Coalescer<String, bool>,
+}
+
+impl std::fmt::Debug for Coalescing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Coalescing").finish_non_exhaustive()
+    }
 }
 
 /// Whether an operation may be sent again after a timeout without changing its
@@ -67,6 +88,51 @@ impl SubmasterClient {
             caller,
             cluster,
             subcluster,
+            coalescing: None,
+        }
+    }
+
+    /// This client with `put_start`, `put_end`, `get_replica_list` and `exist`
+    /// calls coalesced: concurrent calls (from its clones too) go out as one
+    /// batched request per operation at a time. Needs a Tokio runtime.
+    pub fn coalesced(self, config: CoalesceConfig) -> Self {
+        let plain = Self {
+            coalescing: None,
+            ..self.clone()
+        };
+        let put_start = {
+            let plain = plain.clone();
+            Coalescer::start(config, move |items| {
+                let plain = plain.clone();
+                async move { plain.put_start(items).await }
+            })
+        };
+        let put_end = {
+            let plain = plain.clone();
+            Coalescer::start(config, move |items| {
+                let plain = plain.clone();
+                async move { plain.put_end(items).await }
+            })
+        };
+        let get_replica_list = {
+            let plain = plain.clone();
+            Coalescer::start(config, move |keys| {
+                let plain = plain.clone();
+                async move { plain.get_replica_list(keys).await }
+            })
+        };
+        let exist = Coalescer::start(config, move |keys| {
+            let plain = plain.clone();
+            async move { plain.exist(keys).await }
+        });
+        Self {
+            coalescing: Some(Arc::new(Coalescing {
+                put_start,
+                put_end,
+                get_replica_list,
+                exist,
+            })),
+            ..self
         }
     }
 
@@ -157,6 +223,9 @@ impl SubmasterClient {
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`].
     pub async fn put_start(&self, items: Vec<PutStartItem>) -> Result<PutStartReply, ClientError> {
+        if let Some(coalescing) = &self.coalescing {
+            return coalescing.put_start.call(Op::PutStart.name(), items).await;
+        }
         self.call_batched(Op::PutStart, items, |items| PutStart { items })
             .await
     }
@@ -166,6 +235,9 @@ impl SubmasterClient {
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`].
     pub async fn put_end(&self, items: Vec<PutEndItem>) -> Result<PutEndReply, ClientError> {
+        if let Some(coalescing) = &self.coalescing {
+            return coalescing.put_end.call(Op::PutEnd.name(), items).await;
+        }
         self.call_batched(Op::PutEnd, items, |items| PutEnd { items })
             .await
     }
@@ -187,7 +259,13 @@ impl SubmasterClient {
         &self,
         keys: Vec<String>,
     ) -> Result<GetReplicaListReply, ClientError> {
-        self.call(Op::GetReplicaList, &GetReplicaList { keys })
+        if let Some(coalescing) = &self.coalescing {
+            return coalescing
+                .get_replica_list
+                .call(Op::GetReplicaList.name(), keys)
+                .await;
+        }
+        self.call_batched(Op::GetReplicaList, keys, |keys| GetReplicaList { keys })
             .await
     }
 
@@ -196,6 +274,9 @@ impl SubmasterClient {
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`].
     pub async fn exist(&self, keys: Vec<String>) -> Result<ExistReply, ClientError> {
+        if let Some(coalescing) = &self.coalescing {
+            return coalescing.exist.call(Op::Exist.name(), keys).await;
+        }
         self.call_batched(Op::Exist, keys, |keys| Exist { keys })
             .await
     }

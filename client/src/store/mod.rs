@@ -54,6 +54,8 @@ pub struct StoreConfig {
     /// Where the node listens (default: the local host name's address, with its
     /// port or a free one).
     pub listen: Option<std::net::SocketAddr>,
+    /// Coalesce concurrent metadata calls (a real client serving dummies).
+    pub coalesce: Option<crate::coalesce::CoalesceConfig>,
 }
 
 impl StoreConfig {
@@ -71,6 +73,7 @@ impl StoreConfig {
             setup_timeout: Duration::from_secs(5),
             node_id: None,
             listen: None,
+            coalesce: None,
         }
     }
 }
@@ -210,12 +213,15 @@ impl Store {
     pub async fn open(config: StoreConfig) -> Result<Self, StoreError> {
         let address = config.address.clone();
         let nats = connect(&address.servers, "hkvm-store").await?;
-        let metadata = SubmasterClient::with_policy(
+        let mut metadata = SubmasterClient::with_policy(
             nats.clone(),
             address.cluster.clone(),
             address.subcluster.clone(),
             config.retry,
         );
+        if let Some(coalesce) = config.coalesce {
+            metadata = metadata.coalesced(coalesce);
+        }
         let probe = SubmasterClient::with_policy(
             nats.clone(),
             address.cluster.clone(),

@@ -17,6 +17,7 @@ mod cli_replay;
 mod client_data_path;
 mod cluster;
 mod containers;
+mod dummies;
 mod events_log;
 mod follow;
 mod globalmaster_queries;
