@@ -9,6 +9,7 @@
 
 mod alloc;
 mod cluster;
+mod dummies;
 mod events;
 mod exist;
 mod ingest;
@@ -72,6 +73,9 @@ enum Command {
     /// The hkvm Python package's operations timed from Python against the same
     /// operations through the Rust client.
     Python(BenchArgs),
+    /// 16 dummy clients behind one real client against 16 independent clients:
+    /// sub-master requests per operation, 1 MiB put_from/get_into, added latency.
+    Dummies(BenchArgs),
     /// Every workload.
     All(ScaleBenchArgs),
     /// Drive puts, gets or global queries for a while and print one JSON line per
@@ -115,6 +119,7 @@ enum Workload {
     Memory,
     Interdc,
     Python,
+    Dummies,
 }
 
 /// Counts allocations so that benchmarks can report allocations per event.
@@ -173,6 +178,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Memory(args) => (args, vec![Workload::Memory]),
         Command::Interdc(args) => (args, vec![Workload::Interdc]),
         Command::Python(args) => (args, vec![Workload::Python]),
+        Command::Dummies(args) => (args, vec![Workload::Dummies]),
         // Memory first: its RSS figure needs a process that has not freed much yet.
         Command::All(args) => (
             args.bench,
@@ -186,6 +192,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 Workload::Exist,
                 Workload::Recover,
                 Workload::Python,
+                Workload::Dummies,
                 Workload::Scale(scale::Setup::new(args.scale)?),
             ],
         ),
@@ -250,6 +257,7 @@ async fn bench(args: BenchArgs, workloads: Vec<Workload>) -> anyhow::Result<()> 
             Workload::Memory => memory::run(quick, &mut printer)?,
             Workload::Interdc => interdc::run(&nats, quick, &mut printer).await?,
             Workload::Python => python::run(&nats, quick, &mut printer).await?,
+            Workload::Dummies => dummies::run(&nats, quick, &mut printer).await?,
         }
     }
     printer.finish();
