@@ -36,6 +36,17 @@ HOW_TO_READ = {
     "acknowledgement costs a feedback timeout (three round trips plus 20 ms: 170 ms "
     "here, from `--wan-rtt-ms 50`), which is why 1% loss lowers goodput a little even "
     "when FEC repairs every stripe.",
+    "python": "The hkvm Python package (`hkvm.store`, the PyO3 extension) timed from "
+    "Python, one client, against the same operations through the Rust client "
+    "(`hkvm_client::store::Store`) in the same run, against one sub-master in this "
+    "process; each client is also the node holding the values. The ratio is what the "
+    "binding costs (target: at least 0.8).",
+    "dummies": "16 dummy clients behind one real client (shared memory, requests over a "
+    "Unix socket, the real client coalescing their metadata calls) against 16 "
+    "independent clients with the same offered load in the same run: sub-master "
+    "requests per operation (target ratio at most 1/8), throughput, a dummy's 1 MiB "
+    "put_from/get_into against a full client's (target at least 0.8), and the p50 "
+    "latency coalescing adds (target at most 100 us).",
     "ingest": "The projector's fold rate against a raw JetStream replay of the same "
     "streams; index bytes per key; a global master's restart to serving from a "
     "checkpoint against the same restart replaying every stream (this is the "

@@ -128,7 +128,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     );
 
     // The node that holds every value, and 16 independent client-only stores.
-    let holder = open(&address, 1 << 30, None).await?;
+    let holder = open(&address, 8 << 30, None).await?;
     let mut full = Vec::new();
     for _ in 0..CLIENTS {
         full.push(open(&address, 0, None).await?);

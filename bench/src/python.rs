@@ -57,7 +57,7 @@ async fn rust_rates(
     duration: Duration,
 ) -> anyhow::Result<Vec<(&'static str, f64)>> {
     let mut config = StoreConfig::new(address, "localhost");
-    config.global_segment_size = 512 << 20;
+    config.global_segment_size = 4 << 30;
     let store = Store::open(config)
         .await
         .context("opening the Rust store")?;

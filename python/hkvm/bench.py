@@ -39,7 +39,7 @@ def _rate(seconds: float, step: Callable[[int], None], at_least: int = 1) -> flo
 def run(address: str, seconds: float) -> Dict[str, float]:
     """Measures every operation; keys are namespaced by this process's id."""
     store = MooncakeDistributedStore()
-    code = store.setup("localhost", "", 512 * MIB, 8 * MIB, "tcp", "", address)
+    code = store.setup("localhost", "", 4096 * MIB, 8 * MIB, "tcp", "", address)
     if code != 0:
         raise SystemExit(f"setup failed: {code}")
     tag = f"py{os.getpid()}"
