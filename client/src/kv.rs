@@ -226,6 +226,46 @@ impl KvClient {
         items: &[(&str, &[&[u8]])],
         options: &PutOptions,
     ) -> Result<Vec<Result<(), KvError>>, KvError> {
+        let mut results = self.put_scattered_once(items, options).await?;
+        // A put whose reservation vanished before its commit (a leader change
+        // clears reservations) is started again, so the caller never sees "no
+        // pending put" for a put it made once.
+        for _ in 0..PUT_RESTARTS {
+            let lost: Vec<usize> = results
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| {
+                    matches!(
+                        r,
+                        Err(KvError::Item {
+                            error: ItemError::NoPendingPut,
+                            ..
+                        })
+                    )
+                })
+                .map(|(i, _)| i)
+                .collect();
+            if lost.is_empty() {
+                break;
+            }
+            tracing::info!(
+                puts = lost.len(),
+                "reservations lost before their commit: putting again"
+            );
+            let again: Vec<(&str, &[&[u8]])> = lost.iter().map(|&i| items[i]).collect();
+            let retried = self.put_scattered_once(&again, options).await?;
+            for (index, result) in lost.into_iter().zip(retried) {
+                results[index] = result;
+            }
+        }
+        Ok(results)
+    }
+
+    async fn put_scattered_once(
+        &self,
+        items: &[(&str, &[&[u8]])],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<(), KvError>>, KvError> {
         if items.is_empty() {
             return Ok(Vec::new());
         }
@@ -685,6 +725,9 @@ impl KvClient {
         })
     }
 }
+
+/// How often a put whose reservation vanished before its commit is started again.
+const PUT_RESTARTS: usize = 2;
 
 /// A value's place: the sub-cluster that holds it and its replicas.
 #[derive(Debug, Clone, PartialEq, Eq)]
