@@ -11,6 +11,7 @@ use hkvm_events::rpc::dummy::{DummyReply, DummyRequest, Placement, Span};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes};
 
+use crate::zero_copy::select;
 use crate::HkvmError;
 
 const INVALID: i32 = ErrorCode::InvalidParams as i32;
@@ -319,42 +320,27 @@ impl NativeDummy {
         sizes: Vec<Vec<usize>>,
         placement: PyPlacement,
     ) -> Vec<i32> {
-        if ptrs.len() != keys.len() || sizes.len() != keys.len() {
+        let Some(selected) = select(keys.len(), &ptrs, &sizes, |ptr, size| self.span(ptr, size))
+        else {
             return vec![INVALID; keys.len()];
-        }
+        };
         let mut codes = vec![0; keys.len()];
-        let mut wanted = Vec::new();
-        let mut spans = Vec::new();
-        for (index, (p, s)) in ptrs.iter().zip(&sizes).enumerate() {
-            let item: Option<Vec<Span>> = (p.len() == s.len())
-                .then(|| {
-                    p.iter()
-                        .zip(s)
-                        .map(|(&ptr, &size)| self.span(ptr, size))
-                        .collect()
-                })
-                .flatten();
-            match item {
-                Some(item) => {
-                    wanted.push(index);
-                    spans.push(item);
-                }
-                None => codes[index] = INVALID,
-            }
+        for &index in &selected.refused {
+            codes[index] = INVALID;
         }
-        if wanted.is_empty() {
+        if selected.indexes.is_empty() {
             return codes;
         }
         let request = DummyRequest::Put {
-            keys: wanted.iter().map(|&i| keys[i].clone()).collect(),
-            spans,
+            keys: selected.indexes.iter().map(|&i| keys[i].clone()).collect(),
+            spans: selected.parts,
             placement: Placement {
                 replicas: placement.0,
                 preferred_segment: placement.1,
                 hard_pin: placement.2,
             },
         };
-        spread(self.call(py, &request), &wanted, &mut codes);
+        spread(self.call(py, &request), &selected.indexes, &mut codes);
         codes
     }
 
@@ -382,52 +368,32 @@ impl NativeDummy {
         ptrs: Vec<Vec<usize>>,
         sizes: Vec<Vec<usize>>,
     ) -> Vec<i64> {
-        if ptrs.len() != keys.len() || sizes.len() != keys.len() {
+        let Some(selected) = select(keys.len(), &ptrs, &sizes, |ptr, size| self.span(ptr, size))
+        else {
             return vec![i64::from(INVALID); keys.len()];
-        }
+        };
         let mut results = vec![0i64; keys.len()];
-        let mut wanted = Vec::new();
-        let mut spans = Vec::new();
-        for (index, (p, s)) in ptrs.iter().zip(&sizes).enumerate() {
-            let item: Option<Vec<Span>> = (p.len() == s.len())
-                .then(|| {
-                    p.iter()
-                        .zip(s)
-                        .map(|(&ptr, &size)| self.span(ptr, size))
-                        .collect()
-                })
-                .flatten();
-            match item {
-                Some(item) => {
-                    wanted.push(index);
-                    spans.push(item);
-                }
-                None => results[index] = i64::from(INVALID),
-            }
+        for &index in &selected.refused {
+            results[index] = i64::from(INVALID);
         }
-        if wanted.is_empty() {
+        if selected.indexes.is_empty() {
             return results;
         }
+        let wanted = selected.indexes;
         let request = DummyRequest::GetInto {
             keys: wanted.iter().map(|&i| keys[i].clone()).collect(),
-            spans,
+            spans: selected.parts,
         };
-        match self.call(py, &request) {
-            Ok(DummyReply::Sizes(read)) if read.len() == wanted.len() => {
-                for (&index, size) in wanted.iter().zip(read) {
-                    results[index] = size;
-                }
-            }
-            Ok(_) => {
-                for &index in &wanted {
-                    results[index] = i64::from(ErrorCode::InternalError.value());
-                }
-            }
-            Err(code) => {
-                for &index in &wanted {
-                    results[index] = i64::from(code);
-                }
-            }
+        let reply = match self.call(py, &request) {
+            Ok(DummyReply::Sizes(read)) if read.len() == wanted.len() => Ok(read),
+            Ok(_) => Err(ErrorCode::InternalError.value()),
+            Err(code) => Err(code),
+        };
+        for (position, &index) in wanted.iter().enumerate() {
+            results[index] = match &reply {
+                Ok(read) => read[position],
+                Err(code) => i64::from(*code),
+            };
         }
         results
     }

@@ -6,6 +6,7 @@
 
 mod dummy;
 mod native;
+mod zero_copy;
 
 use pyo3::prelude::*;
 

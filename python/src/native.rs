@@ -11,6 +11,7 @@ use hkvm_client::PutOptions;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes};
 
+use crate::zero_copy::select;
 use crate::HkvmError;
 
 /// The message of an error with its causes, outermost first.
@@ -57,14 +58,6 @@ impl Drop for NativeStore {
     }
 }
 
-/// Checks a zero-copy request's shape: as many pointer lists and size lists as
-/// keys, each pointer list as long as its size list.
-fn shape_ok(keys: usize, ptrs: &[Vec<usize>], sizes: &[Vec<usize>]) -> bool {
-    ptrs.len() == keys
-        && sizes.len() == keys
-        && ptrs.iter().zip(sizes).all(|(p, s)| p.len() == s.len())
-}
-
 impl NativeStore {
     /// Runs `future` on the store's runtime with the GIL released.
     fn wait<F>(&self, py: Python<'_>, future: F) -> F::Output
@@ -76,13 +69,6 @@ impl NativeStore {
             Some(runtime) => py.detach(|| runtime.block_on(future)),
             None => unreachable!("the runtime lives as long as the store"),
         }
-    }
-
-    /// Whether every `(ptr, size)` of one item lies in registered memory.
-    fn registered(&self, ptrs: &[usize], sizes: &[usize]) -> bool {
-        ptrs.iter()
-            .zip(sizes)
-            .all(|(&ptr, &size)| self.buffers.contains(ptr, size))
     }
 
     /// Placement options from Python's `(replicas, preferred segment, hard pin)`.
@@ -232,35 +218,29 @@ impl NativeStore {
         sizes: Vec<Vec<usize>>,
         placement: Placement,
     ) -> Vec<i32> {
-        if !shape_ok(keys.len(), &ptrs, &sizes) {
-            return vec![INVALID; keys.len()];
-        }
-        let mut codes = vec![0; keys.len()];
-        let mut slices: Vec<Vec<&[u8]>> = Vec::with_capacity(keys.len());
-        let mut indexes = Vec::with_capacity(keys.len());
-        for (index, (p, s)) in ptrs.iter().zip(&sizes).enumerate() {
-            if !self.registered(p, s) {
-                codes[index] = INVALID;
-                continue;
-            }
+        let selected = select(keys.len(), &ptrs, &sizes, |ptr, size| {
             // SAFETY: every range lies inside memory the caller registered and
             // promised to keep valid until it unregisters it; the bytes are only
             // read, during this call.
-            let parts = p
-                .iter()
-                .zip(s)
-                .map(|(&ptr, &size)| unsafe { std::slice::from_raw_parts(ptr as *const u8, size) })
-                .collect();
-            slices.push(parts);
-            indexes.push(index);
+            self.buffers
+                .contains(ptr, size)
+                .then(|| unsafe { std::slice::from_raw_parts(ptr as *const u8, size) })
+        });
+        let Some(selected) = selected else {
+            return vec![INVALID; keys.len()];
+        };
+        let mut codes = vec![0; keys.len()];
+        for &index in &selected.refused {
+            codes[index] = INVALID;
         }
-        let items: Vec<(&str, &[&[u8]])> = indexes
+        let items: Vec<(&str, &[&[u8]])> = selected
+            .indexes
             .iter()
-            .zip(&slices)
+            .zip(&selected.parts)
             .map(|(&index, parts)| (keys[index].as_str(), parts.as_slice()))
             .collect();
         let options = Self::options(&placement);
-        self.put_items(py, &items, &indexes, &options, &mut codes);
+        self.put_items(py, &items, &selected.indexes, &options, &mut codes);
         codes
     }
 
@@ -319,32 +299,24 @@ impl NativeStore {
         ptrs: Vec<Vec<usize>>,
         sizes: Vec<Vec<usize>>,
     ) -> Vec<i64> {
-        if !shape_ok(keys.len(), &ptrs, &sizes) {
-            return vec![i64::from(INVALID); keys.len()];
-        }
-        let mut results = vec![0i64; keys.len()];
-        let mut parts: Vec<Vec<&mut [u8]>> = Vec::with_capacity(keys.len());
-        let mut indexes = Vec::with_capacity(keys.len());
-        for (index, (p, s)) in ptrs.iter().zip(&sizes).enumerate() {
-            if !self.registered(p, s) {
-                results[index] = i64::from(INVALID);
-                continue;
-            }
+        let selected = select(keys.len(), &ptrs, &sizes, |ptr, size| {
             // SAFETY: every range lies inside memory the caller registered and
             // promised to keep valid and not to touch while this call writes it.
-            let buffers = p
-                .iter()
-                .zip(s)
-                .map(|(&ptr, &size)| unsafe {
-                    std::slice::from_raw_parts_mut(ptr as *mut u8, size)
-                })
-                .collect();
-            parts.push(buffers);
-            indexes.push(index);
+            self.buffers
+                .contains(ptr, size)
+                .then(|| unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, size) })
+        });
+        let Some(mut selected) = selected else {
+            return vec![i64::from(INVALID); keys.len()];
+        };
+        let mut results = vec![0i64; keys.len()];
+        for &index in &selected.refused {
+            results[index] = i64::from(INVALID);
         }
-        let mut items: Vec<(&str, &mut [&mut [u8]])> = indexes
+        let mut items: Vec<(&str, &mut [&mut [u8]])> = selected
+            .indexes
             .iter()
-            .zip(parts.iter_mut())
+            .zip(selected.parts.iter_mut())
             .map(|(&index, buffers)| (keys[index].as_str(), buffers.as_mut_slice()))
             .collect();
         if items.is_empty() {
@@ -352,7 +324,7 @@ impl NativeStore {
         }
         match self.wait(py, self.store.get_into(&mut items)) {
             Ok(read) => {
-                for (&index, result) in indexes.iter().zip(read) {
+                for (&index, result) in selected.indexes.iter().zip(read) {
                     results[index] = result.map_or_else(
                         |e| i64::from(code_of(&e)),
                         |size| i64::try_from(size).unwrap_or(i64::MAX),
@@ -361,7 +333,7 @@ impl NativeStore {
             }
             Err(error) => {
                 let code = i64::from(code_of(&error));
-                for &index in &indexes {
+                for &index in &selected.indexes {
                     results[index] = code;
                 }
             }
