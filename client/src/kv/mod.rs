@@ -1,0 +1,206 @@
+//! The data path: `put` = put_start → parallel writes to every placement → put_end
+//! with the value's xxh3-64 (revoke on failure); `get` = get_replica_list → read the
+//! nearest replica → verify the checksum, trying the next replica on a mismatch or a
+//! vanished node, and failing with a typed integrity error rather than ever
+//! returning wrong bytes. A key that is not in the local sub-cluster is looked up
+//! through the global master, which forwards to the owning sub-master.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use hkvm_events::rpc::submaster::{ItemError, ReplicaList, ReplicaLocation};
+use hkvm_events::{SegmentId, SubclusterId};
+use hkvm_transfer::{TransferError, Transport};
+
+use crate::error::{ClientError, ClientErrorKind};
+use crate::submaster::SubmasterClient;
+
+mod read;
+mod write;
+
+pub use write::PendingPut;
+
+/// Why a put or get failed.
+#[derive(Debug, thiserror::Error)]
+pub enum KvError {
+    /// The metadata call failed.
+    #[error(transparent)]
+    Metadata(#[from] ClientError),
+    /// The sub-master refused this item.
+    #[error("{key}: {error}")]
+    Item {
+        /// The key.
+        key: String,
+        /// The sub-master's reason.
+        error: ItemError,
+    },
+    /// Writing a replica failed (the put was revoked).
+    #[error("{key}: writing a replica failed")]
+    Write {
+        /// The key.
+        key: String,
+        /// The transfer error.
+        #[source]
+        source: TransferError,
+    },
+    /// The value handed to [`KvClient::complete`] has another size than the
+    /// reservation (the put was revoked).
+    #[error("{key}: value of {len} bytes for a reservation of {reserved} bytes")]
+    SizeMismatch {
+        /// The key.
+        key: String,
+        /// The value's length.
+        len: u64,
+        /// The reserved size.
+        reserved: u64,
+    },
+    /// The caller's buffers cannot hold the value.
+    #[error("{key}: value of {size} bytes does not fit buffers of {capacity} bytes")]
+    BufferTooSmall {
+        /// The key.
+        key: String,
+        /// The value's size.
+        size: u64,
+        /// The buffers' total length.
+        capacity: u64,
+    },
+    /// No replica returned bytes matching the recorded checksum.
+    #[error("{key}: no intact replica ({tried} tried): {last}")]
+    Integrity {
+        /// The key.
+        key: String,
+        /// Replicas tried.
+        tried: usize,
+        /// What went wrong with the last one.
+        last: String,
+    },
+    /// The key exists nowhere in the cluster.
+    #[error("{key}: not found")]
+    NotFound {
+        /// The key.
+        key: String,
+    },
+}
+
+/// The kind of a [`KvError`], for matching.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvErrorKind {
+    /// A metadata call failed; the inner kind says how.
+    Metadata(ClientErrorKind),
+    /// The sub-master refused the item.
+    Item,
+    /// A replica write failed.
+    Write,
+    /// The value does not fit its reservation.
+    SizeMismatch,
+    /// The caller's buffers are too small.
+    BufferTooSmall,
+    /// No replica held intact bytes.
+    Integrity,
+    /// The key exists nowhere the client can see.
+    NotFound,
+}
+
+impl KvError {
+    /// The kind.
+    pub fn kind(&self) -> KvErrorKind {
+        match self {
+            Self::Metadata(error) => KvErrorKind::Metadata(error.kind()),
+            Self::Item { .. } => KvErrorKind::Item,
+            Self::Write { .. } => KvErrorKind::Write,
+            Self::SizeMismatch { .. } => KvErrorKind::SizeMismatch,
+            Self::BufferTooSmall { .. } => KvErrorKind::BufferTooSmall,
+            Self::Integrity { .. } => KvErrorKind::Integrity,
+            Self::NotFound { .. } => KvErrorKind::NotFound,
+        }
+    }
+}
+
+/// Where a value was read from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fetched {
+    /// The value (verified against its checksum).
+    pub value: Bytes,
+    /// The sub-cluster that holds it.
+    pub subcluster: SubclusterId,
+    /// The replica it came from.
+    pub replica: ReplicaLocation,
+}
+
+/// A KV client of one sub-cluster (with cluster-wide reads through the global
+/// master). Cheap to clone.
+#[derive(Clone)]
+pub struct KvClient {
+    metadata: SubmasterClient,
+    transport: Arc<dyn Transport>,
+    /// This process's own node endpoint, read first when it holds a replica.
+    local_endpoint: Option<String>,
+}
+
+impl std::fmt::Debug for KvClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvClient")
+            .field("subcluster", self.metadata.subcluster())
+            .field("backend", &self.transport.backend())
+            .finish()
+    }
+}
+
+impl KvClient {
+    /// A client over `metadata` moving bytes with `transport`.
+    pub fn new(metadata: SubmasterClient, transport: Arc<dyn Transport>) -> Self {
+        Self {
+            metadata,
+            transport,
+            local_endpoint: None,
+        }
+    }
+
+    /// Prefer replicas on this endpoint (the caller's own node) when reading.
+    pub fn with_local_endpoint(mut self, endpoint: impl Into<String>) -> Self {
+        self.local_endpoint = Some(endpoint.into());
+        self
+    }
+
+    /// The metadata client.
+    pub fn metadata(&self) -> &SubmasterClient {
+        &self.metadata
+    }
+}
+
+/// A value's place: the sub-cluster that holds it and its replicas.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Located {
+    /// The sub-cluster.
+    pub subcluster: SubclusterId,
+    /// Size, checksum and replicas.
+    pub list: ReplicaList,
+}
+
+/// How a put is placed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PutOptions {
+    /// Replicas, on distinct nodes.
+    pub replicas: u32,
+    /// Put the first replica on this segment when it has room.
+    pub preferred_segment: Option<SegmentId>,
+    /// Never evict the object (it can still be removed).
+    pub hard_pin: bool,
+}
+
+impl Default for PutOptions {
+    fn default() -> Self {
+        Self::replicas(1)
+    }
+}
+
+impl PutOptions {
+    /// `replicas` copies, no preference, no pin.
+    pub fn replicas(replicas: u32) -> Self {
+        Self {
+            replicas,
+            preferred_segment: None,
+            hard_pin: false,
+        }
+    }
+}

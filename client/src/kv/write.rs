@@ -1,0 +1,322 @@
+//! The write side of [`KvClient`]: puts (reserve, write every replica, commit,
+//! revoke or remove on failure, start again when a reservation vanished), and
+//! reserve/complete for callers that fetch the value after reserving.
+
+use futures::future::join_all;
+use hkvm_events::rpc::submaster::{
+    ItemError, ItemResult, PutEndItem, PutStartItem, ReplicaLocation,
+};
+use hkvm_events::{value_checksum, value_checksum_parts};
+use hkvm_transfer::WriteOp;
+
+use super::{KvClient, KvError, PutOptions};
+
+/// How often a put whose reservation vanished before its commit is started again.
+const PUT_RESTARTS: usize = 2;
+
+/// A put whose space is reserved but whose value is not written yet (see
+/// [`KvClient::reserve`]).
+#[derive(Debug)]
+#[must_use = "complete or abandon a reservation; otherwise it only times out"]
+pub struct PendingPut {
+    key: String,
+    size: u64,
+    replicas: Vec<ReplicaLocation>,
+}
+
+impl PendingPut {
+    /// The key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+}
+
+impl KvClient {
+    /// Stores one value with `replicas` copies.
+    ///
+    /// # Errors
+    /// [`KvError`]; a failed put is revoked and leaves nothing visible.
+    pub async fn put(&self, key: &str, value: &[u8], replicas: u32) -> Result<(), KvError> {
+        let mut results = self.put_many(&[(key, value)], replicas).await?;
+        results.pop().unwrap_or(Ok(()))
+    }
+
+    /// Stores many values: one put_start, all writes in parallel, one put_end.
+    /// Returns one result per item, in order.
+    ///
+    /// # Errors
+    /// [`KvError::Metadata`] when the sub-master is unreachable as a whole.
+    pub async fn put_many(
+        &self,
+        items: &[(&str, &[u8])],
+        replicas: u32,
+    ) -> Result<Vec<Result<(), KvError>>, KvError> {
+        let scattered: Vec<(&str, [&[u8]; 1])> =
+            items.iter().map(|(key, value)| (*key, [*value])).collect();
+        let items: Vec<(&str, &[&[u8]])> = scattered
+            .iter()
+            .map(|(key, parts)| (*key, parts.as_slice()))
+            .collect();
+        self.put_scattered(&items, &PutOptions::replicas(replicas))
+            .await
+    }
+
+    /// Stores many values, each the concatenation of its parts (buffers scattered
+    /// in the caller's memory, written without being gathered first): one
+    /// put_start, all writes in parallel, one put_end. Returns one result per item,
+    /// in order.
+    ///
+    /// # Errors
+    /// [`KvError::Metadata`] when the sub-master is unreachable as a whole.
+    pub async fn put_scattered(
+        &self,
+        items: &[(&str, &[&[u8]])],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<(), KvError>>, KvError> {
+        let mut results = self.put_scattered_once(items, options).await?;
+        // A put whose reservation vanished before its commit (a leader change
+        // clears reservations) is started again, so the caller never sees "no
+        // pending put" for a put it made once.
+        for _ in 0..PUT_RESTARTS {
+            let lost: Vec<usize> = results
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| {
+                    matches!(
+                        r,
+                        Err(KvError::Item {
+                            error: ItemError::NoPendingPut,
+                            ..
+                        })
+                    )
+                })
+                .map(|(i, _)| i)
+                .collect();
+            if lost.is_empty() {
+                break;
+            }
+            tracing::info!(
+                puts = lost.len(),
+                "reservations lost before their commit: putting again"
+            );
+            let again: Vec<(&str, &[&[u8]])> = lost.iter().map(|&i| items[i]).collect();
+            let retried = self.put_scattered_once(&again, options).await?;
+            for (index, result) in lost.into_iter().zip(retried) {
+                results[index] = result;
+            }
+        }
+        Ok(results)
+    }
+
+    async fn put_scattered_once(
+        &self,
+        items: &[(&str, &[&[u8]])],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<(), KvError>>, KvError> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let starts = items
+            .iter()
+            .map(|(key, parts)| PutStartItem {
+                key: (*key).to_owned(),
+                size: parts.iter().map(|part| part.len() as u64).sum(),
+                replicas: options.replicas,
+                preferred_segment: options.preferred_segment.clone(),
+                hard_pin: options.hard_pin,
+            })
+            .collect();
+        let placements = self.metadata.put_start(starts).await?;
+        let writes = items
+            .iter()
+            .zip(&placements)
+            .map(|((key, parts), placement)| async move {
+                match placement {
+                    ItemResult::Err(error) => Err(KvError::Item {
+                        key: (*key).to_owned(),
+                        error: error.clone(),
+                    }),
+                    ItemResult::Ok(replicas) => self.write_replicas(key, parts, replicas).await,
+                }
+            });
+        let written = join_all(writes).await;
+        let mut ends = Vec::new();
+        let mut revoke = Vec::new();
+        for ((key, parts), result) in items.iter().zip(&written) {
+            match result {
+                Ok(()) => ends.push(PutEndItem {
+                    key: (*key).to_owned(),
+                    checksum: value_checksum_parts(parts),
+                }),
+                Err(KvError::Write { .. }) => revoke.push((*key).to_owned()),
+                Err(_) => {}
+            }
+        }
+        if !revoke.is_empty() {
+            // Best effort: the reservation also times out on its own.
+            let _ = self.metadata.put_revoke(revoke).await;
+        }
+        if ends.is_empty() {
+            return Ok(written);
+        }
+        let ended_keys: Vec<String> = ends.iter().map(|e| e.key.clone()).collect();
+        let ended = match self.metadata.put_end(ends).await {
+            Ok(ended) => ended,
+            Err(error) => {
+                // The commit may or may not have happened: remove, so that a put that
+                // returned an error never stays visible.
+                let _ = self.metadata.remove(ended_keys, true).await;
+                return Err(error.into());
+            }
+        };
+        let mut ended = ended.into_iter();
+        Ok(items
+            .iter()
+            .zip(written)
+            .map(|((key, _), written)| {
+                written?;
+                match ended.next() {
+                    Some(ItemResult::Ok(())) => Ok(()),
+                    Some(ItemResult::Err(error)) => Err(KvError::Item {
+                        key: (*key).to_owned(),
+                        error,
+                    }),
+                    None => Err(KvError::Item {
+                        key: (*key).to_owned(),
+                        error: ItemError::NoPendingPut,
+                    }),
+                }
+            })
+            .collect())
+    }
+
+    /// Reserves space for a value of `size` bytes under `key` (put_start) without
+    /// writing it yet: a caller that must fetch the value from far away learns
+    /// first that the key is free and the space is there. Finish with
+    /// [`KvClient::complete`] or [`KvClient::abandon`] before the sub-master's put
+    /// timeout.
+    ///
+    /// # Errors
+    /// [`KvError::Item`] (e.g. `AlreadyExists`, `NoSpace`) or a metadata failure.
+    pub async fn reserve(
+        &self,
+        key: &str,
+        size: u64,
+        replicas: u32,
+    ) -> Result<PendingPut, KvError> {
+        let start = PutStartItem {
+            key: key.to_owned(),
+            size,
+            replicas,
+            preferred_segment: None,
+            hard_pin: false,
+        };
+        let mut placed = self.metadata.put_start(vec![start]).await?;
+        match placed.pop() {
+            Some(ItemResult::Ok(replicas)) => Ok(PendingPut {
+                key: key.to_owned(),
+                size,
+                replicas,
+            }),
+            Some(ItemResult::Err(error)) => Err(KvError::Item {
+                key: key.to_owned(),
+                error,
+            }),
+            None => Err(KvError::Item {
+                key: key.to_owned(),
+                error: ItemError::Invalid("put_start answered no item".into()),
+            }),
+        }
+    }
+
+    /// Writes `value` into a reserved put's replicas and commits it (put_end with
+    /// the value's checksum). A failed write revokes the put; a put_end whose
+    /// outcome is unknown removes the key, as [`KvClient::put`] does.
+    ///
+    /// # Errors
+    /// [`KvError::Write`], [`KvError::SizeMismatch`],
+    /// [`KvError::Item`] or a metadata failure.
+    pub async fn complete(&self, pending: PendingPut, value: &[u8]) -> Result<(), KvError> {
+        if value.len() as u64 != pending.size {
+            let key = pending.key.clone();
+            let reserved = pending.size;
+            self.abandon(pending).await;
+            return Err(KvError::SizeMismatch {
+                key,
+                len: value.len() as u64,
+                reserved,
+            });
+        }
+        if let Err(error) = self
+            .write_replicas(&pending.key, &[value], &pending.replicas)
+            .await
+        {
+            self.abandon(pending).await;
+            return Err(error);
+        }
+        let end = PutEndItem {
+            key: pending.key.clone(),
+            checksum: value_checksum(value),
+        };
+        let mut ended = match self.metadata.put_end(vec![end]).await {
+            Ok(ended) => ended,
+            Err(error) => {
+                let _ = self.metadata.remove(vec![pending.key], true).await;
+                return Err(error.into());
+            }
+        };
+        match ended.pop() {
+            Some(ItemResult::Ok(())) => Ok(()),
+            Some(ItemResult::Err(error)) => Err(KvError::Item {
+                key: pending.key,
+                error,
+            }),
+            None => Err(KvError::Item {
+                key: pending.key,
+                error: ItemError::NoPendingPut,
+            }),
+        }
+    }
+
+    /// Gives a reservation back (put_revoke, best effort: it also times out).
+    pub async fn abandon(&self, pending: PendingPut) {
+        let _ = self.metadata.put_revoke(vec![pending.key]).await;
+    }
+
+    /// Writes a value given as consecutive parts to every replica (each part at
+    /// its offset in the replica, all parts of a replica in one batch).
+    async fn write_replicas(
+        &self,
+        key: &str,
+        parts: &[&[u8]],
+        replicas: &[ReplicaLocation],
+    ) -> Result<(), KvError> {
+        let writes = replicas.iter().map(|replica| async move {
+            let mut offset = replica.offset;
+            let ops: Vec<WriteOp<'_>> = parts
+                .iter()
+                .filter(|part| !part.is_empty())
+                .map(|part| {
+                    let op = WriteOp {
+                        region: replica.segment.as_str(),
+                        offset,
+                        data: part,
+                    };
+                    offset += part.len() as u64;
+                    op
+                })
+                .collect();
+            if ops.is_empty() {
+                return Ok(());
+            }
+            self.transport.write_batch(&replica.endpoint, &ops).await
+        });
+        for result in join_all(writes).await {
+            result.map_err(|source| KvError::Write {
+                key: key.to_owned(),
+                source,
+            })?;
+        }
+        Ok(())
+    }
+}
