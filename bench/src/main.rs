@@ -15,7 +15,6 @@ mod exist;
 mod ingest;
 mod interdc;
 mod loadgen;
-mod logging;
 mod memory;
 mod put;
 mod python;
@@ -38,8 +37,8 @@ use hkvm_testkit::NatsServer;
 #[command(name = "hkvm-bench", version, about)]
 struct Cli {
     /// Log format on stderr.
-    #[arg(long, global = true, value_enum, default_value_t = logging::LogFormat::Text, env = "HKVM_LOG_FORMAT")]
-    log_format: logging::LogFormat,
+    #[arg(long, global = true, value_enum, default_value_t = hkvm_telemetry::logging::LogFormat::Text, env = "HKVM_LOG_FORMAT")]
+    log_format: hkvm_telemetry::logging::LogFormat,
     #[command(subcommand)]
     command: Command,
 }
@@ -132,7 +131,7 @@ const EXIT_GRACE: Duration = Duration::from_secs(2);
 
 fn main() {
     let cli = Cli::parse();
-    logging::init(cli.log_format);
+    hkvm_telemetry::logging::init(cli.log_format);
     let result = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -11,7 +11,7 @@ use std::process::Command;
 use anyhow::Context as _;
 use clap::ValueEnum as _;
 
-use crate::logging::LogFormat;
+use hkvm_telemetry::logging::LogFormat;
 
 /// Env var naming the `hkvm-bench` binary; by default the one next to this
 /// executable.

@@ -8,7 +8,6 @@ mod globalmaster;
 mod interdc;
 mod local;
 mod locate;
-mod logging;
 mod meta;
 mod replay;
 mod signals;
@@ -23,8 +22,8 @@ use clap::{Parser, Subcommand};
 #[command(name = "hkvm", version, about)]
 struct Cli {
     /// Log format on stderr.
-    #[arg(long, global = true, value_enum, default_value_t = logging::LogFormat::Text, env = "HKVM_LOG_FORMAT")]
-    log_format: logging::LogFormat,
+    #[arg(long, global = true, value_enum, default_value_t = hkvm_telemetry::logging::LogFormat::Text, env = "HKVM_LOG_FORMAT")]
+    log_format: hkvm_telemetry::logging::LogFormat,
     #[command(subcommand)]
     command: Command,
 }
@@ -86,7 +85,7 @@ fn main() -> anyhow::Result<()> {
         }
         command => command,
     };
-    logging::init(cli.log_format);
+    hkvm_telemetry::logging::init(cli.log_format);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;

@@ -1,7 +1,10 @@
 //! The Prometheus endpoint every HKVM service exports: a minimal HTTP/1.1 server
 //! answering `GET /metrics` (any other path gets 404) with the text exposition of a
 //! `prometheus-client` registry. Small on purpose: one request per connection, no
-//! keep-alive, bounded request size.
+//! keep-alive, bounded request size. [`logging`] sets up the `tracing` logs every
+//! binary writes.
+
+pub mod logging;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

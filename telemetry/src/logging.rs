@@ -1,4 +1,5 @@
-//! Structured `tracing` logs on stderr, filtered by `RUST_LOG` (default `info`, NATS client chatter at `warn`).
+//! Structured `tracing` logs on stderr for every HKVM binary, filtered by
+//! `RUST_LOG` (default `info`, NATS client chatter at `warn`).
 
 use tracing_subscriber::EnvFilter;
 
