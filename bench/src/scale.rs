@@ -6,14 +6,23 @@
 //! this one, or `$HKVM_BIN`) so their CPU time (utime + stime) and RSS are read from
 //! `/proc`. N = 1 is the centralized baseline: every figure is compared with N = 1
 //! in the same run.
+//!
+//! The split: the same clients and offered load at N = 1 as dummy clients, 16
+//! behind each real client. A real client is one node: it alone mounts and pings,
+//! and its dummies' metadata calls share its coalescing sub-master client. The
+//! dummies call it in-process (the Unix-socket hop between a dummy and its real
+//! client is per host and measured by the `dummies` workload); what reaches the
+//! sub-master is what a deployment of real and dummy clients sends.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use async_nats::jetstream;
 use futures::StreamExt as _;
+use hkvm_client::coalesce::CoalesceConfig;
 use hkvm_client::{GlobalClient, SubmasterClient};
 use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp};
 use hkvm_events::rpc::submaster::{ItemResult, MountSegment, Ping, PutEndItem, PutStartItem};
@@ -34,6 +43,8 @@ const OBJECT_SIZE: u64 = 64 * 1024;
 const EXIST_BATCH: usize = 64;
 /// NATS connections the simulated clients share.
 const CONNECTIONS: usize = 8;
+/// Dummy clients behind each real client in the split.
+const DUMMIES_PER_REAL: usize = 16;
 
 /// Options of the `scale` workload.
 #[derive(Debug, Clone, clap::Args)]
@@ -199,12 +210,16 @@ impl Rng {
     }
 }
 
-/// One simulated client's identity and handles.
+/// One simulated client's identity and handles: a full client (pings and
+/// operations), a real client with dummies (pings only: its dummies operate) or a
+/// dummy (operations only, through its real client's sub-master client).
 struct Client {
     index: usize,
     node: NodeId,
     submaster: SubmasterClient,
     global: GlobalClient,
+    pings: bool,
+    operates: bool,
 }
 
 impl Client {
@@ -295,8 +310,17 @@ async fn run_client(client: Client, schedule: Schedule) -> Record {
     let mut record = Record::default();
     let mut mine = Vec::new();
     let second = Duration::from_secs(1);
-    let mut next_ping = schedule.start + second.mul_f64(rng.unit());
-    let mut next_op = schedule.start + schedule.op_period.mul_f64(rng.unit());
+    let never = schedule.end + second;
+    let mut next_ping = if client.pings {
+        schedule.start + second.mul_f64(rng.unit())
+    } else {
+        never
+    };
+    let mut next_op = if client.operates {
+        schedule.start + schedule.op_period.mul_f64(rng.unit())
+    } else {
+        never
+    };
     loop {
         let (due, kind) = if next_ping <= next_op {
             (next_ping, Kind::Ping)
@@ -342,6 +366,10 @@ fn percentile(sorted: &[u32], p: f64) -> f64 {
 struct Point {
     ops_per_s: f64,
     requests_per_s: f64,
+    /// Requests the clients sent to sub-masters (after coalescing), per second.
+    sub_requests_per_s: f64,
+    /// Sub-master CPU per 1000 operations (puts, gets, exists).
+    sub_cpu_per_kop: f64,
     p50_us: f64,
     p99_us: f64,
     put_p99_us: f64,
@@ -406,16 +434,102 @@ async fn clean(js: &jetstream::Context, cluster: &ClusterId, subclusters: usize)
     }
 }
 
+/// How the simulated clients are deployed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Deployment {
+    /// Every client is a full client: its own node, pings and sub-master calls.
+    Full,
+    /// Clients are dummies, this many behind each real client.
+    Dummies(usize),
+}
+
+/// The simulated clients of a point, and the distinct sub-master clients whose
+/// request counts add up to what reached the sub-masters.
+fn deploy(
+    deployment: Deployment,
+    sweep: &Sweep,
+    cluster: &ClusterId,
+    ids: &[SubclusterId],
+    connections: &[async_nats::Client],
+) -> anyhow::Result<(Vec<Client>, Vec<SubmasterClient>)> {
+    let connection = |index: usize| connections[index % connections.len()].clone();
+    let submaster = |index: usize| {
+        SubmasterClient::new(
+            connection(index),
+            cluster.clone(),
+            ids[index % ids.len()].clone(),
+        )
+    };
+    let mut clients = Vec::new();
+    let mut callers = Vec::new();
+    match deployment {
+        Deployment::Full => {
+            for index in 0..sweep.clients {
+                let client = submaster(index);
+                callers.push(client.clone());
+                clients.push(Client {
+                    index,
+                    node: NodeId::new(format!("c-{index}"))?,
+                    submaster: client,
+                    global: GlobalClient::new(connection(index), cluster.clone()),
+                    pings: true,
+                    operates: true,
+                });
+            }
+        }
+        Deployment::Dummies(per_real) => {
+            let reals = sweep.clients.div_ceil(per_real);
+            for real in 0..reals {
+                let node = NodeId::new(format!("r-{real}"))?;
+                let coalesced = submaster(real).coalesced(CoalesceConfig::default());
+                callers.push(coalesced.clone());
+                clients.push(Client {
+                    index: real,
+                    node: node.clone(),
+                    submaster: coalesced.clone(),
+                    global: GlobalClient::new(connection(real), cluster.clone()),
+                    pings: true,
+                    operates: false,
+                });
+                for index in real * per_real..((real + 1) * per_real).min(sweep.clients) {
+                    clients.push(Client {
+                        index,
+                        node: node.clone(),
+                        submaster: coalesced.clone(),
+                        global: GlobalClient::new(connection(index), cluster.clone()),
+                        pings: false,
+                        operates: true,
+                    });
+                }
+            }
+        }
+    }
+    Ok((clients, callers))
+}
+
+/// Requests sent so far by `callers`.
+fn requests_sent(callers: &[SubmasterClient]) -> u64 {
+    callers
+        .iter()
+        .map(|caller| caller.stats().requests.load(Ordering::Relaxed))
+        .sum()
+}
+
 /// Starts the masters of `subclusters` sub-clusters and a global master, waits
-/// until they serve, mounts one segment per client, runs the clients and reads
+/// until they serve, mounts one segment per node, runs the clients and reads
 /// the masters' CPU time and memory over the measured window.
 async fn run_point(
     nats: &BenchNats,
     exe: &Path,
     sweep: &Sweep,
     subclusters: usize,
+    deployment: Deployment,
 ) -> anyhow::Result<Point> {
-    let cluster = ClusterId::new(format!("bscale{subclusters}"))?;
+    let name = match deployment {
+        Deployment::Full => format!("bscale{subclusters}"),
+        Deployment::Dummies(_) => format!("bscale{subclusters}d"),
+    };
+    let cluster = ClusterId::new(name)?;
     let control = nats.connect().await?;
     clean(&jetstream::new(control.clone()), &cluster, subclusters).await;
     let target = |extra: &[String]| {
@@ -449,22 +563,9 @@ async fn run_point(
             .await
             .with_context(|| format!("sub-master {id} did not start"))?;
     }
-    let clients: Vec<Client> = (0..sweep.clients)
-        .map(|index| {
-            let connection = connections[index % CONNECTIONS].clone();
-            Ok(Client {
-                index,
-                node: NodeId::new(format!("c-{index}"))?,
-                submaster: SubmasterClient::new(
-                    connection.clone(),
-                    cluster.clone(),
-                    ids[index % subclusters].clone(),
-                ),
-                global: GlobalClient::new(connection, cluster.clone()),
-            })
-        })
-        .collect::<anyhow::Result<_>>()?;
-    let mounts: Vec<anyhow::Result<()>> = futures::stream::iter(clients.iter().map(Client::mount))
+    let (clients, callers) = deploy(deployment, sweep, &cluster, &ids, &connections)?;
+    let nodes = clients.iter().filter(|client| client.pings);
+    let mounts: Vec<anyhow::Result<()>> = futures::stream::iter(nodes.map(Client::mount))
         .buffer_unordered(256)
         .collect()
         .await;
@@ -503,12 +604,14 @@ async fn run_point(
         cpu_seconds(global_pid),
         cpu_seconds(nats_pid),
     );
+    let sent_before = requests_sent(&callers);
     tokio::time::sleep_until(schedule.end).await;
     let cpu_after = (
         sub_cpu(&sub_pids),
         cpu_seconds(global_pid),
         cpu_seconds(nats_pid),
     );
+    let sent = requests_sent(&callers) - sent_before;
     let rss: Vec<f64> = sub_pids
         .iter()
         .map(|&pid| rss_bytes(pid).unwrap_or(0) as f64)
@@ -537,6 +640,8 @@ async fn run_point(
     Ok(Point {
         ops_per_s: ops.len() as f64 / seconds,
         requests_per_s: requests / seconds,
+        sub_requests_per_s: sent as f64 / seconds,
+        sub_cpu_per_kop: (cpu_after.0 - cpu_before.0) / (ops.len() as f64 / 1000.0).max(1e-9),
         p50_us: percentile(&ops, 0.5),
         p99_us: percentile(&ops, 0.99),
         put_p99_us: percentile(&puts, 0.99),
@@ -589,9 +694,22 @@ pub async fn run(
             sweep.rate,
             sweep.window.as_secs_f64()
         );
-        let point = run_point(nats, &setup.hkvm, &sweep, n).await?;
+        let point = run_point(nats, &setup.hkvm, &sweep, n, Deployment::Full).await?;
         results.push((n, point));
     }
+    eprintln!(
+        "bench scale: N=1: {} dummy clients behind {} real clients ({DUMMIES_PER_REAL} each), same load",
+        sweep.clients,
+        sweep.clients.div_ceil(DUMMIES_PER_REAL)
+    );
+    let split = run_point(
+        nats,
+        &setup.hkvm,
+        &sweep,
+        1,
+        Deployment::Dummies(DUMMIES_PER_REAL),
+    )
+    .await?;
     let base = results.first().map(|(_, p)| *p).unwrap_or_default();
     let offered = sweep.rate + sweep.clients as f64;
     for (n, p) in &results {
@@ -615,5 +733,41 @@ pub async fn run(
             offered * sweep.window.as_secs_f64(),
         ));
     }
+    print_split(printer, &sweep, &split, &base);
     Ok(())
+}
+
+/// The split's rows: dummies behind real clients against full clients, N = 1.
+fn print_split(printer: &mut Printer, sweep: &Sweep, split: &Point, full: &Point) {
+    let reals = sweep.clients.div_ceil(DUMMIES_PER_REAL);
+    let tag = format!("N=1, {} dummies behind {reals} real clients", sweep.clients);
+    let baseline = format!("{} full clients, same load (same run)", sweep.clients);
+    let rows: [Figure; 6] = [
+        (
+            "sub-master requests/s (after coalescing; pings included)",
+            "req/s",
+            |p| p.sub_requests_per_s,
+        ),
+        ("sub-master CPU per 1000 operations", "cpu-s", |p| {
+            p.sub_cpu_per_kop
+        }),
+        ("sustained ops/s (puts, gets, exists)", "ops/s", |p| {
+            p.ops_per_s
+        }),
+        ("op latency p50", "us", |p| p.p50_us),
+        ("op latency p99", "us", |p| p.p99_us),
+        ("failed requests in the window", "requests", |p| {
+            p.failures as f64
+        }),
+    ];
+    for (label, unit, figure) in rows {
+        printer.print(&BenchResult::new(
+            WORKLOAD,
+            format!("{tag}: {label}"),
+            figure(split),
+            unit,
+            baseline.clone(),
+            figure(full),
+        ));
+    }
 }

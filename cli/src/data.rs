@@ -59,10 +59,11 @@ pub struct NodeArgs {
     /// `hkvm-node-<port>`: this node is then their real client.
     #[arg(long)]
     pub dummy_port: Option<u16>,
-    /// With --dummy-port: how long (µs) a batch of the dummies' metadata calls
-    /// waits for more after the first (0: send what queued while the previous
-    /// batch was in flight, adding no latency when idle).
-    #[arg(long, default_value_t = 0)]
+    /// With --dummy-port: how long (µs) a batch of the dummies' metadata calls may
+    /// wait for more, while fewer have come than were in the previous batch (0:
+    /// send what queued while the previous batch was in flight). A lone caller
+    /// never waits.
+    #[arg(long, default_value_t = hkvm_client::coalesce::DEFAULT_WINDOW.as_micros() as u64)]
     pub coalesce_window_us: u64,
 }
 

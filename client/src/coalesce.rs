@@ -1,9 +1,11 @@
-//! Coalescing metadata calls: a real client serving many dummies sends their
-//! concurrent `put_start`, `put_end`, `get_replica_list` and `exist` calls to the
-//! sub-master as one batched request per operation at a time. A call waits while
-//! the previous batch of its operation is in flight (plus an optional window),
-//! so under load batches grow and requests shrink, and an idle client adds no
-//! latency at all.
+//! Coalescing calls: a real client serving many dummies sends their concurrent
+//! metadata calls to the sub-master as one batched request at a time. A call waits
+//! while the previous batch is in flight, so under load batches grow and requests
+//! shrink. With a window, a batch also waits (at most that long) until as many
+//! callers have come as were in the previous batch: the callers a batch answered
+//! come back with their next calls a moment later, and the wait keeps them
+//! together instead of sending the first of them alone. A lone caller never waits,
+//! so an idle client adds no latency at all.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -13,11 +15,16 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::error::ClientError;
 
+/// The default [`CoalesceConfig::window`]: a fraction of a sub-master round trip
+/// (hundreds of microseconds), so the added latency stays well inside it.
+pub const DEFAULT_WINDOW: Duration = Duration::from_micros(50);
+
 /// How calls are coalesced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CoalesceConfig {
-    /// How long a batch waits for more calls after the first arrived (zero: send
-    /// at once whatever queued while the previous batch was in flight).
+    /// How long a batch may wait for more calls after the first arrived, while
+    /// fewer callers have come than were in the previous batch (zero: send at once
+    /// whatever queued while the previous batch was in flight).
     pub window: Duration,
     /// Most items in one batch.
     pub max_items: usize,
@@ -26,7 +33,7 @@ pub struct CoalesceConfig {
 impl Default for CoalesceConfig {
     fn default() -> Self {
         Self {
-            window: Duration::ZERO,
+            window: DEFAULT_WINDOW,
             max_items: hkvm_events::rpc::submaster::MAX_BATCH_ITEMS,
         }
     }
@@ -69,16 +76,18 @@ impl<I: Send + 'static, R: Send + 'static> Coalescer<I, R> {
     {
         let (queue, mut calls) = mpsc::unbounded_channel::<Waiting<I, R>>();
         let task = tokio::spawn(async move {
+            // Callers in the previous batch: how many to wait for, within the window.
+            let mut expected = 1;
             while let Some(first) = calls.recv().await {
                 let mut batch = vec![first];
                 let mut count = batch[0].items.len();
                 let deadline = tokio::time::Instant::now() + config.window;
                 while count < config.max_items {
-                    // Whatever queued meanwhile joins at once; then wait out the
-                    // window for more.
+                    // Whatever queued meanwhile joins at once; then, while fewer
+                    // callers came than last time, the window's wait for more.
                     let next = match calls.try_recv() {
                         Ok(next) => Some(next),
-                        Err(_) if config.window.is_zero() => None,
+                        Err(_) if config.window.is_zero() || batch.len() >= expected => None,
                         Err(_) => tokio::time::timeout_at(deadline, calls.recv())
                             .await
                             .ok()
@@ -88,6 +97,7 @@ impl<I: Send + 'static, R: Send + 'static> Coalescer<I, R> {
                     count += next.items.len();
                     batch.push(next);
                 }
+                expected = batch.len();
                 let mut sizes = Vec::with_capacity(batch.len());
                 let mut items = Vec::with_capacity(count);
                 let mut replies = Vec::with_capacity(batch.len());

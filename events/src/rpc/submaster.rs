@@ -39,11 +39,13 @@ pub enum Op {
     RemoveMatching,
     /// [`Status`].
     Status,
+    /// [`Mixed`].
+    Mixed,
 }
 
 impl Op {
     /// Every operation.
-    pub const ALL: [Op; 13] = [
+    pub const ALL: [Op; 14] = [
         Op::MountSegment,
         Op::UnmountSegment,
         Op::Remount,
@@ -57,6 +59,7 @@ impl Op {
         Op::RemoveAll,
         Op::RemoveMatching,
         Op::Status,
+        Op::Mixed,
     ];
 
     /// The last subject token.
@@ -75,6 +78,7 @@ impl Op {
             Op::RemoveAll => "remove_all",
             Op::RemoveMatching => "remove_matching",
             Op::Status => "status",
+            Op::Mixed => "mixed",
         }
     }
 
@@ -294,6 +298,57 @@ pub struct Exist {
 
 /// The reply to [`Exist`]: one flag per key.
 pub type ExistReply = Vec<bool>;
+
+/// Several operations' batches in one request: what a real client sends for the
+/// concurrent calls of the dummy clients behind it. The sub-master decides the
+/// parts in the order exist, get_replica_list, put_start, put_end, each against the
+/// state before the request plus the parts decided earlier, and answers once the
+/// put_end commits are durable. The calls of one request are concurrent, so any
+/// order is a valid one; this one needs no event applied between two parts.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mixed {
+    /// Keys to check, as [`Exist`].
+    #[serde(default)]
+    pub exist: Vec<String>,
+    /// Keys to locate, as [`GetReplicaList`].
+    #[serde(default)]
+    pub get_replica_list: Vec<String>,
+    /// Objects to reserve space for, as [`PutStart`].
+    #[serde(default)]
+    pub put_start: Vec<PutStartItem>,
+    /// Objects to commit, as [`PutEnd`].
+    #[serde(default)]
+    pub put_end: Vec<PutEndItem>,
+}
+
+impl Mixed {
+    /// Items in all parts together.
+    pub fn len(&self) -> usize {
+        self.exist.len() + self.get_replica_list.len() + self.put_start.len() + self.put_end.len()
+    }
+
+    /// Whether no part has an item.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The reply to [`Mixed`]: each part's reply, items in request order.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MixedReply {
+    /// As [`ExistReply`].
+    #[serde(default)]
+    pub exist: ExistReply,
+    /// As [`GetReplicaListReply`].
+    #[serde(default)]
+    pub get_replica_list: GetReplicaListReply,
+    /// As [`PutStartReply`].
+    #[serde(default)]
+    pub put_start: PutStartReply,
+    /// As [`PutEndReply`].
+    #[serde(default)]
+    pub put_end: PutEndReply,
+}
 
 /// Remove objects (batch).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

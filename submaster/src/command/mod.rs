@@ -8,9 +8,10 @@ mod objects;
 mod segments;
 
 use hkvm_events::rpc::submaster::{
-    Exist, ExistReply, GetReplicaList, GetReplicaListReply, MountSegment, Ping, PingReply, PutEnd,
-    PutEndReply, PutRevoke, PutRevokeReply, PutStart, PutStartReply, Remount, Remove, RemoveAll,
-    RemoveAllReply, RemoveMatching, RemoveReply, Status, StatusReply, UnmountSegment,
+    Exist, ExistReply, GetReplicaList, GetReplicaListReply, Mixed, MixedReply, MountSegment, Ping,
+    PingReply, PutEnd, PutEndReply, PutRevoke, PutRevokeReply, PutStart, PutStartReply, Remount,
+    Remove, RemoveAll, RemoveAllReply, RemoveMatching, RemoveReply, Status, StatusReply,
+    UnmountSegment,
 };
 use hkvm_events::rpc::RpcError;
 use hkvm_events::{KvEvent, Limits};
@@ -88,6 +89,8 @@ pub enum Request {
     RemoveMatching(RemoveMatching),
     /// See [`Status`].
     Status(Status),
+    /// See [`Mixed`].
+    Mixed(Mixed),
 }
 
 impl Request {
@@ -96,7 +99,7 @@ impl Request {
     pub fn reads_objects(&self) -> bool {
         matches!(
             self,
-            Self::GetReplicaList(_) | Self::Exist(_) | Self::Status(_)
+            Self::GetReplicaList(_) | Self::Exist(_) | Self::Status(_) | Self::Mixed(_)
         )
     }
 }
@@ -124,6 +127,8 @@ pub enum Reply {
     RemoveAll(RemoveAllReply),
     /// Status.
     Status(StatusReply),
+    /// Mixed.
+    Mixed(MixedReply),
 }
 
 /// What a command decided: events to append (and apply), and the reply to send once
@@ -199,13 +204,10 @@ pub fn handle(
         }
         Request::Exist(exist) => {
             check_batch(exist.keys.len(), policy)?;
-            Ok(Outcome::reply(Reply::Exist(
-                exist
-                    .keys
-                    .iter()
-                    .map(|key| state.object(key).is_some())
-                    .collect(),
-            )))
+            Ok(Outcome::reply(Reply::Exist(objects::exist(
+                state,
+                &exist.keys,
+            ))))
         }
         Request::Remove(remove) => {
             check_batch(remove.keys.len(), policy)?;
@@ -214,6 +216,10 @@ pub fn handle(
         Request::RemoveAll(remove_all) => Ok(objects::remove_all(state, &remove_all, now_ms)),
         Request::RemoveMatching(matching) => objects::remove_matching(state, &matching, now_ms),
         Request::Status(Status {}) => Ok(Outcome::reply(Reply::Status(status(state, serving)))),
+        Request::Mixed(mixed) => {
+            check_batch(mixed.len(), policy)?;
+            Ok(objects::mixed(state, mixed, now_ms, policy))
+        }
     }
 }
 

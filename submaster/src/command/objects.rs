@@ -2,8 +2,9 @@
 //! remove_all.
 
 use hkvm_events::rpc::submaster::{
-    GetReplicaList, ItemError, ItemResult, PutEnd, PutRevoke, PutStart, PutStartItem, Remove,
-    RemoveAll, RemoveAllReply, RemoveMatching, ReplicaList, ReplicaLocation, MAX_KEY_PATTERN_LEN,
+    GetReplicaList, GetReplicaListReply, ItemError, ItemResult, Mixed, MixedReply, PutEnd,
+    PutEndItem, PutEndReply, PutRevoke, PutStart, PutStartItem, PutStartReply, Remove, RemoveAll,
+    RemoveAllReply, RemoveMatching, ReplicaList, ReplicaLocation, MAX_KEY_PATTERN_LEN,
 };
 use hkvm_events::rpc::RpcError;
 use hkvm_events::{KvEvent, PutCommitted, PutFlags, Removed};
@@ -101,20 +102,35 @@ fn start_one(
 
 /// Reserves space for each item on distinct nodes (ephemeral: no event yet).
 pub(super) fn put_start(state: &mut State, put: PutStart, now_ms: u64, policy: &Policy) -> Outcome {
-    let results = put
-        .items
+    Outcome::reply(Reply::PutStart(start_all(state, put.items, now_ms, policy)))
+}
+
+fn start_all(
+    state: &mut State,
+    items: Vec<PutStartItem>,
+    now_ms: u64,
+    policy: &Policy,
+) -> PutStartReply {
+    items
         .into_iter()
         .map(|item| ItemResult::from(start_one(state, item, now_ms, policy)))
-        .collect();
-    Outcome::reply(Reply::PutStart(results))
+        .collect()
 }
 
 /// Commits pending puts: one `PutCommitted` event per item that had one.
 pub(super) fn put_end(state: &mut State, put: PutEnd) -> Outcome {
+    let (events, results) = end_all(state, put.items);
+    Outcome {
+        events,
+        reply: Reply::PutEnd(results),
+    }
+}
+
+fn end_all(state: &State, items: Vec<PutEndItem>) -> (Vec<KvEvent>, PutEndReply) {
     let mut events = Vec::new();
-    let mut results = Vec::with_capacity(put.items.len());
+    let mut results = Vec::with_capacity(items.len());
     let mut seen = std::collections::HashSet::new();
-    for item in put.items {
+    for item in items {
         let Some(pending) = state.pending.get(&item.key) else {
             results.push(ItemResult::Err(ItemError::NoPendingPut));
             continue;
@@ -137,9 +153,36 @@ pub(super) fn put_end(state: &mut State, put: PutEnd) -> Outcome {
         events.push(KvEvent::PutCommitted(event));
         results.push(ItemResult::Ok(()));
     }
+    (events, results)
+}
+
+/// Which keys are complete objects.
+pub(super) fn exist(state: &State, keys: &[String]) -> Vec<bool> {
+    keys.iter().map(|key| state.object(key).is_some()).collect()
+}
+
+/// The parts of a mixed request, decided in the order [`Mixed`] documents: reads
+/// first, then reservations, then commits. Only the commits cause events, and no
+/// part reads what a later part changes, so nothing needs applying in between.
+pub(super) fn mixed(state: &mut State, mixed: Mixed, now_ms: u64, policy: &Policy) -> Outcome {
+    let Mixed {
+        exist: exist_keys,
+        get_replica_list: get_keys,
+        put_start: start_items,
+        put_end: end_items,
+    } = mixed;
+    let exist = exist(state, &exist_keys);
+    let get_replica_list = locate_all(state, &get_keys, now_ms, policy);
+    let put_start = start_all(state, start_items, now_ms, policy);
+    let (events, put_end) = end_all(state, end_items);
     Outcome {
         events,
-        reply: Reply::PutEnd(results),
+        reply: Reply::Mixed(MixedReply {
+            exist,
+            get_replica_list,
+            put_start,
+            put_end,
+        }),
     }
 }
 
@@ -166,10 +209,19 @@ pub(super) fn get_replica_list(
     now_ms: u64,
     policy: &Policy,
 ) -> Outcome {
+    Outcome::reply(Reply::GetReplicaList(locate_all(
+        state, &get.keys, now_ms, policy,
+    )))
+}
+
+fn locate_all(
+    state: &mut State,
+    keys: &[String],
+    now_ms: u64,
+    policy: &Policy,
+) -> GetReplicaListReply {
     let lease_until = now_ms + policy.lease_ttl_ms;
-    let results = get
-        .keys
-        .iter()
+    keys.iter()
         .map(|key| {
             let Some(object) = state.object_mut(key) else {
                 return ItemResult::Err(ItemError::NotFound);
@@ -184,8 +236,7 @@ pub(super) fn get_replica_list(
                 lease_ms: policy.lease_ttl_ms,
             })
         })
-        .collect();
-    Outcome::reply(Reply::GetReplicaList(results))
+        .collect()
 }
 
 /// Whether an object may be removed or evicted now without `force`.

@@ -2,7 +2,7 @@
 //! also folded by a standby, which must end with the same durable state.
 
 use hkvm_events::rpc::submaster::{
-    Exist, GetReplicaList, ItemError, ItemResult, MountSegment, Ping, PutEnd, PutEndItem,
+    Exist, GetReplicaList, ItemError, ItemResult, Mixed, MountSegment, Ping, PutEnd, PutEndItem,
     PutRevoke, PutStart, PutStartItem, Remount, Remove, RemoveAll, RemoveMatching, UnmountSegment,
     MAX_KEY_PATTERN_LEN,
 };
@@ -499,4 +499,70 @@ fn the_allocator_is_rebuilt_from_events() {
         takeover.leader.anomalies,
         crate::state::ApplyAnomalies::default()
     );
+}
+
+#[test]
+fn a_mixed_request_decides_reads_then_reservations_then_commits() {
+    let mut h = three_nodes();
+    h.put("old", 10, 1);
+    assert!(matches!(h.put_start("pending", 20, 1), ItemResult::Ok(_)));
+    let start = |key: &str| PutStartItem {
+        key: key.into(),
+        size: 30,
+        replicas: 1,
+        preferred_segment: None,
+        hard_pin: false,
+    };
+    let end = |key: &str| PutEndItem {
+        key: key.into(),
+        checksum: 9,
+    };
+    let reply = h.run(Request::Mixed(Mixed {
+        exist: vec!["old".into(), "pending".into()],
+        get_replica_list: vec!["old".into(), "pending".into()],
+        put_start: vec![start("new"), start("pending")],
+        put_end: vec![end("pending"), end("never-started")],
+    }));
+    let Ok(Reply::Mixed(reply)) = reply else {
+        panic!("{reply:?}")
+    };
+    // Reads see the state before the request's commits.
+    assert_eq!(reply.exist, vec![true, false]);
+    assert!(matches!(&reply.get_replica_list[0], ItemResult::Ok(list) if list.size == 10));
+    assert_eq!(
+        reply.get_replica_list[1],
+        ItemResult::Err(ItemError::NotFound)
+    );
+    // A key whose put is still pending is not reserved twice.
+    assert!(matches!(reply.put_start[0], ItemResult::Ok(_)));
+    assert_eq!(
+        reply.put_start[1],
+        ItemResult::Err(ItemError::AlreadyExists)
+    );
+    assert_eq!(
+        reply.put_end,
+        vec![ItemResult::Ok(()), ItemResult::Err(ItemError::NoPendingPut)]
+    );
+    assert_eq!(h.exists(&["pending", "new"]), vec![true, false]);
+    assert_eq!(h.standby.object("pending").map(|o| o.size), Some(20));
+    // With the one reservation left given back, the standby holds the same state.
+    h.run(Request::PutRevoke(PutRevoke {
+        keys: vec!["new".into()],
+    }))
+    .unwrap();
+    h.assert_standby_agrees();
+}
+
+#[test]
+fn a_mixed_request_is_bounded_by_its_items_in_all_parts() {
+    let mut h = three_nodes();
+    let keys: Vec<String> = (0..h.policy.max_batch / 2 + 1)
+        .map(|i| format!("k{i}"))
+        .collect();
+    let reply = h.run(Request::Mixed(Mixed {
+        exist: keys.clone(),
+        get_replica_list: keys,
+        ..Mixed::default()
+    }));
+    assert!(matches!(reply, Err(error) if error.code == RpcErrorCode::InvalidRequest));
 }

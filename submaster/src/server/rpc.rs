@@ -65,6 +65,7 @@ fn decode_request(op: Op, body: &[u8]) -> Result<Request, RpcError> {
         Op::RemoveAll => Request::RemoveAll(rpc::decode(body)?),
         Op::RemoveMatching => Request::RemoveMatching(rpc::decode(body)?),
         Op::Status => Request::Status(rpc::decode(body)?),
+        Op::Mixed => Request::Mixed(rpc::decode(body)?),
     })
 }
 
@@ -81,6 +82,7 @@ pub(crate) fn encode_reply(reply: Reply) -> Vec<u8> {
         Reply::Remove(r) => rpc::encode(&RpcReply::Ok(r)),
         Reply::RemoveAll(r) => rpc::encode(&RpcReply::Ok(r)),
         Reply::Status(r) => rpc::encode(&RpcReply::Ok(r)),
+        Reply::Mixed(r) => rpc::encode(&RpcReply::Ok(r)),
     };
     encoded.unwrap_or_else(|error| encode_error(&error))
 }

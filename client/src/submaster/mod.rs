@@ -14,11 +14,12 @@ use serde::Serialize;
 
 use std::sync::Arc;
 
-use hkvm_events::rpc::submaster::{ItemResult, ReplicaList, ReplicaLocation};
+mod mixed;
 
 use crate::coalesce::{CoalesceConfig, Coalescer};
 use crate::error::ClientError;
 use crate::retry::{ClientStats, Resend, RetryPolicy, RpcCaller};
+use mixed::{answers_of, Answer, Call};
 
 /// A client of one sub-cluster's sub-master. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -27,21 +28,7 @@ pub struct SubmasterClient {
     cluster: ClusterId,
     subcluster: SubclusterId,
     /// Set on a real client: concurrent calls share batched requests.
-    coalescing: Option<Arc<Coalescing>>,
-}
-
-/// The coalesced operations of one client.
-struct Coalescing {
-    put_start: Coalescer<PutStartItem, ItemResult<Vec<ReplicaLocation>>>,
-    put_end: Coalescer<PutEndItem, ItemResult<()>>,
-    get_replica_list: Coalescer<String, ItemResult<ReplicaList>>,
-    exist: Coalescer<String, bool>,
-}
-
-impl std::fmt::Debug for Coalescing {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Coalescing").finish_non_exhaustive()
-    }
+    coalescing: Option<Arc<Coalescer<Call, Answer>>>,
 }
 
 /// Whether an operation may be sent again after a timeout without changing its
@@ -57,6 +44,8 @@ fn resend(op: Op) -> Resend {
         | Op::MountSegment
         | Op::Remount
         | Op::PutStart => Resend::Safe,
+        // Decided per request by `SubmasterClient::mixed`: safe unless it commits.
+        Op::Mixed => Resend::Unsafe,
         Op::UnmountSegment
         | Op::PutEnd
         | Op::PutRevoke
@@ -93,47 +82,30 @@ impl SubmasterClient {
     }
 
     /// This client with `put_start`, `put_end`, `get_replica_list` and `exist`
-    /// calls coalesced: concurrent calls (from its clones too) go out as one
-    /// batched request per operation at a time. Needs a Tokio runtime.
+    /// calls coalesced: concurrent calls (from its clones too), whatever their
+    /// operation, go out together as one mixed request at a time. Needs a Tokio
+    /// runtime.
     pub fn coalesced(self, config: CoalesceConfig) -> Self {
         let plain = Self {
             coalescing: None,
             ..self.clone()
         };
-        let put_start = {
+        let coalescer = Coalescer::start(config, move |calls| {
             let plain = plain.clone();
-            Coalescer::start(config, move |items| {
-                let plain = plain.clone();
-                async move { plain.put_start(items).await }
-            })
-        };
-        let put_end = {
-            let plain = plain.clone();
-            Coalescer::start(config, move |items| {
-                let plain = plain.clone();
-                async move { plain.put_end(items).await }
-            })
-        };
-        let get_replica_list = {
-            let plain = plain.clone();
-            Coalescer::start(config, move |keys| {
-                let plain = plain.clone();
-                async move { plain.get_replica_list(keys).await }
-            })
-        };
-        let exist = Coalescer::start(config, move |keys| {
-            let plain = plain.clone();
-            async move { plain.exist(keys).await }
+            async move { plain.mixed(calls).await }
         });
         Self {
-            coalescing: Some(Arc::new(Coalescing {
-                put_start,
-                put_end,
-                get_replica_list,
-                exist,
-            })),
+            coalescing: Some(Arc::new(coalescer)),
             ..self
         }
+    }
+
+    /// The coalescer, when this client coalesces and the call is small enough to
+    /// share a request (a larger one goes out alone, in chunks).
+    fn coalescer_for(&self, items: usize) -> Option<&Coalescer<Call, Answer>> {
+        self.coalescing
+            .as_deref()
+            .filter(|_| items <= MAX_BATCH_ITEMS)
     }
 
     /// The sub-cluster this client talks to.
@@ -161,10 +133,17 @@ impl SubmasterClient {
         op: Op,
         request: &Req,
     ) -> Result<Rep, ClientError> {
+        self.call_with(op, request, resend(op)).await
+    }
+
+    async fn call_with<Req: Serialize, Rep: DeserializeOwned>(
+        &self,
+        op: Op,
+        request: &Req,
+        resend: Resend,
+    ) -> Result<Rep, ClientError> {
         let subject = submaster_rpc_subject(&self.cluster, &self.subcluster, op.name());
-        self.caller
-            .call(op.name(), subject, request, resend(op))
-            .await
+        self.caller.call(op.name(), subject, request, resend).await
     }
 
     /// Calls a batch operation in chunks of at most [`MAX_BATCH_ITEMS`] items (the
@@ -223,8 +202,13 @@ impl SubmasterClient {
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`].
     pub async fn put_start(&self, items: Vec<PutStartItem>) -> Result<PutStartReply, ClientError> {
-        if let Some(coalescing) = &self.coalescing {
-            return coalescing.put_start.call(Op::PutStart.name(), items).await;
+        if let Some(coalescer) = self.coalescer_for(items.len()) {
+            let calls = items.into_iter().map(Call::Start).collect();
+            let answers = coalescer.call(Op::PutStart.name(), calls).await?;
+            return answers_of(answers, |answer| match answer {
+                Answer::Start(result) => Some(result),
+                _ => None,
+            });
         }
         self.call_batched(Op::PutStart, items, |items| PutStart { items })
             .await
@@ -235,8 +219,13 @@ impl SubmasterClient {
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`].
     pub async fn put_end(&self, items: Vec<PutEndItem>) -> Result<PutEndReply, ClientError> {
-        if let Some(coalescing) = &self.coalescing {
-            return coalescing.put_end.call(Op::PutEnd.name(), items).await;
+        if let Some(coalescer) = self.coalescer_for(items.len()) {
+            let calls = items.into_iter().map(Call::End).collect();
+            let answers = coalescer.call(Op::PutEnd.name(), calls).await?;
+            return answers_of(answers, |answer| match answer {
+                Answer::End(result) => Some(result),
+                _ => None,
+            });
         }
         self.call_batched(Op::PutEnd, items, |items| PutEnd { items })
             .await
@@ -259,11 +248,13 @@ impl SubmasterClient {
         &self,
         keys: Vec<String>,
     ) -> Result<GetReplicaListReply, ClientError> {
-        if let Some(coalescing) = &self.coalescing {
-            return coalescing
-                .get_replica_list
-                .call(Op::GetReplicaList.name(), keys)
-                .await;
+        if let Some(coalescer) = self.coalescer_for(keys.len()) {
+            let calls = keys.into_iter().map(Call::Locate).collect();
+            let answers = coalescer.call(Op::GetReplicaList.name(), calls).await?;
+            return answers_of(answers, |answer| match answer {
+                Answer::Locate(result) => Some(result),
+                _ => None,
+            });
         }
         self.call_batched(Op::GetReplicaList, keys, |keys| GetReplicaList { keys })
             .await
@@ -274,8 +265,13 @@ impl SubmasterClient {
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`].
     pub async fn exist(&self, keys: Vec<String>) -> Result<ExistReply, ClientError> {
-        if let Some(coalescing) = &self.coalescing {
-            return coalescing.exist.call(Op::Exist.name(), keys).await;
+        if let Some(coalescer) = self.coalescer_for(keys.len()) {
+            let calls = keys.into_iter().map(Call::Exist).collect();
+            let answers = coalescer.call(Op::Exist.name(), calls).await?;
+            return answers_of(answers, |answer| match answer {
+                Answer::Exist(flag) => Some(flag),
+                _ => None,
+            });
         }
         self.call_batched(Op::Exist, keys, |keys| Exist { keys })
             .await
