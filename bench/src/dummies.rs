@@ -168,7 +168,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     for (tag, dummy) in dummies.iter().enumerate() {
         tasks.push(async move {
             let offset = dummy.pool_alloc(SMALL).context("pool")?;
-            let span = Span { offset, len: SMALL };
+            let span = Span::in_pool(offset, SMALL);
             let mut ops = 0u64;
             while started.elapsed() < duration {
                 dummy_op(dummy, span, tag, ops).await?;
@@ -203,7 +203,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     // One client's 1 MiB put_from and get_into: a dummy against a full client.
     let dummy = &dummies[0];
     let offset = dummy.pool_alloc(LARGE).context("pool")?;
-    let span = Span { offset, len: LARGE };
+    let span = Span::in_pool(offset, LARGE);
     let single = &full[0];
     let value = vec![9u8; LARGE as usize];
     let mut buffer = vec![0u8; LARGE as usize];

@@ -2,6 +2,6 @@
 (``MooncakeDistributedStore``, ``ReplicateConfig``) on an HKVM pool, and
 ``hkvm.sglang`` is an SGLang HiCache storage backend."""
 
-from .store import BufferHandle, ErrorCode, MooncakeDistributedStore, ReplicateConfig
+from .store import BufferHandle, ErrorCode, MooncakeDistributedStore, MooncakeHostMemAllocator, ReplicateConfig
 
-__all__ = ["BufferHandle", "ErrorCode", "MooncakeDistributedStore", "ReplicateConfig"]
+__all__ = ["BufferHandle", "ErrorCode", "MooncakeDistributedStore", "MooncakeHostMemAllocator", "ReplicateConfig"]

@@ -24,6 +24,7 @@ __all__ = [
     "BufferHandle",
     "ErrorCode",
     "MooncakeDistributedStore",
+    "MooncakeHostMemAllocator",
     "ReplicateConfig",
 ]
 
@@ -98,6 +99,34 @@ class BufferHandle(bytearray):
     def size(self) -> int:
         """The number of bytes."""
         return len(self)
+
+
+class MooncakeHostMemAllocator:
+    """Host memory for buffers that zero-copy calls use, allocated before the
+    store is set up (SGLang's host KV pool with ``standalone_storage``). Each
+    allocation is shared memory: ``register_buffer`` on a dummy store
+    (``setup_dummy``) shares it with the real client, so ``batch_put_from`` and
+    ``batch_get_into`` on it move no byte through the socket. On a full store it is
+    ordinary memory.
+
+    ``use_hugepage`` and ``hugepage_size`` are accepted for compatibility; the
+    memory is made of regular pages."""
+
+    def __init__(self, use_hugepage: Optional[bool] = None, hugepage_size: Union[int, str, None] = None) -> None:
+        if use_hugepage:
+            log.info("MooncakeHostMemAllocator: hugepages are not used; allocating regular shared pages")
+        self._hugepage_size = hugepage_size
+
+    def alloc(self, size: int) -> int:
+        """The address of ``size`` new bytes (zeroed); ``MemoryError`` when the
+        memory cannot be had."""
+        return _native.host_alloc(int(size))
+
+    def free(self, ptr: int) -> int:
+        """Frees an address from ``alloc``: 0, or -600 for any other address. A
+        dummy store that registered the memory keeps it mapped until it
+        unregisters it."""
+        return _native.host_free(int(ptr))
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)

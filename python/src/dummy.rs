@@ -1,16 +1,20 @@
 //! `NativeDummy`: a dummy client (`setup_dummy`) with the same list-in, list-out
 //! methods as `NativeStore`. Values move through the memory it shares with the
 //! real client: zero-copy calls name buffers the caller allocated from the shared
-//! pool (`alloc_from_mem_pool`); copying calls stage values in its staging area.
+//! pool (`alloc_from_mem_pool`) or from `MooncakeHostMemAllocator` (shared with
+//! the real client when registered); copying calls stage values in its staging
+//! area.
 
 use std::future::Future;
+use std::sync::{Arc, Mutex};
 
-use hkvm_client::dummy::{DummyClient, DummyError};
+use hkvm_client::dummy::{DummyClient, DummyError, SharedRegion};
 use hkvm_client::store::{BufferRegistry, ErrorCode};
 use hkvm_events::rpc::dummy::{DummyReply, DummyRequest, Placement, Span};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes};
 
+use crate::host_memory;
 use crate::zero_copy::select;
 use crate::HkvmError;
 
@@ -37,6 +41,28 @@ pub struct NativeDummy {
     client: DummyClient,
     buffers: BufferRegistry,
     local_buffer_size: u64,
+    /// Host memory shared with the real client, by its region number.
+    shared: Mutex<Vec<SharedHost>>,
+}
+
+/// A host allocation this dummy shares with its real client.
+struct SharedHost {
+    region: u32,
+    /// Kept mapped here while shared, even if the caller frees it meanwhile.
+    memory: Arc<SharedRegion>,
+}
+
+impl SharedHost {
+    /// The span of `[ptr, ptr + size)` when it lies in this memory.
+    fn span(&self, ptr: usize, size: usize) -> Option<Span> {
+        let offset = ptr.checked_sub(self.memory.base())? as u64;
+        let span = Span {
+            region: self.region,
+            offset,
+            len: size as u64,
+        };
+        span.fits(self.memory.len()).then_some(span)
+    }
 }
 
 impl Drop for NativeDummy {
@@ -79,17 +105,42 @@ impl NativeDummy {
     }
 
     /// The span of `[ptr, ptr + size)` when it lies in registered memory of the
-    /// shared region.
+    /// shared pool or of shared host memory.
     fn span(&self, ptr: usize, size: usize) -> Option<Span> {
         if !self.buffers.contains(ptr, size) {
             return None;
         }
-        let offset = ptr.checked_sub(self.client.region().base())?;
-        let span = Span {
-            offset: offset as u64,
-            len: size as u64,
+        let in_pool = ptr
+            .checked_sub(self.client.region().base())
+            .map(|offset| Span::in_pool(offset as u64, size as u64))
+            .filter(|span| span.fits(self.client.pool_bytes()));
+        in_pool.or_else(|| {
+            lock(&self.shared)
+                .iter()
+                .find_map(|shared| shared.span(ptr, size))
+        })
+    }
+
+    /// Shares the host allocation holding `[ptr, ptr + size)` with the real
+    /// client, unless it is shared already: whether the range is now shared.
+    fn share_host(&self, py: Python<'_>, ptr: usize, size: usize) -> Result<bool, i32> {
+        if lock(&self.shared)
+            .iter()
+            .any(|shared| shared.span(ptr, size).is_some())
+        {
+            return Ok(true);
+        }
+        let Some(memory) = host_memory::containing(ptr, size) else {
+            return Ok(false);
         };
-        span.fits(self.client.region().len()).then_some(span)
+        let region = self
+            .wait(py, self.client.share(memory.fd(), memory.len()))
+            .map_err(|error| {
+                tracing::error!(%error, "sharing host memory with the real client");
+                code_of(&error)
+            })?;
+        lock(&self.shared).push(SharedHost { region, memory });
+        Ok(true)
     }
 
     /// Sizes of `keys` (or codes).
@@ -140,7 +191,7 @@ impl NativeDummy {
             };
             staged.offsets.push(offset);
             wanted.push(index);
-            spans.push(vec![Span { offset, len: size }]);
+            spans.push(vec![Span::in_pool(offset, size)]);
         }
         if wanted.is_empty() {
             return Ok(codes);
@@ -227,6 +278,7 @@ impl NativeDummy {
             client,
             buffers: BufferRegistry::default(),
             local_buffer_size,
+            shared: Mutex::new(Vec::new()),
         })
     }
 
@@ -293,7 +345,7 @@ impl NativeDummy {
                 at += bytes.len();
             }
             wanted.push(index);
-            spans.push(vec![Span { offset, len: size }]);
+            spans.push(vec![Span::in_pool(offset, size)]);
         }
         if wanted.is_empty() {
             return codes;
@@ -452,19 +504,27 @@ impl NativeDummy {
         }
     }
 
-    /// Registers memory for zero-copy calls; it must lie in the shared pool
-    /// (allocate it with `alloc_from_mem_pool`): 0 or -600.
-    fn register_buffer(&self, ptr: usize, size: usize) -> i32 {
+    /// Registers memory for zero-copy calls: 0, or -600 unless it lies in the
+    /// shared pool (`alloc_from_mem_pool`) or in host memory from
+    /// `MooncakeHostMemAllocator` (shared with the real client here).
+    fn register_buffer(&self, py: Python<'_>, ptr: usize, size: usize) -> i32 {
         let base = self.client.region().base();
         let pool_end = base + self.client.pool_bytes() as usize;
-        let inside = ptr >= base && ptr.checked_add(size).is_some_and(|end| end <= pool_end);
-        if !inside {
-            tracing::error!(
-                ptr,
-                size,
-                "a dummy client's buffer must lie in its shared pool: allocate it with alloc_from_mem_pool"
-            );
-            return INVALID;
+        let in_pool = ptr >= base && ptr.checked_add(size).is_some_and(|end| end <= pool_end);
+        if !in_pool {
+            match self.share_host(py, ptr, size) {
+                Ok(true) => {}
+                Ok(false) => {
+                    tracing::error!(
+                        ptr,
+                        size,
+                        "a dummy client's buffer must lie in its shared pool \
+                         (alloc_from_mem_pool) or in MooncakeHostMemAllocator memory"
+                    );
+                    return INVALID;
+                }
+                Err(code) => return code,
+            }
         }
         match self.buffers.register(ptr, size) {
             Ok(()) => 0,
@@ -472,13 +532,28 @@ impl NativeDummy {
         }
     }
 
-    /// Forgets a registration: 0 or -600.
-    fn unregister_buffer(&self, ptr: usize) -> i32 {
-        if self.buffers.unregister(ptr) {
-            0
-        } else {
-            INVALID
+    /// Forgets a registration: 0 or -600. Host memory is no longer shared once
+    /// no registration lies in it.
+    fn unregister_buffer(&self, py: Python<'_>, ptr: usize) -> i32 {
+        if !self.buffers.unregister(ptr) {
+            return INVALID;
         }
+        let unused: Vec<u32> = lock(&self.shared)
+            .iter()
+            .filter(|shared| {
+                !self
+                    .buffers
+                    .overlaps(shared.memory.base(), shared.memory.len() as usize)
+            })
+            .map(|shared| shared.region)
+            .collect();
+        for region in unused {
+            lock(&self.shared).retain(|shared| shared.region != region);
+            if let Err(error) = self.wait(py, self.client.release(region)) {
+                tracing::warn!(%error, region, "releasing shared host memory");
+            }
+        }
+        0
     }
 
     /// An address of `size` bytes in the shared pool, or 0 when it is full.
@@ -497,6 +572,10 @@ impl NativeDummy {
             INVALID
         }
     }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Spreads a per-key reply (or a whole-request failure) over `codes` at `indexes`.

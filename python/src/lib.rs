@@ -5,6 +5,7 @@
 //! copy runs with the GIL released, on a Tokio runtime owned by the store.
 
 mod dummy;
+mod host_memory;
 mod native;
 mod zero_copy;
 
@@ -39,5 +40,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     m.add_class::<native::NativeStore>()?;
     m.add_class::<dummy::NativeDummy>()?;
+    m.add_function(wrap_pyfunction!(host_memory::host_alloc, m)?)?;
+    m.add_function(wrap_pyfunction!(host_memory::host_free, m)?)?;
     Ok(())
 }

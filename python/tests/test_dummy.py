@@ -11,8 +11,8 @@ import re
 import subprocess
 import time
 
-from conftest import CLUSTER, RealClient, _hkvm_binary, open_dummy, python
-from hkvm.store import ErrorCode
+from conftest import CLUSTER, RealClient, _hkvm_binary, open_dummy, open_store, python
+from hkvm.store import ErrorCode, MooncakeHostMemAllocator
 
 
 def test_memory_outside_the_shared_region_is_refused(real_client, key):
@@ -172,3 +172,85 @@ def test_setup_dummy_without_a_real_client_fails_cleanly():
     assert s.setup_dummy(1 << 20, 1 << 20, "no-port") == ErrorCode.INVALID_PARAMS
     assert s.get("k") == b""
     assert os.environ.get("HKVM_NEVER_SET") is None
+
+
+def _host_mappings(pid: int) -> int:
+    """How many MooncakeHostMemAllocator regions the process maps."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return sum(1 for line in maps if "hkvm-host" in line)
+
+
+def test_host_memory_allocated_before_setup_is_shared_zero_copy(real_client, key):
+    """SGLang's standalone mode: the host KV pool comes from MooncakeHostMemAllocator
+    before the dummy store exists; registering it shares it with the real client,
+    and batch_put_from / batch_get_into on it are byte-exact."""
+    allocator = MooncakeHostMemAllocator()
+    page, pages = 64 * 1024, 8
+    pool = allocator.alloc(page * pages)
+    assert pool != 0
+    store = open_dummy(real_client.port, pool=1 << 20)
+    real_pid = real_client.process.pid
+    try:
+        assert _host_mappings(real_pid) == 0
+        assert store.register_buffer(pool, page * pages) == 0
+        assert _host_mappings(real_pid) == 1, "the real client maps the host memory"
+        keys = [f"{key}-p{i}" for i in range(pages // 2)]
+        for i in range(pages // 2):
+            ctypes.memmove(pool + i * page, os.urandom(16) * (page // 16), page)
+        sources = [pool + i * page for i in range(pages // 2)]
+        targets = [pool + (pages // 2 + i) * page for i in range(pages // 2)]
+        assert store.batch_put_from(keys, sources, [page] * len(keys)) == [0] * len(keys)
+        assert store.batch_get_into(keys, targets, [page] * len(keys)) == [page] * len(keys)
+        for source, target in zip(sources, targets):
+            assert ctypes.string_at(source, page) == ctypes.string_at(target, page)
+        # Memory outside any allocation or registration is still refused.
+        private = ctypes.create_string_buffer(page)
+        assert store.register_buffer(ctypes.addressof(private), page) == ErrorCode.INVALID_PARAMS
+        assert store.put_from(key, pool + page * pages - 8, 16) == ErrorCode.INVALID_PARAMS
+        assert store.unregister_buffer(pool) == 0
+        assert _host_mappings(real_pid) == 0, "unregistered host memory is released"
+        assert store.put_from(key, pool, page) == ErrorCode.INVALID_PARAMS
+        store.batch_remove(keys, True)
+    finally:
+        store.close()
+        assert allocator.free(pool) == 0
+    assert allocator.free(pool) == ErrorCode.INVALID_PARAMS, "freed twice"
+
+
+def test_host_memory_is_shared_again_after_the_real_client_restarts(cluster, key):
+    client = RealClient(cluster).start()
+    allocator = MooncakeHostMemAllocator()
+    size = 128 * 1024
+    pool = allocator.alloc(size)
+    store = open_dummy(client.port, pool=1 << 20)
+    try:
+        assert store.register_buffer(pool, size) == 0
+        ctypes.memmove(pool, b"before" * 10, 60)
+        assert store.put_from(f"{key}-a", pool, 60) == 0
+        client.kill()
+        client.start()
+        # The first call reconnects and attaches the host memory again.
+        ctypes.memmove(pool + 4096, b"after" * 10, 50)
+        assert store.put_from(f"{key}-b", pool + 4096, 50) == 0
+        assert _host_mappings(client.process.pid) == 1
+        assert store.get_into(f"{key}-b", pool + 8192, 50) == 50
+        assert ctypes.string_at(pool + 8192, 50) == b"after" * 10
+    finally:
+        store.close()
+        allocator.free(pool)
+        client.stop()
+
+
+def test_host_memory_works_on_a_full_store(cluster, key):
+    allocator = MooncakeHostMemAllocator(use_hugepage=False)
+    pool = allocator.alloc(8192)
+    store = open_store(cluster, "sc-0")
+    try:
+        assert store.register_buffer(pool, 8192) == 0
+        ctypes.memmove(pool, b"x" * 100, 100)
+        assert store.put_from(key, pool, 100) == 0
+        assert store.get_into(key, pool + 4096, 100) == 100
+        assert ctypes.string_at(pool + 4096, 100) == b"x" * 100
+    finally:
+        store.close()
+        allocator.free(pool)

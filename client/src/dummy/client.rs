@@ -6,17 +6,17 @@
 //! anything.
 
 use std::collections::HashMap;
-use std::os::fd::AsFd as _;
+use std::os::fd::{AsFd as _, BorrowedFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use hkvm_events::rpc::dummy::{
-    decode_frame, dummy_socket_name, encode_frame, frame_len, DummyReply, DummyRequest, Frame,
-    Hello, Welcome, DUMMY_PROTOCOL_VERSION,
+    decode_frame, dummy_socket_name, encode_frame, frame_len, Attach, DummyReply, DummyRequest,
+    Frame, Hello, Welcome, DUMMY_PROTOCOL_VERSION,
 };
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::net::unix::OwnedWriteHalf;
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::oneshot;
 
 use super::fd::send_with_fd;
@@ -56,6 +56,23 @@ struct Connection {
     pending: Pending,
     reader: tokio::task::JoinHandle<()>,
     hostname: String,
+    session: u64,
+    /// Set when a write failed: the real client is gone.
+    broken: std::sync::atomic::AtomicBool,
+}
+
+impl Connection {
+    fn alive(&self) -> bool {
+        !self.reader.is_finished() && !self.broken.load(Ordering::Relaxed)
+    }
+}
+
+/// A region this dummy shares besides its pool (a host buffer), attached again
+/// whenever the dummy connects again.
+struct Share {
+    region: u32,
+    fd: OwnedFd,
+    len: u64,
 }
 
 impl Drop for Connection {
@@ -73,6 +90,8 @@ pub struct DummyClient {
     staging: Mutex<RangeAllocator>,
     connection: tokio::sync::Mutex<Option<Arc<Connection>>>,
     next_id: AtomicU64,
+    shares: Mutex<Vec<Share>>,
+    next_region: AtomicU64,
 }
 
 impl std::fmt::Debug for DummyClient {
@@ -113,6 +132,8 @@ impl DummyClient {
             staging: Mutex::new(RangeAllocator::new(pool_bytes, staging_bytes)),
             connection: tokio::sync::Mutex::new(None),
             next_id: AtomicU64::new(1),
+            shares: Mutex::new(Vec::new()),
+            next_region: AtomicU64::new(1),
         };
         client.connection().await?;
         Ok(client)
@@ -161,43 +182,150 @@ impl DummyClient {
     /// The live connection, made (again) when there is none.
     async fn connection(&self) -> Result<Arc<Connection>, DummyError> {
         let mut slot = self.connection.lock().await;
+        self.connected(&mut slot).await
+    }
+
+    /// The connection in `slot`, made again (with every shared region attached
+    /// again) when it is gone.
+    async fn connected(
+        &self,
+        slot: &mut Option<Arc<Connection>>,
+    ) -> Result<Arc<Connection>, DummyError> {
         if let Some(connection) = slot.as_ref() {
-            if !connection.reader.is_finished() {
+            if connection.alive() {
                 return Ok(Arc::clone(connection));
             }
         }
         let connection = Arc::new(self.open().await?);
+        let shares: Vec<(u32, OwnedFd, u64)> = lock(&self.shares)
+            .iter()
+            .map(|share| {
+                let fd = share.fd.try_clone().map_err(DummyError::Region)?;
+                Ok((share.region, fd, share.len))
+            })
+            .collect::<Result<_, DummyError>>()?;
+        for (region, fd, len) in shares {
+            self.attach(connection.session, region, fd.as_fd(), len)
+                .await?;
+        }
         *slot = Some(Arc::clone(&connection));
         Ok(connection)
     }
 
-    async fn open(&self) -> Result<Connection, DummyError> {
-        let unreachable = |source| DummyError::Unreachable {
+    fn unreachable(&self, source: std::io::Error) -> DummyError {
+        DummyError::Unreachable {
             socket: self.socket.clone(),
             source,
-        };
+        }
+    }
+
+    /// Connects, sends `hello` with `fd` attached and reads the welcome.
+    async fn handshake(
+        &self,
+        hello: Hello,
+        fd: BorrowedFd<'_>,
+    ) -> Result<(Welcome, OwnedReadHalf, OwnedWriteHalf), DummyError> {
         let address = std::os::unix::net::SocketAddr::from_abstract_name(self.socket.as_bytes())
-            .map_err(unreachable)?;
-        let stream = std::os::unix::net::UnixStream::connect_addr(&address).map_err(unreachable)?;
-        let hello = encode_frame(&Frame {
-            id: 0,
-            body: Hello {
-                version: DUMMY_PROTOCOL_VERSION,
-                pid: std::process::id(),
-                region_bytes: self.region.len(),
-            },
-        })?;
-        send_with_fd(stream.as_fd(), &hello, self.region.fd()).map_err(unreachable)?;
-        stream.set_nonblocking(true).map_err(unreachable)?;
-        let stream = tokio::net::UnixStream::from_std(stream).map_err(unreachable)?;
+            .map_err(|e| self.unreachable(e))?;
+        let stream = std::os::unix::net::UnixStream::connect_addr(&address)
+            .map_err(|e| self.unreachable(e))?;
+        let hello = encode_frame(&Frame { id: 0, body: hello })?;
+        send_with_fd(stream.as_fd(), &hello, fd).map_err(|e| self.unreachable(e))?;
+        stream
+            .set_nonblocking(true)
+            .map_err(|e| self.unreachable(e))?;
+        let stream = tokio::net::UnixStream::from_std(stream).map_err(|e| self.unreachable(e))?;
         let (mut reader, writer) = stream.into_split();
         let welcome: Frame<Welcome> = read_frame(&mut reader)
             .await
-            .map_err(unreachable)?
+            .map_err(|e| self.unreachable(e))?
             .ok_or(DummyError::Disconnected)??;
-        let hostname = match welcome.body {
-            Welcome::Ready { hostname } => hostname,
+        Ok((welcome.body, reader, writer))
+    }
+
+    /// Attaches `fd` (of `len` bytes) to `session` as `region`.
+    async fn attach(
+        &self,
+        session: u64,
+        region: u32,
+        fd: BorrowedFd<'_>,
+        len: u64,
+    ) -> Result<(), DummyError> {
+        let hello = Hello {
+            version: DUMMY_PROTOCOL_VERSION,
+            pid: std::process::id(),
+            region_bytes: len,
+            attach: Some(Attach { session, region }),
+        };
+        match self.handshake(hello, fd).await?.0 {
+            Welcome::Attached { region: attached } if attached == region => Ok(()),
+            Welcome::Refused { reason } => Err(DummyError::Refused(reason)),
+            other => Err(DummyError::Refused(format!(
+                "an unexpected answer to an attachment: {other:?}"
+            ))),
+        }
+    }
+
+    /// Shares `len` bytes of memory behind `fd` (a memfd the caller mapped, such
+    /// as a host buffer from [`SharedRegion::create`]) with the real client, so
+    /// that spans of the returned region number move its bytes with no copy. The
+    /// region stays shared, across reconnections too, until [`Self::release`].
+    ///
+    /// # Errors
+    /// When the descriptor cannot be kept, or the real client is unreachable or
+    /// refuses it.
+    pub async fn share(&self, fd: BorrowedFd<'_>, len: u64) -> Result<u32, DummyError> {
+        let fd = fd.try_clone_to_owned().map_err(DummyError::Region)?;
+        let region = u32::try_from(self.next_region.fetch_add(1, Ordering::Relaxed))
+            .map_err(|_| DummyError::Region(std::io::Error::other("region numbers ran out")))?;
+        // Under the connection lock, so that a reconnection cannot miss it.
+        let mut slot = self.connection.lock().await;
+        let connection = self.connected(&mut slot).await?;
+        self.attach(connection.session, region, fd.as_fd(), len)
+            .await?;
+        lock(&self.shares).push(Share { region, fd, len });
+        Ok(region)
+    }
+
+    /// Stops sharing `region`; whether it was shared.
+    ///
+    /// # Errors
+    /// When the real client is unreachable or refuses.
+    pub async fn release(&self, region: u32) -> Result<bool, DummyError> {
+        let removed = {
+            let mut shares = lock(&self.shares);
+            let before = shares.len();
+            shares.retain(|share| share.region != region);
+            shares.len() != before
+        };
+        if !removed {
+            return Ok(false);
+        }
+        match self.call(&DummyRequest::ReleaseRegion { region }).await? {
+            DummyReply::Codes(codes) if codes == [0] => Ok(true),
+            DummyReply::Refused { reason, .. } => Err(DummyError::Refused(reason)),
+            other => Err(DummyError::Refused(format!(
+                "an unexpected answer to a release: {other:?}"
+            ))),
+        }
+    }
+
+    async fn open(&self) -> Result<Connection, DummyError> {
+        let hello = Hello {
+            version: DUMMY_PROTOCOL_VERSION,
+            pid: std::process::id(),
+            region_bytes: self.region.len(),
+            attach: None,
+        };
+        let (welcome, mut reader, writer) = self.handshake(hello, self.region.fd()).await?;
+        let (hostname, session) = match welcome {
+            Welcome::Ready { hostname, session } => (hostname, session),
             Welcome::Refused { reason } => return Err(DummyError::Refused(reason)),
+            Welcome::Attached { .. } => {
+                return Err(DummyError::Refused(
+                    "an attachment's answer to a connection".into(),
+                ))
+            }
         };
         let pending: Pending = Arc::default();
         let reader = {
@@ -221,12 +349,14 @@ impl DummyClient {
                 lock(&pending).clear();
             })
         };
-        tracing::info!(socket = %self.socket, hostname, "connected to the real client");
+        tracing::info!(socket = %self.socket, hostname, session, "connected to the real client");
         Ok(Connection {
             writer: tokio::sync::Mutex::new(writer),
             pending,
             reader,
             hostname,
+            session,
+            broken: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -236,17 +366,23 @@ impl DummyClient {
     /// [`DummyError::Unreachable`] when no real client can be connected,
     /// [`DummyError::Disconnected`] when it went away during the request.
     pub async fn call(&self, request: &DummyRequest) -> Result<DummyReply, DummyError> {
-        let connection = self.connection().await?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let bytes = encode_frame(&Frame { id, body: request })?;
-        let (sender, receiver) = oneshot::channel();
-        lock(&connection.pending).insert(id, sender);
-        let written = connection.writer.lock().await.write_all(&bytes).await;
-        if written.is_err() {
+        // A request that could not be written never reached the real client: it
+        // goes once more over a new connection (the real client may be back).
+        for attempt in 0..2 {
+            let connection = self.connection().await?;
+            let (sender, receiver) = oneshot::channel();
+            lock(&connection.pending).insert(id, sender);
+            let written = connection.writer.lock().await.write_all(&bytes).await;
+            if written.is_ok() {
+                return receiver.await.map_err(|_| DummyError::Disconnected);
+            }
             lock(&connection.pending).remove(&id);
-            return Err(DummyError::Disconnected);
+            connection.broken.store(true, Ordering::Relaxed);
+            tracing::debug!(attempt, "writing to the real client failed");
         }
-        receiver.await.map_err(|_| DummyError::Disconnected)
+        Err(DummyError::Disconnected)
     }
 }
 

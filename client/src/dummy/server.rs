@@ -1,17 +1,19 @@
 //! The real client's side: accepts dummy clients on an abstract Unix socket, maps
-//! each one's shared region, and serves its requests through the real client's
-//! [`Store`], reading and writing values straight in the shared region. A dummy
+//! each one's shared regions, and serves its requests through the real client's
+//! [`Store`], reading and writing values straight in the shared regions. A dummy
 //! that goes away takes nothing with it: requests it had in flight finish (a put
-//! completes or is revoked by the store as any put), then its region is unmapped.
+//! completes or is revoked by the store as any put), then its regions are
+//! unmapped.
 
+use std::collections::HashMap;
 use std::os::fd::AsFd as _;
 use std::os::linux::net::SocketAddrExt as _;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use hkvm_events::rpc::dummy::{
-    decode_frame, dummy_socket_name, encode_frame, frame_len, DummyReply, DummyRequest, Frame,
-    Hello, Span, Welcome, DUMMY_PROTOCOL_VERSION,
+    decode_frame, dummy_socket_name, encode_frame, frame_len, Attach, DummyReply, DummyRequest,
+    Frame, Hello, Span, Welcome, DUMMY_PROTOCOL_VERSION,
 };
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::UnixStream;
@@ -32,6 +34,37 @@ pub struct DummyServerStats {
     pub disconnected: AtomicU64,
     /// Requests served.
     pub requests: AtomicU64,
+    /// Regions attached after a connection (host buffers).
+    pub attached: AtomicU64,
+}
+
+/// The regions one dummy shares, by number (0: the one shared at connection).
+type Regions = HashMap<u32, Arc<SharedRegion>>;
+
+/// One connected dummy.
+struct Session {
+    /// The connected process, as the kernel reports it.
+    pid: Option<i32>,
+    regions: Mutex<Regions>,
+}
+
+impl Session {
+    /// The regions now; a request holds them until it is answered, so a region
+    /// released meanwhile stays mapped for it.
+    fn regions(&self) -> Regions {
+        lock(&self.regions).clone()
+    }
+}
+
+/// The open sessions, by id.
+#[derive(Default)]
+struct Sessions {
+    next: AtomicU64,
+    open: Mutex<HashMap<u64, Arc<Session>>>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A running dummy server. Dropping it stops accepting (connected dummies are
@@ -62,19 +95,22 @@ impl DummyServer {
         listener.set_nonblocking(true)?;
         let listener = tokio::net::UnixListener::from_std(listener)?;
         let stats = Arc::new(DummyServerStats::default());
+        let sessions = Arc::new(Sessions::default());
         let task = {
             let stats = Arc::clone(&stats);
             tokio::spawn(async move {
                 loop {
                     match listener.accept().await {
                         Ok((stream, _)) => {
-                            stats.connected.fetch_add(1, Ordering::Relaxed);
-                            let (store, stats) = (Arc::clone(&store), Arc::clone(&stats));
+                            let (store, stats, sessions) = (
+                                Arc::clone(&store),
+                                Arc::clone(&stats),
+                                Arc::clone(&sessions),
+                            );
                             tokio::spawn(async move {
-                                if let Err(error) = serve(stream, store, &stats).await {
+                                if let Err(error) = serve(stream, store, &stats, &sessions).await {
                                     tracing::warn!(%error, "a dummy client's connection failed");
                                 }
-                                stats.disconnected.fetch_add(1, Ordering::Relaxed);
                             });
                         }
                         Err(error) => {
@@ -149,41 +185,109 @@ async fn handshake(stream: &UnixStream) -> std::io::Result<(Hello, SharedRegion)
     Ok((hello, region))
 }
 
+/// Adds the region of an attaching connection to its session.
+fn attach(
+    sessions: &Sessions,
+    attach: Attach,
+    pid: Option<i32>,
+    region: SharedRegion,
+) -> Result<u32, String> {
+    let session = lock(&sessions.open)
+        .get(&attach.session)
+        .cloned()
+        .ok_or_else(|| format!("no open session {}", attach.session))?;
+    if session.pid.is_none() || session.pid != pid {
+        return Err("a region may only be attached by the process that opened the session".into());
+    }
+    if attach.region == 0 {
+        return Err("region 0 is the session's first region".into());
+    }
+    let mut regions = lock(&session.regions);
+    if regions.contains_key(&attach.region) {
+        return Err(format!("region {} is attached already", attach.region));
+    }
+    regions.insert(attach.region, Arc::new(region));
+    Ok(attach.region)
+}
+
 async fn serve(
     stream: UnixStream,
     store: Arc<Store>,
     stats: &DummyServerStats,
+    sessions: &Sessions,
 ) -> std::io::Result<()> {
+    let pid = stream.peer_cred().ok().and_then(|cred| cred.pid());
     let (hello, region) = handshake(&stream).await?;
-    let (mut reader, mut writer) = stream.into_split();
-    let welcome = if hello.version == DUMMY_PROTOCOL_VERSION {
-        Welcome::Ready {
-            hostname: store.hostname().to_owned(),
-        }
-    } else {
+    let (reader, mut writer) = stream.into_split();
+    let mut opened = None;
+    let welcome = if hello.version != DUMMY_PROTOCOL_VERSION {
         Welcome::Refused {
             reason: format!(
                 "protocol version {} (this real client speaks {DUMMY_PROTOCOL_VERSION})",
                 hello.version
             ),
         }
+    } else if let Some(request) = hello.attach {
+        match attach(sessions, request, pid, region) {
+            Ok(region) => {
+                stats.attached.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(
+                    pid = hello.pid,
+                    region,
+                    region_bytes = hello.region_bytes,
+                    "a dummy client attached a region"
+                );
+                Welcome::Attached { region }
+            }
+            Err(reason) => Welcome::Refused { reason },
+        }
+    } else {
+        let id = sessions.next.fetch_add(1, Ordering::Relaxed) + 1;
+        let session = Arc::new(Session {
+            pid,
+            regions: Mutex::new(HashMap::from([(0, Arc::new(region))])),
+        });
+        lock(&sessions.open).insert(id, Arc::clone(&session));
+        opened = Some((id, session));
+        Welcome::Ready {
+            hostname: store.hostname().to_owned(),
+            session: id,
+        }
     };
-    let refused = matches!(welcome, Welcome::Refused { .. });
     let bytes = encode_frame(&Frame {
         id: 0,
         body: welcome,
     })
     .map_err(std::io::Error::other)?;
-    writer.write_all(&bytes).await?;
-    if refused {
-        return Ok(());
-    }
+    let written = writer.write_all(&bytes).await;
+    let Some((id, session)) = opened else {
+        return written;
+    };
+    stats.connected.fetch_add(1, Ordering::Relaxed);
+    let served = match written {
+        Ok(()) => serve_session(reader, writer, &hello, &store, stats, &session).await,
+        Err(error) => Err(error),
+    };
+    lock(&sessions.open).remove(&id);
+    stats.disconnected.fetch_add(1, Ordering::Relaxed);
+    tracing::info!(pid = hello.pid, "a dummy client disconnected");
+    served
+}
+
+/// Serves one session's requests until the dummy closes it.
+async fn serve_session(
+    mut reader: tokio::net::unix::OwnedReadHalf,
+    mut writer: tokio::net::unix::OwnedWriteHalf,
+    hello: &Hello,
+    store: &Arc<Store>,
+    stats: &DummyServerStats,
+    session: &Arc<Session>,
+) -> std::io::Result<()> {
     tracing::info!(
         pid = hello.pid,
         region_bytes = hello.region_bytes,
         "a dummy client connected"
     );
-    let region = Arc::new(region);
     let (replies, mut outgoing) = mpsc::channel::<Vec<u8>>(256);
     let writing = tokio::spawn(async move {
         while let Some(bytes) = outgoing.recv().await {
@@ -208,9 +312,18 @@ async fn serve(
             }
         };
         stats.requests.fetch_add(1, Ordering::Relaxed);
-        let (store, region, replies) = (Arc::clone(&store), Arc::clone(&region), replies.clone());
+        if let DummyRequest::ReleaseRegion { region } = frame.body {
+            let body = release(session, region);
+            let bytes =
+                encode_frame(&Frame { id: frame.id, body }).map_err(std::io::Error::other)?;
+            if replies.send(bytes).await.is_err() {
+                break;
+            }
+            continue;
+        }
+        let (store, regions, replies) = (Arc::clone(store), session.regions(), replies.clone());
         tokio::spawn(async move {
-            let body = handle(&store, &region, frame.body).await;
+            let body = handle(&store, &regions, frame.body).await;
             if let Ok(bytes) = encode_frame(&Frame { id: frame.id, body }) {
                 let _ = replies.send(bytes).await;
             }
@@ -218,21 +331,35 @@ async fn serve(
     }
     drop(replies);
     let _ = writing.await;
-    tracing::info!(pid = hello.pid, "a dummy client disconnected");
     Ok(())
 }
 
-/// Slices of the region for `spans`, or `None` when one lies outside it.
-fn read_slices<'r>(region: &'r SharedRegion, spans: &[Span]) -> Option<Vec<&'r [u8]>> {
+/// Drops an attached region from the session.
+fn release(session: &Session, region: u32) -> DummyReply {
+    let refused = |reason: String| DummyReply::Refused {
+        code: ErrorCode::InvalidParams.value(),
+        reason,
+    };
+    if region == 0 {
+        return refused("region 0 lasts as long as the session".into());
+    }
+    match lock(&session.regions).remove(&region) {
+        Some(_) => DummyReply::Codes(vec![0]),
+        None => refused(format!("no region {region} is attached")),
+    }
+}
+
+/// Slices of the regions for `spans`, or `None` when one lies outside them.
+fn read_slices<'r>(regions: &'r Regions, spans: &[Span]) -> Option<Vec<&'r [u8]>> {
     spans
         .iter()
         // SAFETY: the dummy hands these ranges to this request and does not write
         // them until it has the reply (the protocol's contract, as with DMA).
-        .map(|span| unsafe { region.slice(span.offset, span.len) })
+        .map(|span| unsafe { regions.get(&span.region)?.slice(span.offset, span.len) })
         .collect()
 }
 
-async fn handle(store: &Store, region: &SharedRegion, request: DummyRequest) -> DummyReply {
+async fn handle(store: &Store, regions: &Regions, request: DummyRequest) -> DummyReply {
     let invalid = ErrorCode::InvalidParams.value();
     match request {
         DummyRequest::Put {
@@ -247,7 +374,7 @@ async fn handle(store: &Store, region: &SharedRegion, request: DummyRequest) -> 
             let mut slices = Vec::with_capacity(keys.len());
             let mut indexes = Vec::with_capacity(keys.len());
             for (index, spans) in spans.iter().enumerate() {
-                match read_slices(region, spans) {
+                match read_slices(regions, spans) {
                     Some(parts) => {
                         slices.push(parts);
                         indexes.push(index);
@@ -297,7 +424,9 @@ async fn handle(store: &Store, region: &SharedRegion, request: DummyRequest) -> 
                 // request until the reply.
                 let buffers: Option<Vec<&mut [u8]>> = spans
                     .iter()
-                    .map(|span| unsafe { region.slice_mut(span.offset, span.len) })
+                    .map(|span| unsafe {
+                        regions.get(&span.region)?.slice_mut(span.offset, span.len)
+                    })
                     .collect();
                 match buffers {
                     Some(buffers) => {
@@ -368,5 +497,10 @@ async fn handle(store: &Store, region: &SharedRegion, request: DummyRequest) -> 
             }
         }
         DummyRequest::Health => DummyReply::Health(store.health().await as i32),
+        // Answered in order by the session loop, never here.
+        DummyRequest::ReleaseRegion { .. } => DummyReply::Refused {
+            code: invalid,
+            reason: "a region is released by its session".into(),
+        },
     }
 }

@@ -47,6 +47,15 @@ impl BufferRegistry {
         self.ranges().remove(&ptr).is_some()
     }
 
+    /// Whether any registered range overlaps `[ptr, ptr + len)`.
+    pub fn overlaps(&self, ptr: usize, len: usize) -> bool {
+        let end = ptr.saturating_add(len);
+        self.ranges()
+            .range(..end)
+            .next_back()
+            .is_some_and(|(start, size)| start + size > ptr)
+    }
+
     /// Whether `[ptr, ptr + len)` lies inside one registered range (an empty range
     /// at a registered address counts).
     pub fn contains(&self, ptr: usize, len: usize) -> bool {
@@ -78,6 +87,8 @@ mod tests {
         assert_eq!(registry.register(1099, 10), Err(RegisterError::Overlaps));
         assert_eq!(registry.register(950, 51), Err(RegisterError::Overlaps));
         assert_eq!(registry.register(0, 10), Err(RegisterError::Invalid));
+        assert!(registry.overlaps(900, 101) && registry.overlaps(1099, 1));
+        assert!(!registry.overlaps(900, 100) && !registry.overlaps(1100, 900));
         assert!(registry.unregister(1000));
         assert!(!registry.contains(1000, 1));
         assert!(!registry.unregister(1000));

@@ -4,6 +4,12 @@
 //! frame); requests name bytes by [`Span`]s of that region, so values move
 //! between the dummy's buffers and the pool with no copy through the socket.
 //!
+//! A dummy may share more regions later (host buffers it allocated before it
+//! connected, such as an inference engine's host KV pool): each comes over a
+//! connection of its own whose [`Hello`] names the session ([`Attach`]) and the
+//! region number the dummy chose; spans then name that number. The real client
+//! accepts an attachment only from the process that opened the session.
+//!
 //! Framing: a 4-byte little-endian length, then a named-field MessagePack
 //! [`Frame`]. Replies carry the id of their request; requests are pipelined.
 
@@ -30,6 +36,20 @@ pub struct Hello {
     pub pid: u32,
     /// The shared region's length in bytes.
     pub region_bytes: u64,
+    /// Set when this connection only attaches its region to an open session
+    /// (answered with [`Welcome::Attached`], then closed).
+    #[serde(default)]
+    pub attach: Option<Attach>,
+}
+
+/// Which session a region joins, under which number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Attach {
+    /// The session, from [`Welcome::Ready`].
+    pub session: u64,
+    /// The number spans will name (not 0, which is the session's first region;
+    /// unique within the session).
+    pub region: u32,
 }
 
 /// The real client's answer to [`Hello`].
@@ -39,6 +59,14 @@ pub enum Welcome {
     Ready {
         /// The real client's node endpoint (`host:port`).
         hostname: String,
+        /// The session id regions attach to.
+        #[serde(default)]
+        session: u64,
+    },
+    /// The region of an [`Attach`] connection is mapped.
+    Attached {
+        /// Its number.
+        region: u32,
     },
     /// The connection is refused.
     Refused {
@@ -47,9 +75,12 @@ pub enum Welcome {
     },
 }
 
-/// A range of the shared region.
+/// A range of a shared region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Span {
+    /// The region: 0 for the one shared at connection, else an attached one.
+    #[serde(default)]
+    pub region: u32,
     /// Offset from the region's start.
     pub offset: u64,
     /// Length in bytes.
@@ -57,6 +88,15 @@ pub struct Span {
 }
 
 impl Span {
+    /// A span of the region shared at connection (number 0).
+    pub fn in_pool(offset: u64, len: u64) -> Self {
+        Self {
+            region: 0,
+            offset,
+            len,
+        }
+    }
+
     /// Whether the span lies inside a region of `region_bytes`.
     pub fn fits(&self, region_bytes: u64) -> bool {
         self.offset
@@ -121,6 +161,12 @@ pub enum DummyRequest {
     },
     /// Whether the real client's sub-master answers.
     Health,
+    /// Stop using an attached region (the real client unmaps it once the
+    /// requests using it finished); answered with `Codes([0])`.
+    ReleaseRegion {
+        /// Its number.
+        region: u32,
+    },
 }
 
 /// The real client's reply. Integer results are Mooncake codes (0 or negative),
@@ -218,10 +264,7 @@ mod tests {
             id: 7,
             body: DummyRequest::Put {
                 keys: vec!["k".into()],
-                spans: vec![vec![
-                    Span { offset: 16, len: 4 },
-                    Span { offset: 64, len: 2 },
-                ]],
+                spans: vec![vec![Span::in_pool(16, 4), Span::in_pool(64, 2)]],
                 placement: Placement {
                     replicas: 2,
                     preferred_segment: Some("h:1".into()),
@@ -252,13 +295,9 @@ mod tests {
 
     #[test]
     fn spans_must_fit_the_region() {
-        assert!(Span { offset: 0, len: 10 }.fits(10));
-        assert!(!Span { offset: 1, len: 10 }.fits(10));
-        assert!(!Span {
-            offset: u64::MAX,
-            len: 2
-        }
-        .fits(u64::MAX));
+        assert!(Span::in_pool(0, 10).fits(10));
+        assert!(!Span::in_pool(1, 10).fits(10));
+        assert!(!Span::in_pool(u64::MAX, 2).fits(u64::MAX));
         assert!(frame_len((MAX_FRAME_BYTES as u32 + 1).to_le_bytes()).is_err());
     }
 

@@ -150,7 +150,7 @@ async fn dummies_move_values_through_shared_memory() {
     let put = writer
         .call(&DummyRequest::Put {
             keys: vec!["shared".into()],
-            spans: vec![vec![Span { offset: src, len }]],
+            spans: vec![vec![Span::in_pool(src, len)]],
             placement: Placement {
                 replicas: 1,
                 ..Placement::default()
@@ -163,13 +163,7 @@ async fn dummies_move_values_through_shared_memory() {
     let got = reader
         .call(&DummyRequest::GetInto {
             keys: vec!["shared".into(), "absent".into()],
-            spans: vec![
-                vec![Span { offset: dst, len }],
-                vec![Span {
-                    offset: dst,
-                    len: 1,
-                }],
-            ],
+            spans: vec![vec![Span::in_pool(dst, len)], vec![Span::in_pool(dst, 1)]],
         })
         .await
         .unwrap();
@@ -183,10 +177,7 @@ async fn dummies_move_values_through_shared_memory() {
     let outside = reader
         .call(&DummyRequest::GetInto {
             keys: vec!["shared".into()],
-            spans: vec![vec![Span {
-                offset: reader.region().len() - 10,
-                len: 100,
-            }]],
+            spans: vec![vec![Span::in_pool(reader.region().len() - 10, 100)]],
         })
         .await
         .unwrap();
