@@ -46,8 +46,8 @@ fn requests(store: &Store) -> u64 {
 
 /// One client's mixed operation `i`: put a 4 KiB value, then check it exists and
 /// read it back, through a dummy.
-async fn dummy_op(dummy: &DummyClient, span: Span, tag: usize, i: u64) -> anyhow::Result<()> {
-    let key = format!("d{tag}-{i}");
+async fn dummy_op(dummy: &DummyClient, span: Span, tag: &str, i: u64) -> anyhow::Result<()> {
+    let key = format!("{tag}-{i}");
     let put = dummy
         .call(&DummyRequest::Put {
             keys: vec![key.clone()],
@@ -154,38 +154,38 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
         .sum();
     let full_requests = full.iter().map(requests).sum::<u64>() - before;
 
-    // 16 dummies behind one coalescing real client.
+    // 16 dummies behind one coalescing real client: the default window, then
+    // none (what the window buys in requests and costs in throughput).
     let real = Arc::new(open(&address, 0, Some(CoalesceConfig::default())).await?);
     let port = 40_000 + (std::process::id() % 20_000) as u16;
     let _server = DummyServer::start(Arc::clone(&real), port)?;
-    let mut dummies = Vec::new();
-    for _ in 0..CLIENTS {
-        dummies.push(DummyClient::connect(port, 4 << 20, 0).await?);
-    }
-    let before = requests(&real);
-    let started = Instant::now();
-    let mut tasks = Vec::new();
-    for (tag, dummy) in dummies.iter().enumerate() {
-        tasks.push(async move {
-            let offset = dummy.pool_alloc(SMALL).context("pool")?;
-            let span = Span::in_pool(offset, SMALL);
-            let mut ops = 0u64;
-            while started.elapsed() < duration {
-                dummy_op(dummy, span, tag, ops).await?;
-                ops += 1;
-            }
-            anyhow::Ok(ops)
-        });
-    }
-    let dummy_ops: u64 = futures::future::try_join_all(tasks)
-        .await?
-        .into_iter()
-        .sum();
-    let dummy_requests = requests(&real) - before;
+    let dummies = connect_dummies(port).await?;
+    let (dummy_ops, dummy_requests) = run_dummies(&real, &dummies, "d", duration).await?;
+    let unwindowed = Arc::new(
+        open(
+            &address,
+            0,
+            Some(CoalesceConfig {
+                window: Duration::ZERO,
+                ..CoalesceConfig::default()
+            }),
+        )
+        .await?,
+    );
+    let unwindowed_port = port.wrapping_add(2);
+    let _unwindowed_server = DummyServer::start(Arc::clone(&unwindowed), unwindowed_port)?;
+    let (zero_ops, zero_requests) = run_dummies(
+        &unwindowed,
+        &connect_dummies(unwindowed_port).await?,
+        "z",
+        duration,
+    )
+    .await?;
     let per_op = |requests: u64, ops: u64| requests as f64 / ops.max(1) as f64;
+    let window_us = CoalesceConfig::default().window.as_micros();
     printer.print(&BenchResult::new(
         WORKLOAD,
-        format!("sub-master requests per operation, {CLIENTS} dummies behind one real client (put+exist+get of 4 KiB)"),
+        format!("sub-master requests per operation, {CLIENTS} dummies behind one real client, {window_us} us window (put+exist+get of 4 KiB)"),
         per_op(dummy_requests, dummy_ops),
         "requests/op",
         format!("{CLIENTS} independent clients, same operations (target ratio <= 0.125)"),
@@ -193,12 +193,25 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     ));
     printer.print(&BenchResult::new(
         WORKLOAD,
-        format!("operations/s, {CLIENTS} dummies"),
-        dummy_ops as f64 / duration.as_secs_f64(),
-        "ops/s",
-        format!("{CLIENTS} independent clients"),
-        full_ops as f64 / duration.as_secs_f64(),
+        format!("sub-master requests per operation, {CLIENTS} dummies, no window"),
+        per_op(zero_requests, zero_ops),
+        "requests/op",
+        format!("{CLIENTS} independent clients (target ratio <= 0.125)"),
+        per_op(full_requests, full_ops),
     ));
+    for (label, ops) in [
+        (format!("{window_us} us window"), dummy_ops),
+        ("no window".to_owned(), zero_ops),
+    ] {
+        printer.print(&BenchResult::new(
+            WORKLOAD,
+            format!("operations/s, {CLIENTS} dummies, {label}"),
+            ops as f64 / duration.as_secs_f64(),
+            "ops/s",
+            format!("{CLIENTS} independent clients"),
+            full_ops as f64 / duration.as_secs_f64(),
+        ));
+    }
 
     // One client's 1 MiB put_from and get_into: a dummy against a full client.
     let dummy = &dummies[0];
@@ -302,10 +315,50 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
         store.close().await;
     }
     real.close().await;
+    unwindowed.close().await;
     plain.close().await;
     holder.close().await;
     master.shutdown().await?;
     Ok(())
+}
+
+/// Connects the dummies of one real client.
+async fn connect_dummies(port: u16) -> anyhow::Result<Vec<DummyClient>> {
+    let mut dummies = Vec::new();
+    for _ in 0..CLIENTS {
+        dummies.push(DummyClient::connect(port, 4 << 20, 0).await?);
+    }
+    Ok(dummies)
+}
+
+/// Runs the mixed operation on every dummy for `duration`: operations done, and
+/// the requests the real client sent meanwhile.
+async fn run_dummies(
+    real: &Store,
+    dummies: &[DummyClient],
+    prefix: &str,
+    duration: Duration,
+) -> anyhow::Result<(u64, u64)> {
+    let before = requests(real);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for (tag, dummy) in dummies.iter().enumerate() {
+        tasks.push(async move {
+            let offset = dummy.pool_alloc(SMALL).context("pool")?;
+            let span = Span::in_pool(offset, SMALL);
+            let mut ops = 0u64;
+            while started.elapsed() < duration {
+                dummy_op(dummy, span, &format!("{prefix}{tag}"), ops).await?;
+                ops += 1;
+            }
+            anyhow::Ok(ops)
+        });
+    }
+    let ops: u64 = futures::future::try_join_all(tasks)
+        .await?
+        .into_iter()
+        .sum();
+    Ok((ops, requests(real) - before))
 }
 
 async fn rate<F, Fut>(duration: Duration, mut step: F) -> anyhow::Result<f64>
