@@ -81,17 +81,27 @@ class HKVMStore(_Base):
         if store is not None:
             self.store = store
             return
+        self.store = MooncakeDistributedStore()
+        client = _setting(extra, "client_server_address", "MOONCAKE_CLIENT")
+        standalone = str(_setting(extra, "standalone_storage", "MOONCAKE_STANDALONE_STORAGE", default=""))
+        if client and standalone.lower() in ("1", "true", "yes"):
+            # A dummy of the host's real client (`hkvm node --dummy-port`): the host
+            # pool must come from MooncakeHostMemAllocator to be shared with it.
+            code = self.store.setup_dummy(_LOCAL_BUFFER, _LOCAL_BUFFER, str(client))
+            if code != 0:
+                raise RuntimeError(f"HKVM backend: setup_dummy({client}) failed with code {code}")
+            return
         master = _setting(extra, "master_server_address", "HKVM_MASTER", "MOONCAKE_MASTER")
         if not master:
             raise ValueError(
                 "HKVM backend: set master_server_address in the extra config "
-                "(nats://host:4222/<cluster>/<subcluster>) or HKVM_MASTER"
+                "(nats://host:4222/<cluster>/<subcluster>) or HKVM_MASTER, or "
+                "standalone_storage with client_server_address"
             )
         hostname = _setting(extra, "local_hostname", "MOONCAKE_LOCAL_HOSTNAME", default="localhost")
         segment = _parse_size(
             _setting(extra, "global_segment_size", "MOONCAKE_GLOBAL_SEGMENT_SIZE", default="4gb")
         )
-        self.store = MooncakeDistributedStore()
         code = self.store.setup(
             hostname, "", segment // max(1, self.tp_size * self.pp_size), _LOCAL_BUFFER,
             "tcp", "", master,
@@ -120,7 +130,10 @@ class HKVMStore(_Base):
             return
         code = self.store.register_buffer(buffer.data_ptr(), buffer.numel() * buffer.element_size())
         if code != 0:
-            raise RuntimeError(f"HKVM backend: registering the host pool failed ({code})")
+            raise RuntimeError(
+                f"HKVM backend: registering the host pool failed ({code}); a dummy store "
+                "needs the pool allocated by MooncakeHostMemAllocator"
+            )
         self._registered = True
 
     def _buffers(self, keys: List[str], host_indices: Any):

@@ -36,9 +36,13 @@ class HostPool:
 
     page_size = 4
 
-    def __init__(self, pages: int, objects_per_page: int):
+    def __init__(self, pages: int, objects_per_page: int, allocator=None):
         self.objects = objects_per_page
-        self.buffer = ctypes.create_string_buffer(pages * objects_per_page * PAGE_BYTES)
+        size = pages * objects_per_page * PAGE_BYTES
+        if allocator is None:
+            self.buffer = ctypes.create_string_buffer(size)
+        else:
+            self.buffer = (ctypes.c_char * size).from_address(allocator.alloc(size))
         self.kv_buffer = FakeTensor(self.buffer)
 
     def get_page_buffer_meta(self, host_indices):
@@ -130,3 +134,45 @@ def test_generic_interface_with_explicit_buffers(backend, key):
     assert pool.page(3) == pool.page(0)
     assert hkvm.batch_get([key, key + "-missing"], [out_ptrs, out_ptrs], [out_sizes, out_sizes]) == 1
     assert hkvm.get(key + "-missing", out_ptrs, out_sizes) is None
+
+
+def test_standalone_storage_is_a_dummy_of_the_hosts_real_client(real_client):
+    """SGLang's standalone mode: the host pool comes from MooncakeHostMemAllocator,
+    the backend is a dummy of the host's real client, pages move zero-copy."""
+    from hkvm.sglang import HKVMStore
+    from hkvm.store import MooncakeHostMemAllocator
+
+    allocator = MooncakeHostMemAllocator()
+    pool = HostPool(pages=8, objects_per_page=2, allocator=allocator)
+    cfg = config(False)
+    cfg.extra_config.update(
+        {"standalone_storage": True, "client_server_address": f"localhost:{real_client.port}"}
+    )
+    backend = HKVMStore(cfg, {})
+    try:
+        backend.register_mem_pool_host(pool)
+        pool.fill(0, 7)
+        keys = [f"standalone-{id(pool)}"]
+        assert backend.batch_set_v1(keys, indices([0])) == [True]
+        pool.fill(1, 0)
+        assert backend.batch_get_v1(keys, indices([1])) == [True]
+        assert pool.page(1) == pool.page(0) == bytes([7]) * (2 * PAGE_BYTES)
+        assert backend.batch_exists(keys) == 1
+    finally:
+        backend.store.close()
+        allocator.free(ctypes.addressof(pool.buffer))
+
+
+def test_standalone_storage_refuses_a_host_pool_it_cannot_share(real_client):
+    from hkvm.sglang import HKVMStore
+
+    cfg = config(True)
+    cfg.extra_config.update(
+        {"standalone_storage": True, "client_server_address": f"localhost:{real_client.port}"}
+    )
+    backend = HKVMStore(cfg, {})
+    try:
+        with pytest.raises(RuntimeError, match="MooncakeHostMemAllocator"):
+            backend.register_mem_pool_host(HostPool(pages=2, objects_per_page=1))
+    finally:
+        backend.store.close()
