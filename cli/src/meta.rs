@@ -69,6 +69,10 @@ pub struct StatArgs {
     pub at: SubclusterTarget,
     /// Keys to describe (replicas, size, checksum); the sub-master summary without.
     pub keys: Vec<String>,
+    /// Take a read lease on the keys, as a reader would (by default a look leases
+    /// nothing, so it keeps nothing from eviction or removal).
+    #[arg(long)]
+    pub lease: bool,
 }
 
 /// Prints `key<TAB>yes|no` per key (or, with `--global`, the sub-clusters holding
@@ -141,11 +145,12 @@ pub async fn stat(args: StatArgs) -> anyhow::Result<()> {
         println!("usage       {} / {} bytes", s.used_bytes, s.capacity_bytes);
         return Ok(());
     }
-    for (key, result) in args
-        .keys
-        .iter()
-        .zip(client.get_replica_list(args.keys.clone()).await?)
-    {
+    let lists = if args.lease {
+        client.get_replica_list(args.keys.clone()).await?
+    } else {
+        client.peek_replica_list(args.keys.clone()).await?
+    };
+    for (key, result) in args.keys.iter().zip(lists) {
         match result {
             ItemResult::Ok(list) => {
                 let replicas: Vec<String> = list

@@ -63,6 +63,7 @@ async fn handle(shared: Arc<Shared>, client: async_nats::Client, message: Messag
         Some(body) => body,
         None => reply_bytes(proxy(&shared, &client, &message.payload).await),
     };
+    let body = hkvm_events::rpc::fit_reply(body, client.server_info().max_payload);
     if let Err(error) = client.publish(reply_to, body.into()).await {
         tracing::debug!(%error, "replying");
     }

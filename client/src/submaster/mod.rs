@@ -256,8 +256,27 @@ impl SubmasterClient {
                 _ => None,
             });
         }
-        self.call_batched(Op::GetReplicaList, keys, |keys| GetReplicaList { keys })
-            .await
+        self.call_batched(Op::GetReplicaList, keys, |keys| GetReplicaList {
+            keys,
+            lease: true,
+        })
+        .await
+    }
+
+    /// Where objects are, without a read lease: a look (`hkvm stat`) that does not
+    /// keep them from eviction or removal. Never coalesced.
+    ///
+    /// # Errors
+    /// As for [`SubmasterClient::mount_segment`].
+    pub async fn peek_replica_list(
+        &self,
+        keys: Vec<String>,
+    ) -> Result<GetReplicaListReply, ClientError> {
+        self.call_batched(Op::GetReplicaList, keys, |keys| GetReplicaList {
+            keys,
+            lease: false,
+        })
+        .await
     }
 
     /// Which keys exist.

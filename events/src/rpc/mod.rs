@@ -110,6 +110,26 @@ impl<T> RpcReply<T> {
 /// # Errors
 /// [`RpcError`] with `Internal` if serialization fails (it does not for these types).
 pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, RpcError> {
+    encode_named(value)
+}
+
+/// A reply `body` when it fits the server's `max_payload`; otherwise an encoded
+/// `InvalidRequest` error saying so, so that the caller gets an answer rather than
+/// waiting for a timeout (NATS drops a message over its limit).
+pub fn fit_reply(body: Vec<u8>, max_payload: usize) -> Vec<u8> {
+    if body.len() <= max_payload {
+        return body;
+    }
+    let error = RpcError::invalid(format!(
+        "the reply of {} bytes exceeds the NATS payload limit of {max_payload} bytes; \
+         ask for fewer items per request",
+        body.len()
+    ));
+    tracing::warn!(%error, "a reply was too large to send");
+    encode(&RpcReply::<()>::Err(error)).unwrap_or_default()
+}
+
+fn encode_named<T: Serialize>(value: &T) -> Result<Vec<u8>, RpcError> {
     rmp_serde::to_vec_named(value)
         .map_err(|e| RpcError::new(RpcErrorCode::Internal, format!("encoding: {e}")))
 }
@@ -126,4 +146,23 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, RpcError> {
         )));
     }
     rmp_serde::from_slice(bytes).map_err(|e| RpcError::invalid(format!("malformed body: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reply_over_the_payload_limit_becomes_an_error_saying_so() {
+        let body = encode(&RpcReply::Ok(vec![7u8; 100])).unwrap();
+        assert_eq!(fit_reply(body.clone(), body.len()), body);
+        let refused = fit_reply(body.clone(), body.len() - 1);
+        match decode::<RpcReply<Vec<u8>>>(&refused).unwrap() {
+            RpcReply::Err(error) => {
+                assert_eq!(error.code, RpcErrorCode::InvalidRequest);
+                assert!(error.message.contains("payload limit"), "{error}");
+            }
+            RpcReply::Ok(_) => panic!("an oversized reply went out"),
+        }
+    }
 }

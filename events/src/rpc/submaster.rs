@@ -266,11 +266,19 @@ pub struct PutRevoke {
 /// The reply to [`PutRevoke`].
 pub type PutRevokeReply = Vec<ItemResult<()>>;
 
-/// Where complete objects are, with a read lease (batch).
+/// Where complete objects are, with a read lease unless `lease` is false (batch).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GetReplicaList {
     /// The keys.
     pub keys: Vec<String>,
+    /// Grant a read lease (a reader is about to read the replicas); false for a
+    /// look that must not keep the objects from eviction or removal.
+    #[serde(default = "lease_by_default")]
+    pub lease: bool,
+}
+
+fn lease_by_default() -> bool {
+    true
 }
 
 /// One object's replicas.
@@ -282,7 +290,7 @@ pub struct ReplicaList {
     pub checksum: u64,
     /// The replicas.
     pub replicas: Vec<ReplicaLocation>,
-    /// How long the read lease lasts, from now.
+    /// How long the read lease lasts, from now (0: none was asked).
     pub lease_ms: u64,
 }
 

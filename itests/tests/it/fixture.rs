@@ -26,7 +26,7 @@ use hkvm_events::{
 };
 use hkvm_globalmaster::{GlobalMaster, GlobalMasterConfig};
 use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
-use hkvm_testkit::NatsServer;
+use hkvm_testkit::{NatsServer, ServerOptions};
 use hkvm_transfer::{TcpConfig, TcpTransport};
 
 /// How long a bounded wait of this suite waits before it fails.
@@ -146,7 +146,12 @@ pub fn rpc_prefix(cluster: &ClusterId, subcluster: &SubclusterId) -> String {
 impl Fixture {
     /// Starts a nats-server for cluster `cluster`.
     pub async fn new(cluster: &str) -> Self {
-        let server = NatsServer::start().await.unwrap();
+        Self::with_server(cluster, ServerOptions::default()).await
+    }
+
+    /// Starts a nats-server with `options` (limits, accounts) for `cluster`.
+    pub async fn with_server(cluster: &str, options: ServerOptions) -> Self {
+        let server = NatsServer::start_with(options).await.unwrap();
         let client = server.connect().await.unwrap();
         let js = jetstream::new(client.clone());
         Self {

@@ -16,6 +16,8 @@ use hkvm_events::subject::submaster_rpc_subject;
 use hkvm_events::{decode_message, KvEvent, Limits, NodeId, SegmentId, SubclusterId};
 use hkvm_submaster::SubmasterConfig;
 
+use hkvm_testkit::ServerOptions;
+
 use crate::fixture::{logs, wait_count, Fixture};
 
 /// The sub-cluster every test here runs.
@@ -212,6 +214,104 @@ async fn malformed_and_oversized_requests_get_clean_errors() {
         .unwrap();
     assert!(matches!(started[0], ItemResult::Err(ItemError::Invalid(_))));
     put(&client, "still-fine").await.unwrap();
+    master.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_reply_over_the_nats_payload_limit_is_a_clear_error_not_a_timeout() {
+    let fixture = Fixture::with_server(
+        "t",
+        ServerOptions {
+            extra_config: "max_payload: 65536".into(),
+            ..ServerOptions::default()
+        },
+    )
+    .await;
+    let master = fixture.spawn_submaster(config(&fixture, "sm-a")).await;
+    let client = client(&fixture).await;
+    mount(&client, "n1", 64 << 20).await;
+    mount(&client, "n2", 64 << 20).await;
+    // 2,000 objects with two replicas each: their replica lists take ~150 KiB.
+    let keys: Vec<String> = (0..2000).map(|i| format!("object-{i:05}")).collect();
+    for chunk in keys.chunks(250) {
+        let items = chunk.iter().map(|key| start_item(key, 64, 2)).collect();
+        assert!(client
+            .put_start(items)
+            .await
+            .unwrap()
+            .iter()
+            .all(|r| matches!(r, ItemResult::Ok(_))));
+        let ends = chunk
+            .iter()
+            .map(|key| PutEndItem {
+                key: key.clone(),
+                checksum: 1,
+            })
+            .collect();
+        assert!(client
+            .put_end(ends)
+            .await
+            .unwrap()
+            .iter()
+            .all(|r| matches!(r, ItemResult::Ok(()))));
+    }
+    let started = std::time::Instant::now();
+    let error = client.get_replica_list(keys.clone()).await.unwrap_err();
+    assert_eq!(error.kind(), ClientErrorKind::Rpc, "{error}");
+    assert!(error.to_string().contains("payload limit"), "{error}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "answered, not timed out ({:?})",
+        started.elapsed()
+    );
+    // Fewer keys per request fit, and the sub-master keeps serving.
+    assert_eq!(
+        client
+            .get_replica_list(keys[..100].to_vec())
+            .await
+            .unwrap()
+            .len(),
+        100
+    );
+    master.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_look_without_a_lease_keeps_nothing_from_removal() {
+    let fixture = Fixture::new("t").await;
+    let mut config = config(&fixture, "sm-a");
+    config.policy.lease_ttl_ms = 3000;
+    let master = fixture.spawn_submaster(config).await;
+    let client = client(&fixture).await;
+    mount(&client, "n1", 1 << 20).await;
+    mount(&client, "n2", 1 << 20).await;
+    put(&client, "looked-at").await.unwrap();
+    put(&client, "read").await.unwrap();
+    // A new leader treats every object as leased for one lease period (readers of
+    // the old one may still read): wait until a probe can be removed.
+    put(&client, "probe").await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while client.remove(vec!["probe".into()], false).await.unwrap()[0] != ItemResult::Ok(()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the takeover grace never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let looked = client
+        .peek_replica_list(vec!["looked-at".into()])
+        .await
+        .unwrap();
+    assert!(matches!(&looked[0], ItemResult::Ok(list) if list.lease_ms == 0));
+    client.get_replica_list(vec!["read".into()]).await.unwrap();
+    let removed = client
+        .remove(vec!["looked-at".into(), "read".into()], false)
+        .await
+        .unwrap();
+    assert_eq!(
+        removed,
+        vec![ItemResult::Ok(()), ItemResult::Err(ItemError::Leased)]
+    );
     master.shutdown().await.unwrap();
 }
 

@@ -172,7 +172,7 @@ pub(super) fn mixed(state: &mut State, mixed: Mixed, now_ms: u64, policy: &Polic
         put_end: end_items,
     } = mixed;
     let exist = exist(state, &exist_keys);
-    let get_replica_list = locate_all(state, &get_keys, now_ms, policy);
+    let get_replica_list = locate_all(state, &get_keys, now_ms, policy.lease_ttl_ms);
     let put_start = start_all(state, start_items, now_ms, policy);
     let (events, put_end) = end_all(state, end_items);
     Outcome {
@@ -209,31 +209,35 @@ pub(super) fn get_replica_list(
     now_ms: u64,
     policy: &Policy,
 ) -> Outcome {
+    let lease_ms = if get.lease { policy.lease_ttl_ms } else { 0 };
     Outcome::reply(Reply::GetReplicaList(locate_all(
-        state, &get.keys, now_ms, policy,
+        state, &get.keys, now_ms, lease_ms,
     )))
 }
 
+/// Each key's replicas, leased for `lease_ms` (none when 0).
 fn locate_all(
     state: &mut State,
     keys: &[String],
     now_ms: u64,
-    policy: &Policy,
+    lease_ms: u64,
 ) -> GetReplicaListReply {
-    let lease_until = now_ms + policy.lease_ttl_ms;
+    let lease_until = now_ms + lease_ms;
     keys.iter()
         .map(|key| {
             let Some(object) = state.object_mut(key) else {
                 return ItemResult::Err(ItemError::NotFound);
             };
-            object.lease_until_ms = object.lease_until_ms.max(lease_until);
+            if lease_ms > 0 {
+                object.lease_until_ms = object.lease_until_ms.max(lease_until);
+            }
             let (size, checksum, replicas) =
                 (object.size, object.checksum, object.replicas.clone());
             ItemResult::Ok(ReplicaList {
                 size,
                 checksum,
                 replicas: locations(state, &replicas),
-                lease_ms: policy.lease_ttl_ms,
+                lease_ms,
             })
         })
         .collect()

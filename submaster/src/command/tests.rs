@@ -239,8 +239,18 @@ fn leases_block_removal_unless_forced() {
     h.put("free", 10, 1);
     h.run(Request::GetReplicaList(GetReplicaList {
         keys: vec!["leased".into()],
+        lease: true,
     }))
     .unwrap();
+    // A look without a lease (`hkvm stat`) keeps nothing from removal.
+    let look = h.run(Request::GetReplicaList(GetReplicaList {
+        keys: vec!["free".into()],
+        lease: false,
+    }));
+    assert!(
+        matches!(&look, Ok(Reply::GetReplicaList(items)) if matches!(&items[0], ItemResult::Ok(list) if list.lease_ms == 0)),
+        "{look:?}"
+    );
     let reply = h.run(Request::Remove(Remove {
         keys: vec!["leased".into(), "free".into(), "missing".into()],
         force: false,
@@ -271,6 +281,7 @@ fn remove_all_respects_leases_and_force() {
     }
     h.run(Request::GetReplicaList(GetReplicaList {
         keys: vec!["k3".into()],
+        lease: true,
     }))
     .unwrap();
     assert!(matches!(
@@ -349,6 +360,7 @@ fn eviction_is_oldest_first_and_spares_pinned_and_leased() {
     }
     h.run(Request::GetReplicaList(GetReplicaList {
         keys: vec!["k00".into()],
+        lease: true,
     }))
     .unwrap();
     h.tick();

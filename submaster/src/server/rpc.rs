@@ -93,8 +93,10 @@ pub(crate) fn encode_error(error: &RpcError) -> Vec<u8> {
     rpc::encode(&RpcReply::<()>::Err(error.clone())).unwrap_or_default()
 }
 
-/// Sends a reply; a vanished requester is not an error worth more than a debug line.
+/// Sends a reply (an error instead when it is over the server's payload limit);
+/// a vanished requester is not an error worth more than a debug line.
 pub(crate) async fn send(client: &Client, reply_to: Subject, body: Vec<u8>) {
+    let body = rpc::fit_reply(body, client.server_info().max_payload);
     if let Err(error) = client.publish(reply_to, body.into()).await {
         tracing::debug!(%error, "reply not sent");
     }
