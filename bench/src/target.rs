@@ -7,13 +7,10 @@ use hkvm_events::{ClusterId, SubclusterId};
 /// Where HKVM lives: a NATS URL and a cluster name.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Target {
-    /// NATS server URL(s), comma-separated.
-    #[arg(
-        long = "nats",
-        env = "HKVM_NATS_URL",
-        default_value = "nats://127.0.0.1:4222"
-    )]
-    pub nats_url: String,
+    /// NATS server URL(s), comma-separated [default: the URL a running `hkvm
+    /// local` of the cluster recorded, else nats://127.0.0.1:4222].
+    #[arg(long = "nats", env = "HKVM_NATS_URL")]
+    pub nats_url: Option<String>,
     /// The HKVM cluster name.
     #[arg(long, env = "HKVM_CLUSTER", default_value = "local")]
     pub cluster: ClusterId,
@@ -25,7 +22,12 @@ impl Target {
     /// # Errors
     /// When no server accepts the connection.
     pub async fn connect(&self) -> anyhow::Result<async_nats::Client> {
-        Ok(hkvm_client::connect(&self.nats_url, "hkvm-bench").await?)
+        Ok(hkvm_client::connect(&self.url(), "hkvm-bench").await?)
+    }
+
+    /// The NATS URL(s) to use ([`hkvm_client::local_record::resolve`]).
+    pub fn url(&self) -> String {
+        hkvm_client::local_record::resolve(self.nats_url.as_deref(), &self.cluster)
     }
 }
 

@@ -97,7 +97,7 @@ pub async fn node(args: NodeArgs) -> anyhow::Result<()> {
 /// Runs a node that is also the real client of this host's dummy clients.
 async fn real_client(args: NodeArgs, port: u16) -> anyhow::Result<()> {
     let address = StoreAddress {
-        servers: args.at.target.nats_url.clone(),
+        servers: args.at.target.url(),
         cluster: args.at.target.cluster.clone(),
         subcluster: args.at.subcluster.clone(),
     };

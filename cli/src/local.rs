@@ -156,12 +156,27 @@ pub async fn run(args: LocalArgs) -> anyhow::Result<()> {
         metrics.push(format!("global: http://127.0.0.1:{port}/metrics"));
     }
 
+    let record = hkvm_client::local_record::write(&args.cluster, &nats.url());
     println!("HKVM local cluster '{}' is running.", args.cluster);
     println!(
         "  NATS:          {}   (monitoring http://127.0.0.1:{}/)",
         nats.url(),
         nats.monitor_port()
     );
+    match &record {
+        Ok(path) => println!(
+            "                 recorded in {}: hkvm commands of cluster '{}' use it without --nats",
+            path.display(),
+            args.cluster
+        ),
+        Err(error) => {
+            tracing::warn!(%error, "could not record the NATS URL");
+            println!(
+                "                 pass --nats {} to hkvm commands",
+                nats.url()
+            );
+        }
+    }
     println!(
         "  sub-masters:   {} sub-clusters (sc-0..), each a leader + a hot standby",
         args.subclusters
@@ -207,6 +222,7 @@ pub async fn run(args: LocalArgs) -> anyhow::Result<()> {
             tracing::warn!(%error, "a sub-master stopped with an error");
         }
     }
+    hkvm_client::local_record::remove(&args.cluster);
     nats.stop();
     println!("Stopped.");
     Ok(())

@@ -59,6 +59,17 @@ pub enum ClientError {
         #[source]
         cause: RetryCause,
     },
+    /// Nobody answers on the subject, and nothing there is to wait for: the
+    /// service does not exist (a mistyped sub-cluster, say).
+    #[error("{op}: no responder on {subject}: {why}")]
+    NoService {
+        /// The operation.
+        op: &'static str,
+        /// The request subject.
+        subject: String,
+        /// Why waiting would not help, and what to check.
+        why: String,
+    },
     /// NATS failed the request for a reason retrying does not fix.
     #[error("{op}: {source}")]
     Transport {
@@ -135,6 +146,7 @@ impl ClientError {
                 RetryCause::NoResponders { .. } => ClientErrorKind::NoResponders,
                 RetryCause::TimedOut => ClientErrorKind::Timeout,
             },
+            Self::NoService { .. } => ClientErrorKind::NoResponders,
             Self::Transport { .. } | Self::Stopped { .. } => ClientErrorKind::Transport,
             Self::Codec { .. } | Self::Mismatch { .. } => ClientErrorKind::Codec,
             Self::Batch { source, .. } => source.kind(),

@@ -31,6 +31,21 @@ pub struct RetryPolicy {
     pub min_backoff: Duration,
     /// The longest back-off.
     pub max_backoff: Duration,
+    /// After nobody answered for this long, a call asks whether the service
+    /// exists at all ([`Presence`]); when it does not, the call fails at once
+    /// instead of retrying until the deadline.
+    pub presence_check_after: Duration,
+}
+
+/// Whether the service behind a subject exists, as far as the caller can tell.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Presence {
+    /// It exists (or existed): a responder is worth waiting for.
+    Present,
+    /// It does not exist; why, and what to check.
+    Absent(String),
+    /// The caller cannot tell: keep waiting.
+    Unknown,
 }
 
 impl Default for RetryPolicy {
@@ -40,6 +55,7 @@ impl Default for RetryPolicy {
             retry_deadline: Duration::from_secs(30),
             min_backoff: Duration::from_millis(20),
             max_backoff: Duration::from_secs(1),
+            presence_check_after: Duration::from_secs(1),
         }
     }
 }
@@ -151,17 +167,55 @@ impl RpcCaller {
         request: &Req,
         resend: Resend,
     ) -> Result<Rep, ClientError> {
+        self.call_checked(op, subject, request, resend, || async { Presence::Unknown })
+            .await
+    }
+
+    /// As [`RpcCaller::call`], and when nobody has answered for the policy's
+    /// `presence_check_after`, asks `presence` (once) whether the service exists:
+    /// [`Presence::Absent`] ends the call with [`ClientError::NoService`].
+    ///
+    /// # Errors
+    /// As for [`RpcCaller::call`], and [`ClientError::NoService`].
+    pub async fn call_checked<Req, Rep, F, Fut>(
+        &self,
+        op: &'static str,
+        subject: String,
+        request: &Req,
+        resend: Resend,
+        presence: F,
+    ) -> Result<Rep, ClientError>
+    where
+        Req: Serialize,
+        Rep: DeserializeOwned,
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = Presence>,
+    {
         let body: bytes::Bytes = rpc::encode(request)
             .map_err(|source| ClientError::Codec { op, source })?
             .into();
         let started = Instant::now();
         let mut backoff = self.policy.min_backoff;
+        // Since when nobody has answered, and whether presence was asked.
+        let mut silent_since: Option<Instant> = None;
+        let mut checked = false;
         loop {
             let cause = match self.attempt(op, &subject, body.clone(), resend).await {
                 Attempt::Done(result) => return result,
                 Attempt::Retry(cause) => cause,
             };
             self.stats.count(&cause);
+            if matches!(cause, RetryCause::NoResponders { .. }) {
+                let since = *silent_since.get_or_insert_with(Instant::now);
+                if !checked && since.elapsed() >= self.policy.presence_check_after {
+                    checked = true;
+                    if let Presence::Absent(why) = presence().await {
+                        return Err(ClientError::NoService { op, subject, why });
+                    }
+                }
+            } else {
+                silent_since = None;
+            }
             let delay = self.policy.delay(backoff, &cause);
             if started.elapsed() + delay > self.policy.retry_deadline {
                 return Err(ClientError::Unavailable {

@@ -7,7 +7,7 @@ use hkvm_events::rpc::submaster::{
     PutStartReply, Remount, Remove, RemoveAll, RemoveAllReply, RemoveMatching, RemoveReply, Status,
     StatusReply, UnmountSegment, MAX_BATCH_ITEMS,
 };
-use hkvm_events::subject::submaster_rpc_subject;
+use hkvm_events::subject::{stream_name, submaster_rpc_subject};
 use hkvm_events::{ClusterId, SubclusterId};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -18,7 +18,7 @@ mod mixed;
 
 use crate::coalesce::{CoalesceConfig, Coalescer};
 use crate::error::ClientError;
-use crate::retry::{ClientStats, Resend, RetryPolicy, RpcCaller};
+use crate::retry::{ClientStats, Presence, Resend, RetryPolicy, RpcCaller};
 use mixed::{answers_of, Answer, Call};
 
 /// A client of one sub-cluster's sub-master. Cheap to clone.
@@ -143,7 +143,34 @@ impl SubmasterClient {
         resend: Resend,
     ) -> Result<Rep, ClientError> {
         let subject = submaster_rpc_subject(&self.cluster, &self.subcluster, op.name());
-        self.caller.call(op.name(), subject, request, resend).await
+        self.caller
+            .call_checked(op.name(), subject, request, resend, || self.presence())
+            .await
+    }
+
+    /// Whether this sub-cluster exists: its stream does once any sub-master of it
+    /// started, so a sub-cluster without one is a wrong name (or one never
+    /// started), not a failover to wait out.
+    async fn presence(&self) -> Presence {
+        let stream = stream_name(&self.cluster, &self.subcluster);
+        let js = async_nats::jetstream::new(self.caller.nats().clone());
+        match js.get_stream(&stream).await {
+            Ok(_) => Presence::Present,
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    async_nats::jetstream::context::GetStreamErrorKind::JetStream(ref js)
+                        if js.error_code() == async_nats::jetstream::ErrorCode::STREAM_NOT_FOUND
+                ) =>
+            {
+                Presence::Absent(format!(
+                    "no sub-master of sub-cluster {} in cluster {} ever started (it has no \
+                     stream {stream}); check the names with `hkvm status`",
+                    self.subcluster, self.cluster
+                ))
+            }
+            Err(_) => Presence::Unknown,
+        }
     }
 
     /// Calls a batch operation in chunks of at most [`MAX_BATCH_ITEMS`] items (the

@@ -13,6 +13,7 @@ mod chaos;
 mod cli_failover;
 mod cli_global;
 mod cli_interdc;
+mod cli_local;
 mod cli_replay;
 mod client_data_path;
 mod cluster;

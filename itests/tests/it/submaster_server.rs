@@ -418,6 +418,56 @@ async fn a_deposed_leader_cannot_append_and_recovers_from_the_log() {
 }
 
 #[tokio::test]
+async fn a_sub_cluster_that_does_not_exist_is_a_clear_error_not_a_long_wait() {
+    let fixture = Fixture::new("t").await;
+    let master = fixture.spawn_submaster(config(&fixture, "sm-a")).await;
+    // A mistyped name: nobody answers and no sub-master of it ever started.
+    let typo = fixture
+        .submaster_client(
+            "sx",
+            RetryPolicy {
+                retry_deadline: Duration::from_secs(30),
+                ..RetryPolicy::default()
+            },
+        )
+        .await;
+    let started = std::time::Instant::now();
+    let error = typo.status().await.unwrap_err();
+    assert!(
+        matches!(error, hkvm_client::ClientError::NoService { .. }),
+        "{error}"
+    );
+    assert_eq!(error.kind(), ClientErrorKind::NoResponders);
+    let text = error.to_string();
+    assert!(
+        text.contains("hkvm.t.sx.rpc.status") && text.contains("hkvm status"),
+        "{text}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "failed before the 30 s retry deadline ({:?})",
+        started.elapsed()
+    );
+    // A sub-cluster that exists but whose sub-master is down is waited for.
+    let down = fixture
+        .submaster_client(
+            SC,
+            RetryPolicy {
+                retry_deadline: Duration::from_millis(1500),
+                presence_check_after: Duration::from_millis(200),
+                ..RetryPolicy::default()
+            },
+        )
+        .await;
+    master.shutdown().await.unwrap();
+    let error = down.status().await.unwrap_err();
+    assert!(
+        matches!(error, hkvm_client::ClientError::Unavailable { .. }),
+        "{error}"
+    );
+}
+
+#[tokio::test]
 async fn requests_during_recovery_get_busy_not_silence() {
     let fixture = Fixture::new("t").await;
     // No sub-master yet: a client with a short deadline reports the outage cleanly.
