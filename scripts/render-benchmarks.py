@@ -70,7 +70,10 @@ HOW_TO_READ = {
     "/proc. Every column's ratio is against N = 1 (the centralized master) in the same "
     "run. Everything (clients, NATS, all masters) shares 2 cores, so absolute "
     "latencies include queueing behind the load generator; read how cost per request "
-    "and latency move with N.",
+    "and latency move with N. The last rows are the split at N = 1: the same clients "
+    "and load as dummy clients, 16 behind each real client (which alone mounts, pings "
+    "and sends its dummies' coalesced calls), against the full clients of the N = 1 "
+    "point.",
     "memory": "Heap bytes per object in a sub-master state (counted by the hkvm-bench "
     "binary's allocator: requested bytes, without malloc's own overhead) against the "
     "design target of 200 B; the RSS growth row shows that overhead. Bytes per key in "

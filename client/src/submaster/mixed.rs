@@ -38,6 +38,40 @@ pub(super) enum Answer {
     End(ItemResult<()>),
 }
 
+impl Answer {
+    /// An `exist` answer's flag.
+    pub(super) fn into_exist(self) -> Option<bool> {
+        match self {
+            Self::Exist(flag) => Some(flag),
+            _ => None,
+        }
+    }
+
+    /// A `get_replica_list` answer's result.
+    pub(super) fn into_locate(self) -> Option<ItemResult<ReplicaList>> {
+        match self {
+            Self::Locate(result) => Some(result),
+            _ => None,
+        }
+    }
+
+    /// A `put_start` answer's result.
+    pub(super) fn into_start(self) -> Option<ItemResult<Vec<ReplicaLocation>>> {
+        match self {
+            Self::Start(result) => Some(result),
+            _ => None,
+        }
+    }
+
+    /// A `put_end` answer's result.
+    pub(super) fn into_end(self) -> Option<ItemResult<()>> {
+        match self {
+            Self::End(result) => Some(result),
+            _ => None,
+        }
+    }
+}
+
 /// Which part of the request each call went to, in call order.
 #[derive(Debug, Clone, Copy)]
 enum Part {

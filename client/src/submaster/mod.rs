@@ -100,12 +100,28 @@ impl SubmasterClient {
         }
     }
 
-    /// The coalescer, when this client coalesces and the call is small enough to
-    /// share a request (a larger one goes out alone, in chunks).
-    fn coalescer_for(&self, items: usize) -> Option<&Coalescer<Call, Answer>> {
-        self.coalescing
+    /// Sends `items` of `op` through the coalescer when this client coalesces and
+    /// they are few enough to share a request; otherwise gives them back (a larger
+    /// call goes out alone, in chunks).
+    async fn coalesce<I, T>(
+        &self,
+        op: Op,
+        items: Vec<I>,
+        call: fn(I) -> Call,
+        answer: fn(Answer) -> Option<T>,
+    ) -> Result<Result<Vec<T>, ClientError>, Vec<I>> {
+        let Some(coalescer) = self
+            .coalescing
             .as_deref()
-            .filter(|_| items <= MAX_BATCH_ITEMS)
+            .filter(|_| items.len() <= MAX_BATCH_ITEMS)
+        else {
+            return Err(items);
+        };
+        let calls = items.into_iter().map(call).collect();
+        Ok(match coalescer.call(op.name(), calls).await {
+            Ok(answers) => answers_of(answers, answer),
+            Err(error) => Err(error),
+        })
     }
 
     /// The sub-cluster this client talks to.
@@ -229,14 +245,13 @@ impl SubmasterClient {
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`].
     pub async fn put_start(&self, items: Vec<PutStartItem>) -> Result<PutStartReply, ClientError> {
-        if let Some(coalescer) = self.coalescer_for(items.len()) {
-            let calls = items.into_iter().map(Call::Start).collect();
-            let answers = coalescer.call(Op::PutStart.name(), calls).await?;
-            return answers_of(answers, |answer| match answer {
-                Answer::Start(result) => Some(result),
-                _ => None,
-            });
-        }
+        let items = match self
+            .coalesce(Op::PutStart, items, Call::Start, Answer::into_start)
+            .await
+        {
+            Ok(result) => return result,
+            Err(items) => items,
+        };
         self.call_batched(Op::PutStart, items, |items| PutStart { items })
             .await
     }
@@ -246,14 +261,13 @@ impl SubmasterClient {
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`].
     pub async fn put_end(&self, items: Vec<PutEndItem>) -> Result<PutEndReply, ClientError> {
-        if let Some(coalescer) = self.coalescer_for(items.len()) {
-            let calls = items.into_iter().map(Call::End).collect();
-            let answers = coalescer.call(Op::PutEnd.name(), calls).await?;
-            return answers_of(answers, |answer| match answer {
-                Answer::End(result) => Some(result),
-                _ => None,
-            });
-        }
+        let items = match self
+            .coalesce(Op::PutEnd, items, Call::End, Answer::into_end)
+            .await
+        {
+            Ok(result) => return result,
+            Err(items) => items,
+        };
         self.call_batched(Op::PutEnd, items, |items| PutEnd { items })
             .await
     }
@@ -275,14 +289,13 @@ impl SubmasterClient {
         &self,
         keys: Vec<String>,
     ) -> Result<GetReplicaListReply, ClientError> {
-        if let Some(coalescer) = self.coalescer_for(keys.len()) {
-            let calls = keys.into_iter().map(Call::Locate).collect();
-            let answers = coalescer.call(Op::GetReplicaList.name(), calls).await?;
-            return answers_of(answers, |answer| match answer {
-                Answer::Locate(result) => Some(result),
-                _ => None,
-            });
-        }
+        let keys = match self
+            .coalesce(Op::GetReplicaList, keys, Call::Locate, Answer::into_locate)
+            .await
+        {
+            Ok(result) => return result,
+            Err(keys) => keys,
+        };
         self.call_batched(Op::GetReplicaList, keys, |keys| GetReplicaList {
             keys,
             lease: true,
@@ -311,14 +324,13 @@ impl SubmasterClient {
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`].
     pub async fn exist(&self, keys: Vec<String>) -> Result<ExistReply, ClientError> {
-        if let Some(coalescer) = self.coalescer_for(keys.len()) {
-            let calls = keys.into_iter().map(Call::Exist).collect();
-            let answers = coalescer.call(Op::Exist.name(), calls).await?;
-            return answers_of(answers, |answer| match answer {
-                Answer::Exist(flag) => Some(flag),
-                _ => None,
-            });
-        }
+        let keys = match self
+            .coalesce(Op::Exist, keys, Call::Exist, Answer::into_exist)
+            .await
+        {
+            Ok(result) => return result,
+            Err(keys) => keys,
+        };
         self.call_batched(Op::Exist, keys, |keys| Exist { keys })
             .await
     }
