@@ -298,7 +298,11 @@ async fn verify(keys: Vec<String>, absent: Vec<String>, kv: KvClient) -> anyhow:
                     ok += 1;
                 }
                 Ok(_) => corrupt.push(key.clone()),
-                Err(KvError::NotFound { .. }) => missing.push(key.clone()),
+                // Not in the sub-cluster it was put into: missing, whether or not
+                // a global master could say anything of the others.
+                Err(KvError::NotFound { .. } | KvError::Unresolved { .. }) => {
+                    missing.push(key.clone());
+                }
                 Err(error) => errors.push(format!("{key}: {error}")),
             }
         }

@@ -157,7 +157,8 @@ impl GatewayState {
         let Ok(_permit) = self.permits.acquire().await else {
             return FetchReply::Failed("gateway stopping".into());
         };
-        let fetched = match self.clients.get(&subcluster).get(&request.key).await {
+        // The request names the sub-cluster: ask it alone, not the global master.
+        let fetched = match self.clients.get(&subcluster).get_here(&request.key).await {
             Ok(fetched) => fetched,
             Err(KvError::NotFound { .. }) => return FetchReply::Gone,
             Err(error) => return FetchReply::Failed(error.to_string()),

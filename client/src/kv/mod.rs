@@ -80,6 +80,16 @@ pub enum KvError {
         /// The key.
         key: String,
     },
+    /// The key is not in this sub-cluster, and the global master could not say
+    /// whether another one holds it (down, busy or slow): not a "not found".
+    #[error("{key}: not in this sub-cluster, and the global master could not say where else")]
+    Unresolved {
+        /// The key.
+        key: String,
+        /// Why the global master did not answer.
+        #[source]
+        source: std::sync::Arc<ClientError>,
+    },
 }
 
 /// The kind of a [`KvError`], for matching.
@@ -97,6 +107,8 @@ pub enum KvErrorKind {
     BufferTooSmall,
     /// No replica held intact bytes.
     Integrity,
+    /// The key is not local and the global master did not answer.
+    Unresolved,
     /// The key exists nowhere the client can see.
     NotFound,
 }
@@ -112,6 +124,7 @@ impl KvError {
             Self::BufferTooSmall { .. } => KvErrorKind::BufferTooSmall,
             Self::Integrity { .. } => KvErrorKind::Integrity,
             Self::NotFound { .. } => KvErrorKind::NotFound,
+            Self::Unresolved { .. } => KvErrorKind::Unresolved,
         }
     }
 }

@@ -10,6 +10,7 @@ use hkvm_events::{value_checksum, value_checksum_parts, SubclusterId};
 use hkvm_transfer::{ReadInto, ReadOp};
 
 use super::{Fetched, KvClient, KvError, Located};
+use crate::error::ClientError;
 use crate::global::GlobalClient;
 
 impl KvClient {
@@ -25,6 +26,30 @@ impl KvClient {
                 key: key.to_owned(),
             })
         })
+    }
+
+    /// Reads one value from this client's sub-cluster only (never through the
+    /// global master), verified against its checksum: for a caller that asks one
+    /// sub-cluster on purpose, such as the inter-DC gateway.
+    ///
+    /// # Errors
+    /// [`KvError::NotFound`] when this sub-cluster does not hold it,
+    /// [`KvError::Integrity`], or a metadata failure.
+    pub async fn get_here(&self, key: &str) -> Result<Fetched, KvError> {
+        let mut lists = self.metadata.get_replica_list(vec![key.to_owned()]).await?;
+        match lists.pop() {
+            Some(ItemResult::Ok(list)) => {
+                self.read_verified(key, self.metadata.subcluster().clone(), list)
+                    .await
+            }
+            Some(ItemResult::Err(ItemError::NotFound)) | None => Err(KvError::NotFound {
+                key: key.to_owned(),
+            }),
+            Some(ItemResult::Err(error)) => Err(KvError::Item {
+                key: key.to_owned(),
+                error,
+            }),
+        }
     }
 
     /// Where values are: per key its sub-cluster and replica list (granting a read
@@ -63,10 +88,24 @@ impl KvClient {
             });
         }
         if !elsewhere.is_empty() {
-            let keys: Vec<String> = elsewhere.iter().map(|&i| keys[i].to_owned()).collect();
-            for (index, found) in elsewhere.into_iter().zip(self.locate_elsewhere(keys).await) {
-                if let Some(found) = found {
-                    located[index] = Ok(found);
+            let wanted: Vec<String> = elsewhere.iter().map(|&i| keys[i].to_owned()).collect();
+            match self.locate_elsewhere(wanted).await {
+                Ok(found) => {
+                    for (index, found) in elsewhere.into_iter().zip(found) {
+                        if let Some(found) = found {
+                            located[index] = Ok(found);
+                        }
+                    }
+                }
+                // Not found here, and nobody could say about elsewhere.
+                Err(error) => {
+                    let source = std::sync::Arc::new(error);
+                    for index in elsewhere {
+                        located[index] = Err(KvError::Unresolved {
+                            key: keys[index].to_owned(),
+                            source: std::sync::Arc::clone(&source),
+                        });
+                    }
                 }
             }
         }
@@ -75,23 +114,36 @@ impl KvClient {
 
     /// Asks the global master which sub-clusters hold `keys` and where (it asks
     /// their owners); `None` for a key held nowhere it can see.
-    async fn locate_elsewhere(&self, keys: Vec<String>) -> Vec<Option<Located>> {
+    ///
+    /// # Errors
+    /// When the global master does not answer, or answers Busy or an error: one
+    /// attempt, because the caller is on its miss path and an engine treats a
+    /// failed read as a miss anyway; but it is told, not given "not found".
+    async fn locate_elsewhere(
+        &self,
+        keys: Vec<String>,
+    ) -> Result<Vec<Option<Located>>, ClientError> {
         let count = keys.len();
         let request = ProxyGetReplicaList { keys, labels: None };
         let global = GlobalClient::with_caller(
             self.metadata.caller().clone(),
             self.metadata.cluster().clone(),
         );
-        // One attempt: a global master that is absent or busy is reported as the keys
-        // being nowhere we can see (the caller's miss path).
+        let op = GlobalOp::GetReplicaList.name();
         let reply: ProxyGetReplicaListReply = match global
             .call_once::<_, ProxyGetReplicaListReply>(GlobalOp::GetReplicaList, &request)
-            .await
+            .await?
         {
-            Ok(RpcReply::Ok(reply)) if reply.items.len() == count => reply,
-            _ => return (0..count).map(|_| None).collect(),
+            RpcReply::Ok(reply) if reply.items.len() == count => reply,
+            RpcReply::Ok(reply) => {
+                return Err(ClientError::Mismatch {
+                    asked: count,
+                    answered: reply.items.len(),
+                })
+            }
+            RpcReply::Err(source) => return Err(ClientError::Rpc { op, source }),
         };
-        reply
+        Ok(reply
             .from
             .into_iter()
             .chain(std::iter::repeat(None))
@@ -100,7 +152,7 @@ impl KvClient {
                 (Some(subcluster), ItemResult::Ok(list)) => Some(Located { subcluster, list }),
                 _ => None,
             })
-            .collect()
+            .collect())
     }
 
     /// Reads many values (each verified, each from the sub-cluster that holds it),

@@ -81,11 +81,14 @@ impl ErrorCode {
         match (error.kind(), error) {
             (_, KvError::Metadata(error)) => Self::of_client(error),
             (_, KvError::Item { error, .. }) => Self::of_item(error),
+            (_, KvError::Unresolved { source, .. }) => Self::of_client(source),
             (KvErrorKind::NotFound, _) => Self::ObjectNotFound,
             (KvErrorKind::BufferTooSmall, _) => Self::BufferOverflow,
             (KvErrorKind::SizeMismatch, _) => Self::InvalidParams,
             (KvErrorKind::Write | KvErrorKind::Integrity, _) => Self::TransferFail,
-            (KvErrorKind::Metadata(_) | KvErrorKind::Item, _) => Self::InternalError,
+            (KvErrorKind::Metadata(_) | KvErrorKind::Item | KvErrorKind::Unresolved, _) => {
+                Self::InternalError
+            }
         }
     }
 }

@@ -8,11 +8,13 @@ use hkvm_client::{GlobalClient, KvError};
 use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp};
 use hkvm_events::SubclusterId;
 
+use hkvm_client::store::ErrorCode;
+
 use crate::fixture::{Pool, PoolSpec};
 
 #[tokio::test]
 async fn a_block_put_in_one_subcluster_is_read_from_another() {
-    let pool = Pool::start(
+    let mut pool = Pool::start(
         PoolSpec::new("x")
             .subcluster("sc-a", &[])
             .subcluster("sc-b", &[])
@@ -80,5 +82,31 @@ async fn a_block_put_in_one_subcluster_is_read_from_another() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(gone, "a removed key becomes a clean miss everywhere");
+
+    // Without a global master, a key missing here is not reported as absent
+    // everywhere: the client says it could not tell.
+    if let Some(global) = pool.global.take() {
+        global.shutdown();
+    }
+    let mut unresolved = None;
+    for _ in 0..100 {
+        match kv[1].get("nowhere").await {
+            Err(error @ KvError::Unresolved { .. }) => {
+                unresolved = Some(error);
+                break;
+            }
+            // The replica may still answer while it shuts down.
+            Err(KvError::NotFound { .. }) => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let error = unresolved.expect("a miss without a global master stays NotFound");
+    assert_eq!(
+        ErrorCode::of_kv(&error),
+        ErrorCode::RpcFail,
+        "not Mooncake's object-not-found"
+    );
     pool.shutdown().await;
 }

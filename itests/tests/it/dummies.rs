@@ -132,7 +132,8 @@ async fn dummies_move_values_through_shared_memory() {
     let pool = Pool::start(
         PoolSpec::new("dummies-data")
             .subcluster("sc-0", &[])
-            .nodes(2, 16 << 20),
+            .nodes(2, 16 << 20)
+            .global("g-dummies"),
     )
     .await;
     let real = Arc::new(store(&pool, Some(CoalesceConfig::default())).await);
