@@ -1,13 +1,27 @@
 //! What production does to containers that testcontainers has no verb for: SIGKILL,
 //! cutting a container off its network and healing it, and reading its memory use.
 //! Each is one `docker` CLI call against the same engine testcontainers uses.
+//!
+//! The calls run `std::process` on a blocking thread rather than
+//! `tokio::process`: a `docker` child waited for through the runtime's child
+//! reaping was seen left a zombie with its call never returning, and a
+//! `docker logs` blocked on a full pipe its reader no longer drained.
 
-use tokio::process::Command;
+use std::process::{Command, Output};
 
 use super::topology::Container;
 
+/// Runs `docker <args>` to its end on a blocking thread.
+async fn run_docker(args: &[&str]) -> Output {
+    let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+    tokio::task::spawn_blocking(move || Command::new("docker").args(&args).output())
+        .await
+        .expect("the docker call's thread")
+        .expect("running docker")
+}
+
 async fn docker(args: &[&str]) -> String {
-    let output = Command::new("docker").args(args).output().await.unwrap();
+    let output = run_docker(args).await;
     assert!(
         output.status.success(),
         "docker {args:?}: {}",
@@ -19,11 +33,7 @@ async fn docker(args: &[&str]) -> String {
 /// The container's stdout and stderr so far (`docker logs`: a plain CLI call,
 /// independent of the log streaming of the testcontainers client).
 pub async fn logs(container: &Container) -> (String, String) {
-    let output = Command::new("docker")
-        .args(["logs", container.id()])
-        .output()
-        .await
-        .unwrap();
+    let output = run_docker(&["logs", container.id()]).await;
     (
         String::from_utf8_lossy(&output.stdout).into_owned(),
         String::from_utf8_lossy(&output.stderr).into_owned(),
