@@ -276,6 +276,7 @@ async fn revoke_one(kv: &KvClient, key: &str, size: u64, replicas: u32, tally: &
         replicas,
         preferred_segment: None,
         hard_pin: false,
+        put_id: 0,
     };
     let started = kv.metadata().put_start(vec![start]).await;
     if !matches!(started.as_deref(), Ok([ItemResult::Ok(_)])) {

@@ -28,6 +28,7 @@ fn item(key: String) -> PutStartItem {
         replicas: 2,
         preferred_segment: None,
         hard_pin: false,
+        put_id: 0,
     }
 }
 
@@ -60,7 +61,11 @@ async fn run_clients(
                         .into_iter()
                         .zip(started)
                         .filter(|(_, r)| matches!(r, ItemResult::Ok(_)))
-                        .map(|(key, _)| PutEndItem { key, checksum: 7 })
+                        .map(|(key, _)| PutEndItem {
+                            key,
+                            checksum: 7,
+                            put_id: 0,
+                        })
                         .collect();
                     let ended = client.put_end(ends).await?;
                     let ok = ended

@@ -272,12 +272,14 @@ async fn put_until_served(client: &SubmasterClient, key: String) -> anyhow::Resu
             replicas: 1,
             preferred_segment: None,
             hard_pin: false,
+            put_id: 0,
         };
         if let Ok(reply) = client.put_start(vec![item]).await {
             if matches!(reply.first(), Some(ItemResult::Ok(_))) {
                 let end = PutEndItem {
                     key: key.clone(),
                     checksum: 7,
+                    put_id: 0,
                 };
                 if let Ok(reply) = client.put_end(vec![end]).await {
                     if matches!(reply.first(), Some(ItemResult::Ok(()))) {

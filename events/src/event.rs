@@ -109,6 +109,14 @@ pub struct PutCommitted {
     /// Flag bits (see [`PutFlags`]).
     #[serde(rename = "f", default)]
     pub flags: PutFlags,
+    /// The id of the put this commits (see `rpc::submaster::PutId`; 0: none), so
+    /// that a `put_end` sent again can tell its own commit from another put's.
+    #[serde(rename = "i", default, skip_serializing_if = "is_zero")]
+    pub put_id: u64,
+}
+
+fn is_zero(value: &u64) -> bool {
+    *value == 0
 }
 
 /// Objects evicted by the sub-master to free space (one event per eviction round).
@@ -270,6 +278,7 @@ impl PutCommitted {
             checksum,
             placements,
             flags: PutFlags::default(),
+            put_id: 0,
         }
     }
 }

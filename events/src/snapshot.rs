@@ -63,6 +63,13 @@ pub struct ObjectRecord {
     /// Its [`PutFlags`](crate::PutFlags) bits.
     #[serde(rename = "f")]
     pub flags: u32,
+    /// The id of the put that committed it (0: none).
+    #[serde(rename = "i", default, skip_serializing_if = "is_zero")]
+    pub put_id: u64,
+}
+
+fn is_zero(value: &u64) -> bool {
+    *value == 0
 }
 
 /// A whole snapshot.

@@ -33,6 +33,7 @@ fn sample() -> SnapshotFile {
             checksum: 0x1122_3344_5566_7788,
             replicas: vec![(0, 0), (1, 4096)],
             flags: 0,
+            put_id: 0,
         },
         ObjectRecord {
             key: "b".into(),
@@ -40,6 +41,7 @@ fn sample() -> SnapshotFile {
             checksum: 7,
             replicas: vec![(1, 0)],
             flags: 1,
+            put_id: 0,
         },
     ];
     file

@@ -40,6 +40,7 @@ pub fn to_file(state: &State) -> SnapshotFile {
                 .filter_map(|r| Some((*index_of.get(&r.slot)?, r.offset)))
                 .collect(),
             flags: object.flags.0,
+            put_id: object.put_id,
         })
         .collect();
     file
@@ -61,6 +62,7 @@ pub fn from_file(file: SnapshotFile) -> State {
         let mut put =
             PutCommitted::new(object.key.clone(), object.size, object.checksum, placements);
         put.flags = PutFlags(object.flags);
+        put.put_id = object.put_id;
         state.apply(&KvEvent::PutCommitted(put));
     }
     state.applied_seq = file.covers_seq;

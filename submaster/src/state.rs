@@ -44,6 +44,9 @@ pub struct Object {
     pub order: u64,
     /// Ephemeral: read lease expiry in the state clock's milliseconds (0: none).
     pub lease_until_ms: u64,
+    /// The id of the put that committed it (0: none), so that a `put_end` sent
+    /// again learns that its own put is the one committed.
+    pub put_id: u64,
 }
 
 /// A mounted segment.
@@ -70,6 +73,8 @@ pub struct PendingPut {
     pub started_ms: u64,
     /// Whether the object will be hard-pinned.
     pub hard_pin: bool,
+    /// The put's id from its `put_start` (0: none).
+    pub put_id: u64,
 }
 
 /// Counters of events that did not fit the state (a bug or a corrupted stream);
@@ -258,6 +263,7 @@ impl State {
                 flags: put.flags,
                 order,
                 lease_until_ms: 0,
+                put_id: put.put_id,
             },
         );
     }
@@ -421,7 +427,7 @@ impl State {
             list
         };
         let objects = |state: &State| {
-            let mut list: Vec<(String, u64, u64, Vec<Placement>, u32)> = state
+            let mut list: Vec<(String, u64, u64, Vec<Placement>, u32, u64)> = state
                 .objects()
                 .map(|(key, o)| {
                     (
@@ -430,6 +436,7 @@ impl State {
                         o.checksum,
                         state.placements(&o.replicas),
                         o.flags.0,
+                        o.put_id,
                     )
                 })
                 .collect();

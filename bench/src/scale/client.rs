@@ -101,6 +101,7 @@ impl Client {
                     replicas: 2,
                     preferred_segment: None,
                     hard_pin: false,
+                    put_id: 0,
                 };
                 let Ok(reply) = self.submaster.put_start(vec![item]).await else {
                     return false;
@@ -111,6 +112,7 @@ impl Client {
                 let end = PutEndItem {
                     key: key.clone(),
                     checksum: 7,
+                    put_id: 0,
                 };
                 let ok = matches!(
                     self.submaster.put_end(vec![end]).await.as_deref(),

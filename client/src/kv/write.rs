@@ -4,7 +4,7 @@
 
 use futures::future::join_all;
 use hkvm_events::rpc::submaster::{
-    ItemError, ItemResult, PutEndItem, PutStartItem, ReplicaLocation,
+    ItemError, ItemResult, PutEndItem, PutId, PutStartItem, ReplicaLocation,
 };
 use hkvm_events::{value_checksum, value_checksum_parts};
 use hkvm_transfer::WriteOp;
@@ -14,6 +14,13 @@ use super::{KvClient, KvError, PutOptions};
 /// How often a put whose reservation vanished before its commit is started again.
 const PUT_RESTARTS: usize = 2;
 
+/// A fresh id for one attempt of a put: random and nonzero, so that its
+/// `put_start` and `put_end` can be sent again and the sub-master tells this put's
+/// commit from any other.
+fn new_put_id() -> PutId {
+    rand::random::<PutId>().max(1)
+}
+
 /// A put whose space is reserved but whose value is not written yet (see
 /// [`KvClient::reserve`]).
 #[derive(Debug)]
@@ -22,6 +29,7 @@ pub struct PendingPut {
     key: String,
     size: u64,
     replicas: Vec<ReplicaLocation>,
+    put_id: PutId,
 }
 
 impl PendingPut {
@@ -116,14 +124,17 @@ impl KvClient {
         if items.is_empty() {
             return Ok(Vec::new());
         }
+        let ids: Vec<PutId> = items.iter().map(|_| new_put_id()).collect();
         let starts = items
             .iter()
-            .map(|(key, parts)| PutStartItem {
+            .zip(&ids)
+            .map(|((key, parts), &put_id)| PutStartItem {
                 key: (*key).to_owned(),
                 size: parts.iter().map(|part| part.len() as u64).sum(),
                 replicas: options.replicas,
                 preferred_segment: options.preferred_segment.clone(),
                 hard_pin: options.hard_pin,
+                put_id,
             })
             .collect();
         let placements = self.metadata.put_start(starts).await?;
@@ -142,11 +153,12 @@ impl KvClient {
         let written = join_all(writes).await;
         let mut ends = Vec::new();
         let mut revoke = Vec::new();
-        for ((key, parts), result) in items.iter().zip(&written) {
+        for (((key, parts), result), &put_id) in items.iter().zip(&written).zip(&ids) {
             match result {
                 Ok(()) => ends.push(PutEndItem {
                     key: (*key).to_owned(),
                     checksum: value_checksum_parts(parts),
+                    put_id,
                 }),
                 Err(KvError::Write { .. }) => revoke.push((*key).to_owned()),
                 Err(_) => {}
@@ -163,7 +175,9 @@ impl KvClient {
         let ended = match self.metadata.put_end(ends).await {
             Ok(ended) => ended,
             Err(error) => {
-                // The commit may or may not have happened: remove, so that a put that
+                // Commits carrying ids are sent again until they are answered, so
+                // this is a sub-master unreachable past the retry deadline: the
+                // commit may or may not have happened. Remove, so that a put that
                 // returned an error never stays visible.
                 let _ = self.metadata.remove(ended_keys, true).await;
                 return Err(error.into());
@@ -204,12 +218,14 @@ impl KvClient {
         size: u64,
         replicas: u32,
     ) -> Result<PendingPut, KvError> {
+        let put_id = new_put_id();
         let start = PutStartItem {
             key: key.to_owned(),
             size,
             replicas,
             preferred_segment: None,
             hard_pin: false,
+            put_id,
         };
         let mut placed = self.metadata.put_start(vec![start]).await?;
         match placed.pop() {
@@ -217,6 +233,7 @@ impl KvClient {
                 key: key.to_owned(),
                 size,
                 replicas,
+                put_id,
             }),
             Some(ItemResult::Err(error)) => Err(KvError::Item {
                 key: key.to_owned(),
@@ -230,8 +247,9 @@ impl KvClient {
     }
 
     /// Writes `value` into a reserved put's replicas and commits it (put_end with
-    /// the value's checksum). A failed write revokes the put; a put_end whose
-    /// outcome is unknown removes the key, as [`KvClient::put`] does.
+    /// the value's checksum). A failed write revokes the put; a reservation lost
+    /// before the commit (a leader change) is put again; a put_end whose outcome
+    /// stays unknown removes the key, as [`KvClient::put`] does.
     ///
     /// # Errors
     /// [`KvError::Write`], [`KvError::SizeMismatch`],
@@ -257,6 +275,7 @@ impl KvClient {
         let end = PutEndItem {
             key: pending.key.clone(),
             checksum: value_checksum(value),
+            put_id: pending.put_id,
         };
         let mut ended = match self.metadata.put_end(vec![end]).await {
             Ok(ended) => ended,
@@ -267,6 +286,17 @@ impl KvClient {
         };
         match ended.pop() {
             Some(ItemResult::Ok(())) => Ok(()),
+            Some(ItemResult::Err(ItemError::NoPendingPut)) => {
+                // The reservation vanished before its commit (a leader change
+                // clears reservations) and the value is in hand: put it again,
+                // as `put` does, rather than fail a put the caller made once.
+                tracing::info!(key = %pending.key, "reservation lost before its commit: putting again");
+                let options = PutOptions::replicas(pending.replicas.len() as u32);
+                let mut results = self
+                    .put_scattered(&[(pending.key.as_str(), &[value])], &options)
+                    .await?;
+                results.pop().unwrap_or(Ok(()))
+            }
             Some(ItemResult::Err(error)) => Err(KvError::Item {
                 key: pending.key,
                 error,

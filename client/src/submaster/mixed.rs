@@ -8,7 +8,6 @@ use hkvm_events::rpc::submaster::{
 };
 
 use crate::error::ClientError;
-use crate::retry::Resend;
 
 use super::SubmasterClient;
 
@@ -141,14 +140,10 @@ fn scatter(reply: MixedReply, parts: &[Part]) -> Result<Vec<Answer>, ClientError
 
 impl SubmasterClient {
     /// Sends coalesced calls as one [`Mixed`] request. It may be sent again after a
-    /// timeout only when it commits nothing.
+    /// timeout when every commit in it carries its put's id (or it has none).
     pub(super) async fn mixed(&self, calls: Vec<Call>) -> Result<Vec<Answer>, ClientError> {
         let (mixed, parts) = gather(calls);
-        let resend = if mixed.put_end.is_empty() {
-            Resend::Safe
-        } else {
-            Resend::Unsafe
-        };
+        let resend = super::commits_resend(&mixed.put_end);
         let reply: MixedReply = self.call_with(Op::Mixed, &mixed, resend).await?;
         scatter(reply, &parts)
     }
@@ -178,6 +173,7 @@ mod tests {
         PutEndItem {
             key: key.into(),
             checksum: 1,
+            put_id: 0,
         }
     }
 

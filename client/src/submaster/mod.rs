@@ -33,8 +33,10 @@ pub struct SubmasterClient {
 
 /// Whether an operation may be sent again after a timeout without changing its
 /// meaning: reads, idempotent mounts, and `put_start` (a reservation made by a leader
-/// that then died is gone with it; one made by a live leader makes the resend answer
-/// `AlreadyExists` and is reclaimed by the put timeout).
+/// that then died is gone with it; one made by a live leader is given back again
+/// when the put carries an id, and otherwise makes the resend answer
+/// `AlreadyExists` and is reclaimed by the put timeout). `put_end` and `mixed` are
+/// decided per request: safe when every commit in it carries a put id.
 fn resend(op: Op) -> Resend {
     match op {
         Op::Ping
@@ -44,14 +46,21 @@ fn resend(op: Op) -> Resend {
         | Op::MountSegment
         | Op::Remount
         | Op::PutStart => Resend::Safe,
-        // Decided per request by `SubmasterClient::mixed`: safe unless it commits.
-        Op::Mixed => Resend::Unsafe,
-        Op::UnmountSegment
-        | Op::PutEnd
-        | Op::PutRevoke
-        | Op::Remove
-        | Op::RemoveAll
-        | Op::RemoveMatching => Resend::Unsafe,
+        // Decided per request (`put_end`, `SubmasterClient::mixed`).
+        Op::Mixed | Op::PutEnd => Resend::Unsafe,
+        Op::UnmountSegment | Op::PutRevoke | Op::Remove | Op::RemoveAll | Op::RemoveMatching => {
+            Resend::Unsafe
+        }
+    }
+}
+
+/// Whether commits may be sent again after a timeout: when each names its put's
+/// id, so that the sub-master tells a commit done before from one never made.
+pub(super) fn commits_resend(items: &[PutEndItem]) -> Resend {
+    if items.iter().all(|item| item.put_id != 0) {
+        Resend::Safe
+    } else {
+        Resend::Unsafe
     }
 }
 
@@ -197,12 +206,22 @@ impl SubmasterClient {
         items: Vec<Item>,
         request: impl Fn(Vec<Item>) -> Req,
     ) -> Result<Vec<Rep>, ClientError> {
+        self.call_batched_with(op, items, request, resend(op)).await
+    }
+
+    async fn call_batched_with<Item: Clone, Req: Serialize, Rep: DeserializeOwned>(
+        &self,
+        op: Op,
+        items: Vec<Item>,
+        request: impl Fn(Vec<Item>) -> Req,
+        resend: Resend,
+    ) -> Result<Vec<Rep>, ClientError> {
         if items.len() <= MAX_BATCH_ITEMS {
-            return self.call(op, &request(items)).await;
+            return self.call_with(op, &request(items), resend).await;
         }
         let mut replies = Vec::with_capacity(items.len());
         for chunk in items.chunks(MAX_BATCH_ITEMS) {
-            let part: Vec<Rep> = self.call(op, &request(chunk.to_vec())).await?;
+            let part: Vec<Rep> = self.call_with(op, &request(chunk.to_vec()), resend).await?;
             replies.extend(part);
         }
         Ok(replies)
@@ -256,7 +275,12 @@ impl SubmasterClient {
             .await
     }
 
-    /// Commits written objects (per-item results).
+    /// Commits written objects (per-item results). When every item carries its
+    /// put's id the request is idempotent and is sent again after a timeout, so
+    /// each item ends `Ok` (committed) or [`ItemError::NoPendingPut`] (it never
+    /// will be); without ids a timeout leaves the outcome unknown.
+    ///
+    /// [`ItemError::NoPendingPut`]: hkvm_events::rpc::submaster::ItemError::NoPendingPut
     ///
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`].
@@ -268,7 +292,8 @@ impl SubmasterClient {
             Ok(result) => return result,
             Err(items) => items,
         };
-        self.call_batched(Op::PutEnd, items, |items| PutEnd { items })
+        let resend = commits_resend(&items);
+        self.call_batched_with(Op::PutEnd, items, |items| PutEnd { items }, resend)
             .await
     }
 

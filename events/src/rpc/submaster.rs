@@ -210,6 +210,10 @@ pub struct PingReply {
     pub need_remount: bool,
 }
 
+/// A put's id: random, nonzero, chosen by the client for each attempt of a put
+/// (`0` means none). It travels in `put_start`, `put_end` and the commit event.
+pub type PutId = u64;
+
 /// Reserve space for new objects (batch).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PutStart {
@@ -232,6 +236,11 @@ pub struct PutStartItem {
     /// Never evict this object.
     #[serde(default)]
     pub hard_pin: bool,
+    /// The put's id ([`PutId`]), chosen by the client: a `put_start` sent again
+    /// with the same id gets the same reservation back, and the `put_end` naming it
+    /// is idempotent. 0: none (the put's commit cannot be asked after).
+    #[serde(default)]
+    pub put_id: PutId,
 }
 
 /// The reply to [`PutStart`]: per item, where to write the replicas.
@@ -251,6 +260,12 @@ pub struct PutEndItem {
     pub key: String,
     /// xxh3-64 of the value as written.
     pub checksum: u64,
+    /// The id its `put_start` carried. With one, `put_end` is idempotent: sent
+    /// again after a timeout (to the same leader or the next), it answers `Ok` when
+    /// that put is committed, and [`ItemError::NoPendingPut`] when it is not and
+    /// never will be (its reservation is gone), so the client always learns which.
+    #[serde(default)]
+    pub put_id: PutId,
 }
 
 /// The reply to [`PutEnd`].

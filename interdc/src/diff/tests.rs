@@ -16,6 +16,7 @@ fn put(key: &str, size: u64) -> KvEvent {
             offset: 0,
         }],
         flags: PutFlags::default(),
+        put_id: 0,
     })
 }
 

@@ -46,6 +46,7 @@ fn start(key: &str) -> PutStartItem {
         replicas: 2,
         preferred_segment: None,
         hard_pin: false,
+        put_id: 0,
     }
 }
 
@@ -69,6 +70,7 @@ async fn put(client: &SubmasterClient, key: &str, revoke: bool) -> Result<bool, 
         .put_end(vec![PutEndItem {
             key: key.into(),
             checksum: 1,
+            put_id: 0,
         }])
         .await
         .map_err(|e| e.to_string())?;

@@ -153,6 +153,7 @@ async fn a_put_whose_replica_node_died_fails_cleanly_and_is_revoked() {
             replicas: 3,
             preferred_segment: None,
             hard_pin: false,
+            put_id: 0,
         }])
         .await
         .unwrap();
@@ -182,5 +183,39 @@ async fn a_put_whose_replica_node_died_fails_cleanly_and_is_revoked() {
     c.kv["sc"].put("fine", &value(1000, 2), 2).await.ok();
     let status = c.kv["sc"].metadata().status().await.unwrap();
     assert_eq!(status.pending_puts, 0);
+    c.shutdown().await;
+}
+
+/// A short leader lease, so that a standby takes over quickly.
+fn quick_failover(config: &mut hkvm_submaster::SubmasterConfig) {
+    config.leader_lease_ttl = Duration::from_millis(1500);
+}
+
+#[tokio::test]
+async fn a_put_whose_reservation_a_leader_change_lost_is_put_again_not_failed() {
+    let mut c = Pool::start(
+        PoolSpec::new("dp")
+            .subcluster("sc", &[])
+            .nodes(3, 16 << 20)
+            .tweak(quick_failover),
+    )
+    .await;
+    let kv = c.kv["sc"].clone();
+    let bytes = value(5000, 9);
+    // Reserved on the first leader; the value is written only after it died.
+    let pending = kv.reserve("raced", bytes.len() as u64, 2).await.unwrap();
+    let readers = c.fixture.readers("sc").await;
+    let mut config = c.fixture.submaster_config("sc", "sc-sm-b");
+    config.registry_ttl = Duration::from_secs(3);
+    quick_failover(&mut config);
+    let standby = c.fixture.spawn_submaster(config).await;
+    c.fixture.wait_new_reader_at_end("sc", &readers).await;
+    c.masters.remove(0).abort();
+
+    kv.complete(pending, &bytes).await.unwrap();
+    let fetched = kv.get("raced").await.unwrap();
+    assert_eq!(&fetched.value[..], &bytes[..]);
+    assert_eq!(kv.metadata().status().await.unwrap().producer, "sc-sm-b");
+    standby.shutdown().await.unwrap();
     c.shutdown().await;
 }

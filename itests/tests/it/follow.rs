@@ -322,6 +322,7 @@ async fn snapshot_covering(stream: &Stream, covers_seq: u64, keys: &[&str]) {
             checksum: 1,
             replicas: Vec::new(),
             flags: 0,
+            put_id: 0,
         })
         .collect();
     store.save(&file).await.unwrap();

@@ -65,6 +65,7 @@ fn start_item(key: &str, size: u64, replicas: u32) -> PutStartItem {
         replicas,
         preferred_segment: None,
         hard_pin: false,
+        put_id: 0,
     }
 }
 
@@ -80,6 +81,7 @@ async fn put(client: &SubmasterClient, key: &str) -> Result<(), String> {
         .put_end(vec![PutEndItem {
             key: key.into(),
             checksum: hkvm_events::value_checksum(key.as_bytes()),
+            put_id: 0,
         }])
         .await
         .map_err(|e| e.to_string())?;
@@ -246,6 +248,7 @@ async fn a_reply_over_the_nats_payload_limit_is_a_clear_error_not_a_timeout() {
             .map(|key| PutEndItem {
                 key: key.clone(),
                 checksum: 1,
+                put_id: 0,
             })
             .collect();
         assert!(client
@@ -381,6 +384,66 @@ async fn a_hot_standby_takes_over_and_keeps_every_acknowledged_put() {
         .map(|(k, _)| k)
         .collect();
     assert!(missing.is_empty(), "acknowledged puts lost: {missing:?}");
+    standby.shutdown().await.unwrap();
+}
+
+/// Sends put_start for `key` under `put_id` and checks it reserved space.
+async fn start_with_id(client: &SubmasterClient, key: &str, put_id: u64) {
+    let mut item = start_item(key, 4096, 2);
+    item.put_id = put_id;
+    let started = client.put_start(vec![item]).await.unwrap();
+    assert!(matches!(started[0], ItemResult::Ok(_)), "{started:?}");
+}
+
+fn end_with_id(key: &str, put_id: u64) -> PutEndItem {
+    PutEndItem {
+        key: key.into(),
+        checksum: 1,
+        put_id,
+    }
+}
+
+#[tokio::test]
+async fn a_put_end_sent_again_across_a_leader_change_learns_committed_or_absent() {
+    let fixture = Fixture::new("t").await;
+    let leader = fixture.spawn_submaster(config(&fixture, "sm-a")).await;
+    let client = client(&fixture).await;
+    for node in ["n1", "n2", "n3"] {
+        mount(&client, node, 64 << 20).await;
+    }
+    // "done" commits (its reply, say, is lost); "lost" is reserved, never committed.
+    start_with_id(&client, "done", 11).await;
+    start_with_id(&client, "lost", 22).await;
+    let ended = client.put_end(vec![end_with_id("done", 11)]).await.unwrap();
+    assert_eq!(ended, vec![ItemResult::Ok(())]);
+    let readers = fixture.readers(SC).await;
+    let standby = fixture.spawn_submaster(config(&fixture, "sm-b")).await;
+    fixture.wait_new_reader_at_end(SC, &readers).await;
+    leader.abort();
+
+    // Both commits sent again, to whichever leader answers: a definite answer each.
+    let again = client
+        .put_end(vec![end_with_id("done", 11), end_with_id("lost", 22)])
+        .await
+        .unwrap();
+    assert_eq!(
+        again,
+        vec![ItemResult::Ok(()), ItemResult::Err(ItemError::NoPendingPut)],
+        "committed before the change: committed; reserved only: absent"
+    );
+    assert_eq!(client.status().await.unwrap().producer, "sm-b");
+    // Another put's id is never told that this commit is its own.
+    let other = client.put_end(vec![end_with_id("done", 99)]).await.unwrap();
+    assert_eq!(other, vec![ItemResult::Err(ItemError::NoPendingPut)]);
+    assert_eq!(
+        client
+            .exist(vec!["done".into(), "lost".into()])
+            .await
+            .unwrap(),
+        vec![true, false]
+    );
+    let commits = fixture.commits(SC).await;
+    assert_eq!(commits.get("done"), Some(&1), "committed exactly once");
     standby.shutdown().await.unwrap();
 }
 

@@ -95,11 +95,16 @@ pub enum Request {
 
 impl Request {
     /// Whether the request reads objects (its reply must wait until every earlier
-    /// write is durable, so nobody sees state that could still be lost).
+    /// write is durable, so nobody sees state that could still be lost). A
+    /// `put_end` sent again reads one: its `Ok` says an earlier commit is done.
     pub fn reads_objects(&self) -> bool {
         matches!(
             self,
-            Self::GetReplicaList(_) | Self::Exist(_) | Self::Status(_) | Self::Mixed(_)
+            Self::GetReplicaList(_)
+                | Self::Exist(_)
+                | Self::Status(_)
+                | Self::Mixed(_)
+                | Self::PutEnd(_)
         )
     }
 }

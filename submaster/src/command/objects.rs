@@ -50,7 +50,15 @@ fn start_one(
             item.replicas, policy.max_replicas
         )));
     }
-    if state.object(&item.key).is_some() || state.pending.contains_key(&item.key) {
+    if let Some(pending) = state.pending.get(&item.key) {
+        if item.put_id != 0 && pending.put_id == item.put_id {
+            // The same put's start sent again (its reply was lost): the same
+            // reservation, not a second one.
+            return Ok(locations(state, &pending.replicas));
+        }
+        return Err(ItemError::AlreadyExists);
+    }
+    if state.object(&item.key).is_some() {
         return Err(ItemError::AlreadyExists);
     }
     let preferred = item
@@ -95,6 +103,7 @@ fn start_one(
             replicas,
             started_ms: now_ms,
             hard_pin: item.hard_pin,
+            put_id: item.put_id,
         },
     );
     Ok(reply)
@@ -131,8 +140,22 @@ fn end_all(state: &State, items: Vec<PutEndItem>) -> (Vec<KvEvent>, PutEndReply)
     let mut results = Vec::with_capacity(items.len());
     let mut seen = std::collections::HashSet::new();
     for item in items {
-        let Some(pending) = state.pending.get(&item.key) else {
-            results.push(ItemResult::Err(ItemError::NoPendingPut));
+        // Without ids (0 on either side) a reservation is matched by key alone.
+        let pending = state.pending.get(&item.key).filter(|pending| {
+            item.put_id == 0 || pending.put_id == 0 || pending.put_id == item.put_id
+        });
+        let Some(pending) = pending else {
+            // Not pending: committed already by this very put (a put_end sent
+            // again), or its reservation is gone and it never will be.
+            let committed = item.put_id != 0
+                && state
+                    .object(&item.key)
+                    .is_some_and(|object| object.put_id == item.put_id);
+            results.push(if committed {
+                ItemResult::Ok(())
+            } else {
+                ItemResult::Err(ItemError::NoPendingPut)
+            });
             continue;
         };
         if !seen.insert(item.key.clone()) {
@@ -150,6 +173,11 @@ fn end_all(state: &State, items: Vec<PutEndItem>) -> (Vec<KvEvent>, PutEndReply)
         if pending.hard_pin {
             event.flags = PutFlags(PutFlags::HARD_PIN);
         }
+        event.put_id = if pending.put_id != 0 {
+            pending.put_id
+        } else {
+            item.put_id
+        };
         events.push(KvEvent::PutCommitted(event));
         results.push(ItemResult::Ok(()));
     }

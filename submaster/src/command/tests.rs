@@ -75,6 +75,7 @@ impl Harness {
             replicas,
             preferred_segment: None,
             hard_pin: false,
+            put_id: 0,
         };
         match self.run(Request::PutStart(PutStart { items: vec![item] })) {
             Ok(Reply::PutStart(mut results)) => results.remove(0),
@@ -91,6 +92,7 @@ impl Harness {
             items: vec![PutEndItem {
                 key: key.into(),
                 checksum: 42,
+                put_id: 0,
             }],
         }));
         assert_eq!(reply, Ok(Reply::PutEnd(vec![ItemResult::Ok(())])));
@@ -137,6 +139,7 @@ fn a_put_is_invisible_until_ended_and_then_everywhere() {
         items: vec![PutEndItem {
             key: "k".into(),
             checksum: 7,
+            put_id: 0,
         }],
     }))
     .unwrap();
@@ -174,6 +177,7 @@ fn put_errors_are_per_item() {
         items: vec![PutEndItem {
             key: "never-started".into(),
             checksum: 1,
+            put_id: 0,
         }],
     }));
     assert_eq!(
@@ -189,6 +193,7 @@ fn put_errors_are_per_item() {
             replicas: 1,
             preferred_segment: None,
             hard_pin: false,
+            put_id: 0,
         })
         .collect();
     assert!(h
@@ -343,6 +348,7 @@ fn eviction_is_oldest_first_and_spares_pinned_and_leased() {
         replicas: 1,
         preferred_segment: None,
         hard_pin: true,
+        put_id: 0,
     };
     h.run(Request::PutStart(PutStart {
         items: vec![pinned],
@@ -352,6 +358,7 @@ fn eviction_is_oldest_first_and_spares_pinned_and_leased() {
         items: vec![PutEndItem {
             key: "pinned".into(),
             checksum: 1,
+            put_id: 0,
         }],
     }))
     .unwrap();
@@ -396,6 +403,7 @@ fn a_silent_node_is_lost_with_the_objects_only_it_held() {
             replicas: 1,
             preferred_segment: Some(SegmentId::new("s1").unwrap()),
             hard_pin: false,
+            put_id: 0,
         }],
     }))
     .unwrap();
@@ -403,6 +411,7 @@ fn a_silent_node_is_lost_with_the_objects_only_it_held() {
         items: vec![PutEndItem {
             key: "only-n1".into(),
             checksum: 3,
+            put_id: 0,
         }],
     }))
     .unwrap();
@@ -524,10 +533,12 @@ fn a_mixed_request_decides_reads_then_reservations_then_commits() {
         replicas: 1,
         preferred_segment: None,
         hard_pin: false,
+        put_id: 0,
     };
     let end = |key: &str| PutEndItem {
         key: key.into(),
         checksum: 9,
+        put_id: 0,
     };
     let reply = h.run(Request::Mixed(Mixed {
         exist: vec!["old".into(), "pending".into()],
@@ -577,4 +588,134 @@ fn a_mixed_request_is_bounded_by_its_items_in_all_parts() {
         ..Mixed::default()
     }));
     assert!(matches!(reply, Err(error) if error.code == RpcErrorCode::InvalidRequest));
+}
+
+fn start_with_id(key: &str, put_id: u64) -> PutStartItem {
+    PutStartItem {
+        key: key.into(),
+        size: 1000,
+        replicas: 2,
+        preferred_segment: None,
+        hard_pin: false,
+        put_id,
+    }
+}
+
+fn end_with_id(key: &str, put_id: u64) -> PutEndItem {
+    PutEndItem {
+        key: key.into(),
+        checksum: 9,
+        put_id,
+    }
+}
+
+impl Harness {
+    fn start_ids(
+        &mut self,
+        items: Vec<PutStartItem>,
+    ) -> Vec<ItemResult<Vec<hkvm_events::rpc::submaster::ReplicaLocation>>> {
+        match self.run(Request::PutStart(PutStart { items })) {
+            Ok(Reply::PutStart(results)) => results,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn end_ids(&mut self, items: Vec<PutEndItem>) -> (Vec<ItemResult<()>>, usize) {
+        let before = self.log.len();
+        match self.run(Request::PutEnd(PutEnd { items })) {
+            Ok(Reply::PutEnd(results)) => (results, self.log.len() - before),
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_put_end_sent_again_answers_committed_and_commits_once() {
+    let mut h = three_nodes();
+    assert!(matches!(
+        h.start_ids(vec![start_with_id("k", 7)])[0],
+        ItemResult::Ok(_)
+    ));
+    let (first, events) = h.end_ids(vec![end_with_id("k", 7)]);
+    assert_eq!((first, events), (vec![ItemResult::Ok(())], 1));
+    // The reply was lost; the client sends the same commit again.
+    let (again, events) = h.end_ids(vec![end_with_id("k", 7)]);
+    assert_eq!(
+        (again, events),
+        (vec![ItemResult::Ok(())], 0),
+        "answered committed, and no second commit"
+    );
+    h.assert_standby_agrees();
+}
+
+#[test]
+fn a_new_leader_tells_a_committed_put_from_one_whose_reservation_it_lost() {
+    let mut h = three_nodes();
+    h.start_ids(vec![start_with_id("done", 1), start_with_id("lost", 2)]);
+    h.end_ids(vec![end_with_id("done", 1)]);
+    // The standby takes over: it holds what the stream holds, no reservation.
+    let mut takeover = Harness::new();
+    takeover.commit(h.log.clone());
+    let (answers, events) = takeover.end_ids(vec![end_with_id("done", 1), end_with_id("lost", 2)]);
+    assert_eq!(
+        (answers, events),
+        (
+            vec![ItemResult::Ok(()), ItemResult::Err(ItemError::NoPendingPut)],
+            0
+        ),
+        "committed before the change: committed; never committed: absent for good"
+    );
+}
+
+#[test]
+fn a_put_end_never_commits_another_puts_reservation_or_claims_its_commit() {
+    let mut h = three_nodes();
+    h.start_ids(vec![start_with_id("k", 1)]);
+    // A put whose reservation was lost (id 2) must not commit put 1's space.
+    let (answers, events) = h.end_ids(vec![end_with_id("k", 2)]);
+    assert_eq!(
+        (answers, events),
+        (vec![ItemResult::Err(ItemError::NoPendingPut)], 0)
+    );
+    h.end_ids(vec![end_with_id("k", 1)]);
+    // Nor is put 2 told that put 1's commit is its own.
+    let (answers, _) = h.end_ids(vec![end_with_id("k", 2)]);
+    assert_eq!(answers, vec![ItemResult::Err(ItemError::NoPendingPut)]);
+}
+
+#[test]
+fn a_put_start_sent_again_gets_the_same_reservation() {
+    let mut h = three_nodes();
+    let ItemResult::Ok(first) = h.start_ids(vec![start_with_id("k", 5)]).remove(0) else {
+        panic!()
+    };
+    let free = h
+        .leader
+        .segments()
+        .map(|(_, s)| s.allocator.free_bytes())
+        .sum::<u64>();
+    let ItemResult::Ok(again) = h.start_ids(vec![start_with_id("k", 5)]).remove(0) else {
+        panic!("the same put's start sent again is not refused")
+    };
+    assert_eq!(first, again, "the same reservation");
+    let free_after = h
+        .leader
+        .segments()
+        .map(|(_, s)| s.allocator.free_bytes())
+        .sum::<u64>();
+    assert_eq!(free, free_after, "no second reservation");
+    assert_eq!(
+        h.start_ids(vec![start_with_id("k", 6)]),
+        vec![ItemResult::Err(ItemError::AlreadyExists)],
+        "another put of the key is refused"
+    );
+}
+
+#[test]
+fn a_snapshot_keeps_the_put_ids_a_resent_put_end_needs() {
+    let mut h = three_nodes();
+    h.start_ids(vec![start_with_id("k", 77)]);
+    h.end_ids(vec![end_with_id("k", 77)]);
+    let restored = crate::snapshot::decode(&crate::snapshot::encode(&h.leader).unwrap()).unwrap();
+    assert_eq!(restored.object("k").map(|o| o.put_id), Some(77));
 }

@@ -40,12 +40,89 @@ pub async fn logs(container: &Container) -> (String, String) {
     )
 }
 
+/// The state `docker inspect` reports for a container.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct State {
+    /// `created`, `running`, `exited`, `dead`, ….
+    pub status: String,
+    /// The exit code once it exited.
+    pub exit_code: i64,
+    /// The main process's pid on the host (0 when not running).
+    pub pid: u32,
+}
+
+/// The container's state.
+pub async fn state(container: &Container) -> State {
+    let text = docker(&[
+        "inspect",
+        "--format",
+        "{{.State.Status}} {{.State.ExitCode}} {{.State.Pid}}",
+        container.id(),
+    ])
+    .await;
+    let mut fields = text.split_whitespace();
+    State {
+        status: fields.next().unwrap_or_default().to_owned(),
+        exit_code: fields.next().and_then(|f| f.parse().ok()).unwrap_or(-1),
+        pid: fields.next().and_then(|f| f.parse().ok()).unwrap_or(0),
+    }
+}
+
 /// Waits until the container's process exits; returns its exit code, stdout and
 /// stderr.
+///
+/// It polls `docker inspect` rather than holding one `docker wait` open: a long
+/// `docker wait` was seen never to return for a load generator that had printed
+/// its last line, and a poll both cannot miss the exit and leaves the state to
+/// report (see [`where_stuck`]) when the caller's deadline passes.
 pub async fn wait_output(container: &Container) -> (i64, String, String) {
-    let code = docker(&["wait", container.id()]).await;
+    let code = loop {
+        let state = state(container).await;
+        if matches!(state.status.as_str(), "exited" | "dead") {
+            break state.exit_code;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
     let (stdout, stderr) = logs(container).await;
-    (code.trim().parse().unwrap_or(-1), stdout, stderr)
+    (code, stdout, stderr)
+}
+
+/// What a container that should have exited is doing: its state, and for a
+/// running one each thread of its main process with the kernel's state and wait
+/// channel (read from the host's /proc, which sees every container's processes).
+pub async fn where_stuck(container: &Container) -> String {
+    let state = state(container).await;
+    let mut report = format!("container {} (exit code {})", state.status, state.exit_code);
+    if state.pid == 0 {
+        return report;
+    }
+    let tasks = format!("/proc/{}/task", state.pid);
+    let Ok(entries) = std::fs::read_dir(&tasks) else {
+        report.push_str(&format!("; {tasks} unreadable"));
+        return report;
+    };
+    for entry in entries.flatten() {
+        let dir = entry.path();
+        let read = |name: &str| {
+            std::fs::read_to_string(dir.join(name))
+                .map(|text| text.trim().to_owned())
+                .unwrap_or_default()
+        };
+        // stat: "tid (comm) S …": the state letter follows the command's ')'.
+        let stat = read("stat");
+        let run_state = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .unwrap_or("?")
+            .to_owned();
+        report.push_str(&format!(
+            "\n  thread {} {:?}: state {run_state}, waiting in {}",
+            entry.file_name().to_string_lossy(),
+            read("comm"),
+            read("wchan"),
+        ));
+    }
+    report
 }
 
 /// SIGKILL of the container's main process (no clean shutdown, no lease handover).

@@ -128,7 +128,8 @@ impl Running {
                 lines[lines.len().saturating_sub(20)..].join("\n")
             };
             panic!(
-                "loadgen did not finish in two minutes; stdout tail:\n{}\nstderr tail:\n{}",
+                "loadgen did not finish in two minutes: {}\nstdout tail:\n{}\nstderr tail:\n{}",
+                docker::where_stuck(&self.container).await,
                 tail(&stdout),
                 tail(&stderr)
             );

@@ -34,6 +34,7 @@ async fn put_batch(client: &SubmasterClient, keys: Vec<String>) -> Result<(), St
             replicas: 1,
             preferred_segment: None,
             hard_pin: false,
+            put_id: 0,
         })
         .collect();
     let started = client.put_start(starts).await.map_err(|e| e.to_string())?;
@@ -42,7 +43,11 @@ async fn put_batch(client: &SubmasterClient, keys: Vec<String>) -> Result<(), St
     }
     let ends = keys
         .into_iter()
-        .map(|key| PutEndItem { key, checksum: 1 })
+        .map(|key| PutEndItem {
+            key,
+            checksum: 1,
+            put_id: 0,
+        })
         .collect();
     let ended = client.put_end(ends).await.map_err(|e| e.to_string())?;
     match ended.iter().find(|r| matches!(r, ItemResult::Err(_))) {

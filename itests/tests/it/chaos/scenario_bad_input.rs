@@ -27,6 +27,7 @@ fn bad_bodies() -> Vec<(&'static str, Vec<u8>, bool)> {
                 replicas: 1,
                 preferred_segment: None,
                 hard_pin: false,
+                put_id: 0,
             })
             .collect(),
     })
@@ -38,6 +39,7 @@ fn bad_bodies() -> Vec<(&'static str, Vec<u8>, bool)> {
             replicas: 1,
             preferred_segment: None,
             hard_pin: false,
+            put_id: 0,
         }],
     })
     .unwrap();
