@@ -18,6 +18,7 @@ use serde::Serialize;
 use tokio::time::Instant;
 
 use crate::error::{ClientError, RetryCause};
+use crate::leader_watch::LeaderWatch;
 
 /// Timeouts and back-off of a caller. Fill what you need and take the rest from
 /// `Default`.
@@ -35,6 +36,9 @@ pub struct RetryPolicy {
     /// exists at all ([`Presence`]); when it does not, the call fails at once
     /// instead of retrying until the deadline.
     pub presence_check_after: Duration,
+    /// When a new leader announces itself, waiting calls retry after a random
+    /// delay up to this long, so that its clients do not all arrive at once.
+    pub wake_spread: Duration,
 }
 
 /// Whether the service behind a subject exists, as far as the caller can tell.
@@ -56,6 +60,7 @@ impl Default for RetryPolicy {
             min_backoff: Duration::from_millis(20),
             max_backoff: Duration::from_secs(1),
             presence_check_after: Duration::from_secs(1),
+            wake_spread: Duration::from_millis(20),
         }
     }
 }
@@ -91,6 +96,8 @@ pub struct ClientStats {
     pub timeouts: AtomicU64,
     /// Requests sent (every attempt).
     pub requests: AtomicU64,
+    /// Waits for a leader cut short by a new leader's announcement.
+    pub leader_wakeups: AtomicU64,
 }
 
 impl ClientStats {
@@ -167,13 +174,22 @@ impl RpcCaller {
         request: &Req,
         resend: Resend,
     ) -> Result<Rep, ClientError> {
-        self.call_checked(op, subject, request, resend, || async { Presence::Unknown })
-            .await
+        self.call_checked(
+            op,
+            subject,
+            request,
+            resend,
+            || async { Presence::Unknown },
+            None,
+        )
+        .await
     }
 
     /// As [`RpcCaller::call`], and when nobody has answered for the policy's
     /// `presence_check_after`, asks `presence` (once) whether the service exists:
-    /// [`Presence::Absent`] ends the call with [`ClientError::NoService`].
+    /// [`Presence::Absent`] ends the call with [`ClientError::NoService`]. With a
+    /// `leader` watch, any wait before a retry ends early when a new leader
+    /// announces itself.
     ///
     /// # Errors
     /// As for [`RpcCaller::call`], and [`ClientError::NoService`].
@@ -184,6 +200,7 @@ impl RpcCaller {
         request: &Req,
         resend: Resend,
         presence: F,
+        leader: Option<&LeaderWatch>,
     ) -> Result<Rep, ClientError>
     where
         Req: Serialize,
@@ -199,7 +216,17 @@ impl RpcCaller {
         // Since when nobody has answered, and whether presence was asked.
         let mut silent_since: Option<Instant> = None;
         let mut checked = false;
+        // Leader announcements, subscribed before the first attempt so that one
+        // made while a request was still waiting for its reply is not missed.
+        let mut announcements = match leader {
+            Some(watch) => watch.announcements().await,
+            None => None,
+        };
         loop {
+            if let Some(announcements) = &mut announcements {
+                // What was announced before this attempt cannot help after it.
+                announcements.borrow_and_update();
+            }
             let cause = match self.attempt(op, &subject, body.clone(), resend).await {
                 Attempt::Done(result) => return result,
                 Attempt::Retry(cause) => cause,
@@ -225,8 +252,28 @@ impl RpcCaller {
                 });
             }
             tracing::debug!(op, %cause, delay_ms = delay.as_millis() as u64, "retrying");
-            tokio::time::sleep(delay).await;
-            backoff = self.policy.next_backoff(backoff);
+            // Whatever the cause (a timeout too: a request sent to a dying
+            // leader), a new leader serving is the moment to try again.
+            let woken = match announcements.as_mut() {
+                Some(announced) => tokio::select! {
+                    () = tokio::time::sleep(delay) => false,
+                    changed = announced.changed() => changed.is_ok(),
+                },
+                None => {
+                    tokio::time::sleep(delay).await;
+                    false
+                }
+            };
+            if woken {
+                // A new leader serves: retry now, spread a little so that its
+                // waiting clients do not all arrive in the same instant.
+                self.stats.leader_wakeups.fetch_add(1, Ordering::Relaxed);
+                let spread = rand::thread_rng().gen_range(Duration::ZERO..=self.policy.wake_spread);
+                tokio::time::sleep(spread).await;
+                backoff = self.policy.min_backoff;
+            } else {
+                backoff = self.policy.next_backoff(backoff);
+            }
         }
     }
 

@@ -7,6 +7,7 @@
 //! | event subject of a sub-cluster | `hkvm.<cluster>.<subcluster>.ev` |
 //! | its stream | `HKVM_<cluster>_<subcluster>` |
 //! | sub-master RPC | `hkvm.<cluster>.<subcluster>.rpc.<op>` |
+//! | a new sub-master leader's announcement | `hkvm.<cluster>.<subcluster>.leader` |
 //! | global-master RPC | `hkvm.<cluster>.global.rpc.<op>` |
 //! | inter-DC fetch RPC | `hkvm.<cluster>.interdc.fetch` |
 //! | KV buckets / object stores | `hkvm_<cluster>_<purpose>` ([`Bucket`]) |
@@ -46,6 +47,12 @@ pub fn subcluster_of_stream(cluster: &ClusterId, stream: &str) -> Option<Subclus
 /// The subject of a sub-master RPC operation (`op` is a fixed operation name).
 pub fn submaster_rpc_subject(cluster: &ClusterId, subcluster: &SubclusterId, op: &str) -> String {
     format!("{SUBJECT_PREFIX}.{cluster}.{subcluster}.rpc.{op}")
+}
+
+/// The subject on which a sub-master that starts leading its sub-cluster says so
+/// (core NATS, not stored): clients waiting out a failover retry at once.
+pub fn leader_subject(cluster: &ClusterId, subcluster: &SubclusterId) -> String {
+    format!("{SUBJECT_PREFIX}.{cluster}.{subcluster}.leader")
 }
 
 /// The subject of a global-master RPC operation.

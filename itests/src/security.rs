@@ -9,7 +9,7 @@ use std::fmt::Write as _;
 
 use hkvm_events::rpc::submaster::Op;
 use hkvm_events::subject::{
-    event_subject, global_rpc_subject, stream_name, submaster_rpc_subject, Bucket,
+    event_subject, global_rpc_subject, leader_subject, stream_name, submaster_rpc_subject, Bucket,
 };
 use hkvm_events::{ClusterId, IdError, SubclusterId};
 
@@ -89,8 +89,18 @@ fn user_block(out: &mut String, user: &str, publish: &[String], subscribe: &[Str
 /// replaced by `*` (found as the one token in which two sub-clusters' subjects
 /// differ).
 fn every_subcluster_rpc_subject(cluster: &ClusterId, op: &str) -> Result<String, IdError> {
-    let one = submaster_rpc_subject(cluster, &SubclusterId::new("a")?, op);
-    let other = submaster_rpc_subject(cluster, &SubclusterId::new("b")?, op);
+    every_subcluster(|subcluster| submaster_rpc_subject(cluster, subcluster, op))
+}
+
+/// [`leader_subject`] of every sub-cluster of `cluster`, found as above.
+fn every_subcluster_leader_subject(cluster: &ClusterId) -> Result<String, IdError> {
+    every_subcluster(|subcluster| leader_subject(cluster, subcluster))
+}
+
+/// The subject `of` builds, with the sub-cluster token replaced by `*`.
+fn every_subcluster(of: impl Fn(&SubclusterId) -> String) -> Result<String, IdError> {
+    let one = of(&SubclusterId::new("a")?);
+    let other = of(&SubclusterId::new("b")?);
     Ok(one
         .split('.')
         .zip(other.split('.'))
@@ -135,6 +145,7 @@ pub fn nats_conf(cluster: &str, subclusters: &[&str]) -> Result<String, IdError>
         let mut publish = vec![
             // Its own event stream and nothing else's.
             event_subject(&cluster, &subcluster),
+            leader_subject(&cluster, &subcluster),
             "$JS.API.INFO".to_owned(),
             format!("$KV.{}.{subcluster}", Bucket::Leader.name(&cluster)),
             format!("$KV.{}.{subcluster}", Bucket::Registry.name(&cluster)),
@@ -172,7 +183,10 @@ pub fn nats_conf(cluster: &str, subclusters: &[&str]) -> Result<String, IdError>
         &mut out,
         CLIENT_USER,
         &[every_subcluster_rpc_subject(&cluster, "*")?],
-        &["_INBOX.>".to_owned()],
+        &[
+            "_INBOX.>".to_owned(),
+            every_subcluster_leader_subject(&cluster)?,
+        ],
     );
     out.push_str("    ]\n  }\n}\n");
     Ok(out)

@@ -7,7 +7,7 @@ use hkvm_events::rpc::submaster::{
     PutStartReply, Remount, Remove, RemoveAll, RemoveAllReply, RemoveMatching, RemoveReply, Status,
     StatusReply, UnmountSegment, MAX_BATCH_ITEMS,
 };
-use hkvm_events::subject::{stream_name, submaster_rpc_subject};
+use hkvm_events::subject::{leader_subject, stream_name, submaster_rpc_subject};
 use hkvm_events::{ClusterId, SubclusterId};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -18,6 +18,7 @@ mod mixed;
 
 use crate::coalesce::{CoalesceConfig, Coalescer};
 use crate::error::ClientError;
+use crate::leader_watch::LeaderWatch;
 use crate::retry::{ClientStats, Presence, Resend, RetryPolicy, RpcCaller};
 use mixed::{answers_of, Answer, Call};
 
@@ -29,6 +30,8 @@ pub struct SubmasterClient {
     subcluster: SubclusterId,
     /// Set on a real client: concurrent calls share batched requests.
     coalescing: Option<Arc<Coalescer<Call, Answer>>>,
+    /// The sub-cluster's leader announcements, which end a failover wait early.
+    leader: Arc<LeaderWatch>,
 }
 
 /// Whether an operation may be sent again after a timeout without changing its
@@ -82,11 +85,16 @@ impl SubmasterClient {
 
     /// A client sharing `caller` (its connection, policy and stats).
     pub fn with_caller(caller: RpcCaller, cluster: ClusterId, subcluster: SubclusterId) -> Self {
+        let leader = Arc::new(LeaderWatch::new(
+            caller.nats().clone(),
+            leader_subject(&cluster, &subcluster),
+        ));
         Self {
             caller,
             cluster,
             subcluster,
             coalescing: None,
+            leader,
         }
     }
 
@@ -169,7 +177,14 @@ impl SubmasterClient {
     ) -> Result<Rep, ClientError> {
         let subject = submaster_rpc_subject(&self.cluster, &self.subcluster, op.name());
         self.caller
-            .call_checked(op.name(), subject, request, resend, || self.presence())
+            .call_checked(
+                op.name(),
+                subject,
+                request,
+                resend,
+                || self.presence(),
+                Some(&self.leader),
+            )
             .await
     }
 

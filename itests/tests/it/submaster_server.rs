@@ -448,6 +448,45 @@ async fn a_put_end_sent_again_across_a_leader_change_learns_committed_or_absent(
 }
 
 #[tokio::test]
+async fn a_client_waiting_out_a_failover_retries_when_the_new_leader_announces_itself() {
+    let fixture = Fixture::new("t").await;
+    let leader = fixture.spawn_submaster(config(&fixture, "sm-a")).await;
+    // Back-off so long that only the announcement can end the wait in time.
+    let client = fixture
+        .submaster_client(
+            SC,
+            RetryPolicy {
+                min_backoff: Duration::from_secs(20),
+                max_backoff: Duration::from_secs(20),
+                retry_deadline: Duration::from_secs(60),
+                ..RetryPolicy::default()
+            },
+        )
+        .await;
+    mount(&client, "n1", 64 << 20).await;
+    let readers = fixture.readers(SC).await;
+    let standby = fixture.spawn_submaster(config(&fixture, "sm-b")).await;
+    fixture.wait_new_reader_at_end(SC, &readers).await;
+    let woken_before = client.stats().leader_wakeups.load(Ordering::Relaxed);
+    leader.abort();
+    let killed = std::time::Instant::now();
+    // The lease outlives the leader by up to its TTL: this call starts waiting.
+    let status = client.status().await.unwrap();
+    println!(
+        "served {} ms after the leader died; {:?}",
+        killed.elapsed().as_millis(),
+        client.stats()
+    );
+    assert_eq!(status.producer, "sm-b");
+    assert_eq!(
+        client.stats().leader_wakeups.load(Ordering::Relaxed) - woken_before,
+        1,
+        "the wait ended with the announcement, not the 20 s back-off"
+    );
+    standby.shutdown().await.unwrap();
+}
+
+#[tokio::test]
 async fn a_deposed_leader_cannot_append_and_recovers_from_the_log() {
     let fixture = Fixture::new("t").await;
     let master = fixture.spawn_submaster(config(&fixture, "sm-a")).await;

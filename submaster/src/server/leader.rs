@@ -15,7 +15,7 @@ use hkvm_events::commit::{CommitError, GroupCommitter, PendingCommit};
 use hkvm_events::log::{Append, EventLog, LogErrorKind};
 use hkvm_events::registry::{self, SubmasterInfo};
 use hkvm_events::rpc::{RpcError, RpcErrorCode};
-use hkvm_events::subject::{epoch_marker_id, submaster_rpc_subject};
+use hkvm_events::subject::{epoch_marker_id, leader_subject, submaster_rpc_subject};
 use hkvm_events::{KvEvent, SnapshotTaken};
 use tokio::sync::{mpsc, watch};
 use tokio::time::{interval, Instant, MissedTickBehavior};
@@ -414,6 +414,22 @@ impl Leadership<'_> {
 ///
 /// # Errors
 /// When the takeover itself fails (the caller retries as a standby).
+/// Tells the clients waiting out a failover that this sub-master serves now
+/// (best effort: a client that misses it retries after its back-off anyway).
+async fn announce(ctx: &Context, holder: &LeaseHolder) {
+    let subject = leader_subject(&ctx.config.cluster, &ctx.config.subcluster);
+    let body = match hkvm_events::rpc::encode(holder) {
+        Ok(body) => body,
+        Err(error) => {
+            tracing::warn!(%error, "could not encode the leader announcement");
+            return;
+        }
+    };
+    if let Err(error) = ctx.client.publish(subject, body.into()).await {
+        tracing::warn!(%error, "could not announce the new leader");
+    }
+}
+
 pub(crate) async fn lead(
     ctx: &Context,
     state: &mut State,
@@ -480,6 +496,7 @@ pub(crate) async fn lead(
         "leading the sub-cluster"
     );
     leadership.heartbeat(state).await;
+    announce(ctx, &holder).await;
 
     let mut maintenance = interval(config.maintenance_interval);
     // The lease is renewed by its own task, so a long step of the state machine (a
