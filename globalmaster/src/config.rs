@@ -39,6 +39,9 @@ pub struct GlobalMasterConfig {
     pub default_labels: Option<LabelFilter>,
     /// How long a proxied sub-master request may take, ms.
     pub proxy_timeout_ms: u64,
+    /// How long a `sync` lookup may wait for this replica to catch up with the
+    /// event streams before it answers `Stale`, ms.
+    pub sync_timeout_ms: u64,
     /// Where to serve `/metrics` (none: not served).
     pub metrics_addr: Option<SocketAddr>,
 }
@@ -59,6 +62,7 @@ impl Default for GlobalMasterConfig {
             busy_retry_ms: 200,
             default_labels: None,
             proxy_timeout_ms: 2_000,
+            sync_timeout_ms: 1_000,
             metrics_addr: None,
         }
     }

@@ -94,6 +94,7 @@ impl FoldTarget for ProjectionSource {
                 .iter()
                 .map(|segment| (segment.segment.clone(), segment.node.clone(), segment.size)),
         );
+        self.shared.notify_applied();
     }
 
     fn apply(&mut self, messages: Vec<Decoded>) -> Result<(), OutOfOrder> {
@@ -126,6 +127,7 @@ impl FoldTarget for ProjectionSource {
                 }
             }
         }
+        self.shared.notify_applied();
         let metrics = &self.shared.metrics;
         metrics.events_applied.get_or_create(&labels).inc_by(events);
         metrics
@@ -137,6 +139,7 @@ impl FoldTarget for ProjectionSource {
 
     fn skip(&mut self, seq: u64, _unix_ms: u64) {
         self.shared.write().set_applied_seq(self.source, seq);
+        self.shared.notify_applied();
         self.count_resync("corrupt message skipped");
     }
 

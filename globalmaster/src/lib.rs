@@ -17,6 +17,7 @@ pub mod query;
 mod rpc;
 mod sources;
 mod state;
+mod sync;
 
 use std::future::Future;
 use std::net::SocketAddr;

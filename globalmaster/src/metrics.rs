@@ -32,6 +32,8 @@ pub struct Metrics {
     pub query_seconds: Family<Labels, Histogram, fn() -> Histogram>,
     /// Queries answered `Busy`, per operation.
     pub busy: Family<Labels, Counter>,
+    /// Sync lookups that caught up with the streams before answering a miss.
+    pub sync_waits: Counter,
     /// Distinct keys indexed.
     pub keys: Gauge,
     /// Index memory in bytes.
@@ -74,6 +76,7 @@ impl Metrics {
             resyncs: Family::default(),
             query_seconds: Family::new_with_constructor(latency_histogram),
             busy: Family::default(),
+            sync_waits: Counter::default(),
             keys: Gauge::default(),
             index_bytes: Gauge::default(),
             checkpoints: Counter::default(),
@@ -105,6 +108,11 @@ impl Metrics {
             metrics.query_seconds.clone(),
         );
         registry.register("busy", "Queries answered Busy", metrics.busy.clone());
+        registry.register(
+            "sync_waits",
+            "Sync lookups that caught up with the event streams before answering a miss",
+            metrics.sync_waits.clone(),
+        );
         registry.register("keys", "Distinct keys indexed", metrics.keys.clone());
         registry.register(
             "index_bytes",

@@ -57,11 +57,12 @@ async fn handle(shared: Arc<Shared>, client: async_nats::Client, message: Messag
         return;
     };
     let started = Instant::now();
+    let arrived = tokio::time::Instant::now();
     let name = message.subject.rsplit('.').next().unwrap_or_default();
     let label = op_label(GlobalOp::from_name(name).map_or("unknown", GlobalOp::name));
     let body = match answer_locally(&shared, name, &message.payload) {
         Some(body) => body,
-        None => reply_bytes(proxy(&shared, &client, &message.payload).await),
+        None => reply_bytes(proxy(&shared, &client, &message.payload, arrived).await),
     };
     let body = hkvm_events::rpc::fit_reply(body, client.server_info().max_payload);
     if let Err(error) = client.publish(reply_to, body.into()).await {
@@ -181,21 +182,32 @@ fn status(shared: &Shared) -> GlobalStatusReply {
 
 /// Forwards each key to its owning sub-master (one request per sub-cluster) and
 /// puts the answers back in request order. A key held nowhere is `NotFound`
-/// without asking anyone; a sub-master that fails or does not answer fails the
-/// whole request (the caller retries).
+/// without asking anyone (after catching up with the streams, for a `sync`
+/// request); a sub-master that fails or does not answer fails the whole request
+/// (the caller retries).
 async fn proxy(
     shared: &Shared,
     client: &async_nats::Client,
     body: &[u8],
+    arrived: tokio::time::Instant,
 ) -> Result<ProxyGetReplicaListReply, RpcError> {
     let request: ProxyGetReplicaList = decode(body)?;
-    let (routes, staleness) = {
+    let route = || {
         let projection = shared.read();
         let registry = shared.registry();
         let views = query::views(&projection, &registry, filter(shared, &request.labels));
         let routes = query::route(&projection, &views, &registry, &request.keys)?;
-        (routes, shared.staleness(&projection))
+        Ok::<_, RpcError>((routes, shared.staleness(&projection)))
     };
+    let (mut routes, mut staleness) = route()?;
+    if request.sync && routes.iter().any(Option::is_none) {
+        // "Held nowhere" only once every write acknowledged before the request
+        // is applied here.
+        let js = async_nats::jetstream::new(client.clone());
+        crate::sync::wait_current(shared, &js, arrived).await?;
+        shared.metrics.sync_waits.inc();
+        (routes, staleness) = route()?;
+    }
     let mut groups: BTreeMap<SubclusterId, Vec<usize>> = BTreeMap::new();
     for (index, route) in routes.iter().enumerate() {
         if let Some(subcluster) = route {

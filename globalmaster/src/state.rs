@@ -35,6 +35,10 @@ pub(crate) struct Shared {
     pub positions: Mutex<BTreeMap<usize, Position>>,
     pub replaying: AtomicBool,
     pub metrics: Metrics,
+    /// Bumped whenever a source's applied sequence moves (sync lookups wait on it).
+    pub applied: tokio::sync::watch::Sender<u64>,
+    /// The newest look at the streams' ends, shared by sync lookups.
+    pub looks: crate::sync::Looks,
 }
 
 impl Shared {
@@ -46,7 +50,15 @@ impl Shared {
             positions: Mutex::new(BTreeMap::new()),
             replaying: AtomicBool::new(true),
             metrics: Metrics::new(),
+            applied: tokio::sync::watch::Sender::new(0),
+            looks: crate::sync::Looks::default(),
         }
+    }
+
+    /// Tells sync lookups that a source's applied sequence moved.
+    pub fn notify_applied(&self) {
+        self.applied
+            .send_modify(|moves| *moves = moves.wrapping_add(1));
     }
 
     // A panic while holding a lock leaves the projection usable: every update of it

@@ -124,7 +124,13 @@ impl KvClient {
         keys: Vec<String>,
     ) -> Result<Vec<Option<Located>>, ClientError> {
         let count = keys.len();
-        let request = ProxyGetReplicaList { keys, labels: None };
+        // Read your writes: a key put anywhere and acknowledged before this ask
+        // is never answered "held nowhere" (the global master catches up first).
+        let request = ProxyGetReplicaList {
+            keys,
+            labels: None,
+            sync: true,
+        };
         let global = GlobalClient::with_caller(
             self.metadata.caller().clone(),
             self.metadata.cluster().clone(),

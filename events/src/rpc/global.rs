@@ -237,6 +237,12 @@ pub struct ProxyGetReplicaList {
     /// Restrict or rank by labels; the server's default when absent.
     #[serde(default)]
     pub labels: Option<LabelFilter>,
+    /// Read your writes: before answering that a key is held nowhere, the replica
+    /// catches up with every event stream as far as it went when the request
+    /// arrived, so every put acknowledged before it is seen (bounded; an
+    /// `RpcErrorCode::Stale` error otherwise).
+    #[serde(default)]
+    pub sync: bool,
 }
 
 /// The reply to [`ProxyGetReplicaList`].

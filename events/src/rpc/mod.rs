@@ -38,6 +38,10 @@ pub enum RpcErrorCode {
     /// The server failed internally (the event log refused an append).
     #[error("internal error")]
     Internal,
+    /// A global-master replica asked to see every acknowledged write (`sync`)
+    /// could not catch up in time: its answer could be wrong, so it gives none.
+    #[error("stale")]
+    Stale,
 }
 
 /// An error reply.

@@ -4,9 +4,18 @@
 
 use std::time::Duration;
 
-use hkvm_client::{GlobalClient, KvError};
+use std::sync::Arc;
+
+use hkvm_client::{GlobalClient, KvClient, KvError, NodeConfig, NodeHandle, SubmasterClient};
+use hkvm_events::commit::{CommitConfig, GroupCommitter};
 use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp};
 use hkvm_events::SubclusterId;
+use hkvm_events::{
+    KvEvent, NodeId, Placement, ProducerId, PutCommitted, SegmentId, SegmentMounted,
+};
+use hkvm_globalmaster::GlobalMasterConfig;
+use hkvm_submaster::SubmasterHandle;
+use hkvm_transfer::TcpTransport;
 
 use hkvm_client::store::ErrorCode;
 
@@ -108,5 +117,157 @@ async fn a_block_put_in_one_subcluster_is_read_from_another() {
         ErrorCode::RpcFail,
         "not Mooncake's object-not-found"
     );
+    pool.shutdown().await;
+}
+
+/// Events a global master takes a while to read: a mounted segment and `count`
+/// puts on it, in messages of 1000.
+fn backlog(count: u32) -> Vec<Vec<KvEvent>> {
+    let segment = SegmentId::new("backlog-seg").unwrap();
+    let mut messages = vec![vec![KvEvent::SegmentMounted(SegmentMounted {
+        node: NodeId::new("backlog-node").unwrap(),
+        segment: segment.clone(),
+        size: u64::from(count) * 64,
+        endpoint: "backlog-node:1".into(),
+    })]];
+    let puts: Vec<KvEvent> = (0..count)
+        .map(|i| {
+            let placement = Placement {
+                segment: segment.clone(),
+                offset: u64::from(i) * 64,
+            };
+            KvEvent::PutCommitted(PutCommitted::new(
+                format!("old-{i}"),
+                64,
+                7,
+                vec![placement],
+            ))
+        })
+        .collect();
+    messages.extend(puts.chunks(1000).map(<[KvEvent]>::to_vec));
+    messages
+}
+
+/// Sub-cluster `sc-c` joining `pool` late, with a long history: the global master
+/// starts reading it when its sub-master registers and is far behind for a while.
+struct LateSubcluster {
+    master: SubmasterHandle,
+    node: NodeHandle,
+    writer: KvClient,
+}
+
+impl LateSubcluster {
+    async fn start(pool: &Pool) -> Self {
+        let fixture = &pool.fixture;
+        let log = fixture.stream("sc-c").await;
+        let history = GroupCommitter::spawn(
+            log,
+            ProducerId::new("history").unwrap(),
+            1,
+            0,
+            CommitConfig::default(),
+        );
+        for message in backlog(200_000) {
+            history.commit(message).await.unwrap();
+        }
+        let mut config = fixture.submaster_config("sc-c", "sc-c-sm");
+        config.registry_ttl = Duration::from_secs(3);
+        let master = fixture.spawn_submaster(config).await;
+        let metadata = SubmasterClient::new(
+            fixture.connect().await,
+            fixture.cluster.clone(),
+            SubclusterId::new("sc-c").unwrap(),
+        );
+        let node = NodeHandle::start(
+            NodeConfig::new(NodeId::new("sc-c-n0").unwrap(), 8 << 20).unwrap(),
+            metadata.clone(),
+        )
+        .await
+        .unwrap();
+        let writer = KvClient::new(metadata, Arc::new(TcpTransport::default()));
+        // The global master has seen it register (and is reading its history).
+        let sc_c = SubclusterId::new("sc-c").unwrap();
+        let global = pool.global.as_ref().unwrap();
+        crate::fixture::poll_until(
+            "the global master follows sc-c",
+            crate::fixture::WAIT,
+            || async {
+                global
+                    .status()
+                    .sources
+                    .iter()
+                    .any(|source| source.lag.subcluster == sc_c)
+                    .then_some(())
+            },
+        )
+        .await;
+        Self {
+            master,
+            node,
+            writer,
+        }
+    }
+
+    async fn stop(self) {
+        self.node.shutdown().await.unwrap();
+        self.master.shutdown().await.unwrap();
+    }
+}
+
+/// A pool of `sc-a` with a global master whose sync lookups wait at most
+/// `sync_timeout_ms`.
+async fn pool_with_sync_timeout(cluster: &str, sync_timeout_ms: u64) -> Pool {
+    Pool::start(
+        PoolSpec::new(cluster)
+            .subcluster("sc-a", &[])
+            .nodes(1, 8 << 20)
+            .global_with(GlobalMasterConfig {
+                replica: "g1".into(),
+                registry_ttl_ms: 3000,
+                sync_timeout_ms,
+                ..GlobalMasterConfig::default()
+            }),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_acknowledged_in_one_subcluster_is_never_a_miss_in_another() {
+    // Reading the history may take long on a slow machine: the wait must end by
+    // catching up, not by the bound.
+    let pool = pool_with_sync_timeout("ryw", 60_000).await;
+    let late = LateSubcluster::start(&pool).await;
+    let value: Vec<u8> = (0..4096u32).map(|b| (b % 253) as u8).collect();
+    late.writer.put("fresh", &value, 1).await.unwrap();
+
+    // At once, from the other sub-cluster: found, not "held nowhere".
+    let fetched = pool.kv["sc-a"].get("fresh").await.unwrap();
+    assert_eq!(fetched.subcluster.as_str(), "sc-c");
+    assert!(fetched.value[..] == value[..], "byte-exact");
+    late.stop().await;
+    pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_global_master_that_cannot_catch_up_in_time_says_stale_not_not_found() {
+    // 20 ms: far less than reading 200,000 events takes.
+    let pool = pool_with_sync_timeout("stale", 20).await;
+    let late = LateSubcluster::start(&pool).await;
+    late.writer.put("fresh", &[7u8; 512], 1).await.unwrap();
+
+    let error = pool.kv["sc-a"].get("fresh").await.unwrap_err();
+    let KvError::Unresolved { source, .. } = &error else {
+        panic!("a miss the global master could not vouch for: {error:?}");
+    };
+    assert!(
+        matches!(
+            &**source,
+            hkvm_client::ClientError::Rpc { source, .. }
+                if source.code == hkvm_events::rpc::RpcErrorCode::Stale
+        ),
+        "{source:?}"
+    );
+    assert_eq!(ErrorCode::of_kv(&error), ErrorCode::RpcFail);
+    late.stop().await;
     pool.shutdown().await;
 }

@@ -442,12 +442,18 @@ impl PoolSpec {
 
     /// Also starts global-master replica `replica` (registry entries live 3 s,
     /// as the sub-masters' do); [`Pool::start`] returns once it serves.
-    pub fn global(mut self, replica: &str) -> Self {
-        self.global = Some(GlobalMasterConfig {
+    pub fn global(self, replica: &str) -> Self {
+        self.global_with(GlobalMasterConfig {
             replica: replica.to_owned(),
             registry_ttl_ms: 3000,
             ..GlobalMasterConfig::default()
-        });
+        })
+    }
+
+    /// Also starts a global-master replica with `config` (its cluster is the
+    /// pool's).
+    pub fn global_with(mut self, config: GlobalMasterConfig) -> Self {
+        self.global = Some(config);
         self
     }
 }

@@ -241,6 +241,7 @@ async fn get_replica_list_is_forwarded_to_the_owning_submaster() {
             &ProxyGetReplicaList {
                 keys: keys(&["in-b", "stale", "in-a", "nowhere"]),
                 labels: None,
+                sync: false,
             },
         )
         .await
