@@ -235,7 +235,8 @@ async fn proxy(
             caller.clone(),
             shared.config.cluster.clone(),
             subcluster.clone(),
-        );
+        )
+        .without_leader_watch();
         async move {
             let reply = submaster
                 .get_replica_list(keys)

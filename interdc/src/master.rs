@@ -523,7 +523,8 @@ async fn release_reservations(
                         target_nats.clone(),
                         target.clone(),
                         subcluster,
-                    );
+                    )
+                    .without_leader_watch();
                     // A reservation that was completed or expired answers
                     // NoPendingPut: nothing to give back then.
                     match client.put_revoke(vec![record.key.clone()]).await {

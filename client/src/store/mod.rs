@@ -535,12 +535,14 @@ impl Store {
         }
     }
 
+    /// A client of another sub-cluster's sub-master, for one call.
     fn submaster(&self, subcluster: &SubclusterId) -> SubmasterClient {
         SubmasterClient::with_caller(
             self.kv.metadata().caller().clone(),
             self.address.cluster.clone(),
             subcluster.clone(),
         )
+        .without_leader_watch()
     }
 
     /// The sub-clusters of the cluster, as the registry lists them (this one when

@@ -30,8 +30,9 @@ pub struct SubmasterClient {
     subcluster: SubclusterId,
     /// Set on a real client: concurrent calls share batched requests.
     coalescing: Option<Arc<Coalescer<Call, Answer>>>,
-    /// The sub-cluster's leader announcements, which end a failover wait early.
-    leader: Arc<LeaderWatch>,
+    /// The sub-cluster's leader announcements, which end a failover wait early
+    /// (none: waits end by their back-off alone).
+    leader: Option<Arc<LeaderWatch>>,
 }
 
 /// Whether an operation may be sent again after a timeout without changing its
@@ -85,16 +86,26 @@ impl SubmasterClient {
 
     /// A client sharing `caller` (its connection, policy and stats).
     pub fn with_caller(caller: RpcCaller, cluster: ClusterId, subcluster: SubclusterId) -> Self {
-        let leader = Arc::new(LeaderWatch::new(
+        let leader = Some(Arc::new(LeaderWatch::new(
             caller.nats().clone(),
             leader_subject(&cluster, &subcluster),
-        ));
+        )));
         Self {
             caller,
             cluster,
             subcluster,
             coalescing: None,
             leader,
+        }
+    }
+
+    /// This client without leader announcements: for a client made for one
+    /// short call (the global master's proxy makes one per request), which would
+    /// otherwise subscribe to them first.
+    pub fn without_leader_watch(self) -> Self {
+        Self {
+            leader: None,
+            ..self
         }
     }
 
@@ -183,7 +194,7 @@ impl SubmasterClient {
                 request,
                 resend,
                 || self.presence(),
-                Some(&self.leader),
+                self.leader.as_deref(),
             )
             .await
     }
