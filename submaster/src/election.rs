@@ -103,12 +103,13 @@ impl LeaderLease {
         }
     }
 
-    /// Renews a held lease; `Ok(None)` when it was lost (the revision moved: another
-    /// instance took it).
+    /// Renews a held lease; `Ok(None)` when it was lost (another instance holds
+    /// it). A lease whose entry expired while the bucket could not be written
+    /// (nobody took it) is taken again.
     ///
     /// # Errors
     /// A transport failure or timeout: the lease may still be ours; the caller
-    /// retries until a whole TTL passed without a successful renewal.
+    /// retries.
     pub async fn renew(
         &self,
         holder: &LeaseHolder,
@@ -118,6 +119,10 @@ impl LeaderLease {
         match self.store.update(&self.key, value.into(), revision).await {
             Ok(revision) => Ok(Some(revision)),
             Err(error) if error.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                if self.holder().await?.is_none() {
+                    tracing::info!("the leader lease expired unrenewed; taking it again");
+                    return self.try_acquire(holder).await;
+                }
                 tracing::warn!(%error, "the leader lease was taken by another instance");
                 Ok(None)
             }

@@ -30,10 +30,17 @@ use crate::metrics::gauge_value;
 use crate::state::State;
 
 /// Renews the leader lease every `period` in its own task.
+///
+/// Only a definite loss (another instance holds the lease) ends a leadership. A
+/// renewal that fails because the lease bucket is unavailable (its JetStream
+/// leader is being re-elected after a NATS node died) does not: no standby can
+/// take the lease meanwhile either, the event log's fencing keeps a deposed
+/// leader from writing whatever the lease says, and stepping down would turn a
+/// lease-bucket hiccup into a failover of a healthy leader.
 struct Renewer {
     task: tokio::task::JoinHandle<u64>,
     stop: watch::Sender<bool>,
-    /// Turns true when a renewal failed (another instance took the lease).
+    /// Turns true when the lease was lost (another instance holds it).
     lost: watch::Receiver<bool>,
 }
 
@@ -49,7 +56,7 @@ impl Renewer {
         let task = tokio::spawn(async move {
             let mut tick = interval(period);
             tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-            let mut last_renewed = tokio::time::Instant::now();
+            let mut failing_since: Option<tokio::time::Instant> = None;
             loop {
                 tokio::select! {
                     _ = stopped.changed() => return revision,
@@ -57,16 +64,23 @@ impl Renewer {
                 }
                 match lease.renew(&holder, revision).await {
                     Ok(Some(renewed)) => {
+                        if let Some(since) = failing_since.take() {
+                            tracing::info!(
+                                unavailable_ms = since.elapsed().as_millis() as u64,
+                                "the lease bucket answers again; lease renewed"
+                            );
+                        }
                         revision = renewed;
-                        last_renewed = tokio::time::Instant::now();
                     }
-                    // A transient failure: the lease is ours until a TTL passed.
-                    Err(error) if last_renewed.elapsed() < period * 3 => {
-                        tracing::warn!(%error, "lease renewal failed; retrying");
-                    }
-                    _ => {
+                    Ok(None) => {
                         let _ = lost_tx.send(true);
                         return revision;
+                    }
+                    Err(error) => {
+                        if failing_since.is_none() {
+                            tracing::warn!(%error, "lease renewal failed; leading on (the log's fencing stops a deposed leader) and retrying");
+                            failing_since = Some(tokio::time::Instant::now());
+                        }
                     }
                 }
             }

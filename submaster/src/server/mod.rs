@@ -102,6 +102,74 @@ impl Context {
     }
 }
 
+/// What a standby saw of the leader lease.
+#[derive(Debug, Default)]
+struct LeaseWatch {
+    /// The holder's revision and since when it stands still.
+    watched: Option<(u64, tokio::time::Instant)>,
+    /// Whether the last read of the lease failed (its bucket unavailable).
+    unreadable: bool,
+    /// When the bucket last answered again after being unavailable.
+    readable_again: Option<tokio::time::Instant>,
+}
+
+impl LeaseWatch {
+    /// A read failed. A revision is judged standing still only over a TTL of
+    /// successful reads, so a leader that could not renew meanwhile is not taken
+    /// over the moment the bucket answers again.
+    fn unreadable(&mut self) {
+        self.watched = None;
+        self.unreadable = true;
+    }
+
+    fn readable(&mut self) {
+        if std::mem::take(&mut self.unreadable) {
+            self.readable_again = Some(tokio::time::Instant::now());
+        }
+    }
+
+    /// Whether a free lease may be taken: not within a TTL of the bucket coming
+    /// back, when the entry of a live leader that could not renew has expired and
+    /// that leader is about to take it again.
+    fn may_take_free(&self, ttl: Duration) -> bool {
+        self.readable_again
+            .is_none_or(|since| since.elapsed() >= ttl)
+    }
+}
+
+/// One look at the leader lease by a standby: takes it when it is free, or when
+/// its holder's revision stood still for a whole TTL.
+async fn poll_lease(
+    ctx: &Context,
+    holder: &LeaseHolder,
+    view: &mut LeaseWatch,
+) -> Result<Option<u64>, SubmasterError> {
+    let ttl = ctx.config.leader_lease_ttl;
+    let current = ctx.lease.holder().await?;
+    view.readable();
+    Ok(match current {
+        None if view.may_take_free(ttl) => ctx.lease.try_acquire(holder).await?,
+        None => None,
+        Some((_, revision)) => match view.watched {
+            Some((seen, since)) if seen == revision => {
+                if since.elapsed() >= ttl {
+                    tracing::warn!(
+                        revision,
+                        "the leader stopped renewing its lease; taking over"
+                    );
+                    ctx.lease.take_over_stale(holder, revision).await?
+                } else {
+                    None
+                }
+            }
+            _ => {
+                view.watched = Some((revision, tokio::time::Instant::now()));
+                None
+            }
+        },
+    })
+}
+
 /// Follows the stream, applying every message, until this instance takes the leader
 /// lease (`Some(revision)`) or shutdown is asked (`None`).
 async fn stand_by(
@@ -126,7 +194,7 @@ async fn stand_by(
     };
     // The leader renews every third of the TTL; a revision that stood still for a
     // whole TTL means the leader is gone, without waiting for the entry to expire.
-    let mut watched: Option<(u64, tokio::time::Instant)> = None;
+    let mut lease = LeaseWatch::default();
     loop {
         tokio::select! {
             _ = shutdown.changed() => return Ok(None),
@@ -138,22 +206,15 @@ async fn stand_by(
                 if let Ok(bounds) = ctx.log.bounds().await {
                     ctx.metrics.standby_lag.set(gauge_value(bounds.last_seq.saturating_sub(state.applied_seq)));
                 }
-                let taken = match ctx.lease.holder().await? {
-                    None => ctx.lease.try_acquire(&holder).await?,
-                    Some((_, revision)) => match watched {
-                        Some((seen, since)) if seen == revision => {
-                            if since.elapsed() >= ctx.config.leader_lease_ttl {
-                                tracing::warn!(revision, "the leader stopped renewing its lease; taking over");
-                                ctx.lease.take_over_stale(&holder, revision).await?
-                            } else {
-                                None
-                            }
-                        }
-                        _ => {
-                            watched = Some((revision, tokio::time::Instant::now()));
-                            None
-                        }
-                    },
+                let taken = match poll_lease(ctx, &holder, &mut lease).await {
+                    Ok(taken) => taken,
+                    Err(error) => {
+                        // The lease bucket is unavailable (its JetStream leader is
+                        // being re-elected): keep following, hot.
+                        tracing::debug!(%error, "reading the leader lease");
+                        lease.unreadable();
+                        None
+                    }
                 };
                 if let Some(revision) = taken {
                     return Ok(Some(revision));

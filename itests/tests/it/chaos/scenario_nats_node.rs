@@ -13,6 +13,74 @@ use super::scenario_kill_leader::{first_ack_after, split, unix_ms};
 use super::topology::{Spec, Topology, CLUSTER};
 use super::{docker, global, loadgen, report};
 
+/// The longest time without an acknowledged put between `from_ms` and `to_ms`.
+fn longest_gap(run: &loadgen::PutRun, from_ms: u64, to_ms: u64) -> u64 {
+    let mut times: Vec<u64> = run
+        .acked
+        .iter()
+        .map(|(_, t)| *t)
+        .filter(|t| (from_ms..=to_ms).contains(t))
+        .collect();
+    times.sort_unstable();
+    let mut previous = from_ms;
+    let mut longest = 0;
+    for t in times.into_iter().chain([to_ms]) {
+        longest = longest.max(t - previous);
+        previous = t;
+    }
+    longest
+}
+
+/// The JetStream leader elections a nats-server logged after `after_ms` (unix
+/// ms): (milliseconds after it, what got a new leader). Lines look like
+/// `[1] 2026/12/01 02:15:46.943693 [INF] JetStream cluster new stream leader for
+/// '$G > KV_x'` (the server logs UTC).
+fn leader_elections(log: &str, after_ms: u64) -> Vec<(u64, String)> {
+    let Ok(format) = time::format_description::parse_borrowed::<2>(
+        "[year]/[month]/[day] [hour]:[minute]:[second].[subsecond]",
+    ) else {
+        return Vec::new();
+    };
+    log.lines()
+        .filter_map(|line| {
+            let (_, rest) = line.split_once("] ")?;
+            let stamp = rest.get(..26)?;
+            let at = time::PrimitiveDateTime::parse(stamp, &format)
+                .ok()?
+                .assume_utc();
+            let at_ms = u64::try_from(at.unix_timestamp_nanos() / 1_000_000).ok()?;
+            let what = if let Some((_, name)) = rest.split_once("new stream leader for '$G > ") {
+                name.trim_end_matches('\'').to_owned()
+            } else if let Some((_, name)) = rest.split_once("new consumer leader for '$G > ") {
+                format!("consumer {}", name.trim_end_matches('\''))
+            } else if rest.contains("metadata leader") {
+                "metadata".to_owned()
+            } else {
+                return None;
+            };
+            (at_ms > after_ms).then(|| (at_ms - after_ms, what))
+        })
+        .collect()
+}
+
+#[test]
+fn nats_leader_election_lines_parse() {
+    let log = "[1] 2026/12/01 02:15:46.943693 [INF] JetStream cluster new stream leader for '$G > KV_hkvm_chaos_leader'\n\
+               [1] 2026/12/01 02:15:27.304977 [INF] Self is new JetStream cluster metadata leader\n\
+               [1] 2026/12/01 02:15:47.000000 [INF] Server is ready";
+    // 02:15:41.417 UTC on that day.
+    let killed = 1_796_091_341_417;
+    assert_eq!(
+        leader_elections(log, killed),
+        vec![(5526, "KV_hkvm_chaos_leader".to_owned())]
+    );
+    let run = loadgen::PutRun {
+        acked: vec![("a".into(), 100), ("b".into(), 150), ("c".into(), 900)],
+        ..loadgen::PutRun::default()
+    };
+    assert_eq!(longest_gap(&run, 90, 1000), 750);
+}
+
 /// Waits until every replica of `stream` is current; returns how long it took.
 async fn wait_replicas_current(js: &jetstream::Context, stream: &str) -> Duration {
     let started = Instant::now();
@@ -67,6 +135,20 @@ async fn losing_a_nats_node_loses_no_acknowledged_event() {
         run.summary
     );
     let stall_ms = first_ack_after(&run, killed_ms);
+    let stall = longest_gap(&run, killed_ms, restarted_ms);
+    // Where the time went, from NATS's own logs: the JetStream leaders the
+    // surviving nodes elected after the kill.
+    let mut elections = Vec::new();
+    for container in &topology.nats[..2] {
+        let (stdout, stderr) = docker::logs(container).await;
+        elections.extend(leader_elections(&format!("{stdout}\n{stderr}"), killed_ms));
+    }
+    elections.sort();
+    let elections = elections
+        .iter()
+        .map(|(after_ms, what)| format!("{what} +{after_ms} ms"))
+        .collect::<Vec<_>>()
+        .join(", ");
 
     let js = jetstream::new(topology.connect(0).await);
     let stream = stream_name(
@@ -93,12 +175,12 @@ async fn losing_a_nats_node_loses_no_acknowledged_event() {
     global::wait_all_held(&global, &acked).await;
     scenario.passed(
         &format!(
-            "writes stalled {stall_ms} ms after the kill; restarted replica current within {:.1} s",
+            "longest write stall {stall} ms (first ack {stall_ms} ms after the kill); restarted replica current within {:.1} s",
             current_within.as_secs_f64()
         ),
         0,
         &format!(
-            "{} acked ({while_down} with the node down), global consumers resumed",
+            "{} acked ({while_down} with the node down), global consumers resumed; new JetStream leaders: {elections}",
             acked.len()
         ),
     );
