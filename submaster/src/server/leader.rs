@@ -183,6 +183,8 @@ struct Leadership<'a> {
     failures: mpsc::UnboundedSender<String>,
     events_since_snapshot: u64,
     last_snapshot: Instant,
+    /// The registry write of the last heartbeat, while it runs.
+    heartbeat: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Leadership<'_> {
@@ -396,10 +398,20 @@ impl Leadership<'_> {
             .set(gauge_value(self.committer.durable_seq()));
     }
 
-    async fn heartbeat(&self, state: &State) {
+    /// Announces this leader in the registry, on its own task: a registry write
+    /// waiting out its bucket's JetStream leader election must not hold up
+    /// requests. A heartbeat still running skips this one.
+    fn heartbeat(&mut self, state: &State) {
         let Some(store) = &self.ctx.registry else {
             return;
         };
+        if self
+            .heartbeat
+            .as_ref()
+            .is_some_and(|running| !running.is_finished())
+        {
+            return;
+        }
         let config = &self.ctx.config;
         let (capacity, used) = state.usage();
         let info = SubmasterInfo {
@@ -418,9 +430,12 @@ impl Leadership<'_> {
             last_seq: self.committer.durable_seq(),
             unix_ms: 0,
         };
-        if let Err(error) = registry::heartbeat(store, &info).await {
-            tracing::warn!(%error, "registry heartbeat failed");
-        }
+        let store = store.clone();
+        self.heartbeat = Some(tokio::spawn(async move {
+            if let Err(error) = registry::heartbeat(&store, &info).await {
+                tracing::warn!(%error, "registry heartbeat failed");
+            }
+        }));
     }
 }
 
@@ -498,6 +513,7 @@ pub(crate) async fn lead(
         failures: failures_tx,
         events_since_snapshot: 0,
         last_snapshot: Instant::now(),
+        heartbeat: None,
     };
     ctx.metrics.takeovers.inc();
     ctx.metrics.role.set(2);
@@ -509,7 +525,7 @@ pub(crate) async fn lead(
         takeover_ms = started.elapsed().as_millis() as u64,
         "leading the sub-cluster"
     );
-    leadership.heartbeat(state).await;
+    leadership.heartbeat(state);
     announce(ctx, &holder).await;
 
     let mut maintenance = interval(config.maintenance_interval);
@@ -537,7 +553,7 @@ pub(crate) async fn lead(
                 leadership.publish_gauges(state);
                 leadership.maintain(state).await
             }
-            _ = heartbeat.tick() => { leadership.heartbeat(state).await; Ok(()) }
+            _ = heartbeat.tick() => { leadership.heartbeat(state); Ok(()) }
             Some(job) = jobs.recv() => leadership.handle(state, job).await,
         };
         if let Err(error) = step {
