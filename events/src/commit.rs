@@ -4,11 +4,17 @@
 //! when its events are durable. Per-message overhead dominates JetStream appends, so
 //! sharing messages is what makes durable puts fast.
 //!
-//! The first failed append (a fencing conflict above all: another writer appended)
-//! stops the committer for good: every later submission fails with the same error,
-//! and the owner must re-read the log before writing again.
+//! An append that failed without an answer from the stream — nobody leads it
+//! while JetStream elects a new stream leader after a NATS node died, or its
+//! acknowledgement timed out — is sent again, with every append after it, in
+//! order, with the same message ids and fences (so one already stored is not
+//! stored twice), for up to `retry_for`. Any other failure (a fencing conflict
+//! above all: another writer appended) stops the committer for good: every later
+//! submission fails with the same error, and the owner must re-read the log
+//! before writing again.
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::collections::VecDeque;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use futures::stream::FuturesOrdered;
@@ -20,7 +26,7 @@ use crate::error::EncodeError;
 use crate::event::KvEvent;
 use crate::id::ProducerId;
 use crate::limits::Limits;
-use crate::log::{Append, EventLog, LogError};
+use crate::log::{Append, AppendAck, EventLog, LogError, LogErrorKind};
 use crate::subject::message_id;
 
 /// Tuning of a [`GroupCommitter`].
@@ -34,7 +40,13 @@ pub struct CommitConfig {
     pub queue_depth: usize,
     /// Validation bounds; `max_message_bytes` bounds each message.
     pub limits: Limits,
+    /// How long appends that got no answer from the stream are sent again before
+    /// the committer gives up (a JetStream stream-leader election takes seconds).
+    pub retry_for: Duration,
 }
+
+/// The pause before appends are sent again.
+const RESEND_PAUSE: Duration = Duration::from_millis(100);
 
 impl Default for CommitConfig {
     fn default() -> Self {
@@ -43,6 +55,7 @@ impl Default for CommitConfig {
             max_in_flight: 8,
             queue_depth: 8192,
             limits: Limits::default(),
+            retry_for: Duration::from_secs(10),
         }
     }
 }
@@ -178,7 +191,22 @@ impl std::future::Future for PendingCommit {
     }
 }
 
-type AckResult = (Result<crate::log::AppendAck, LogError>, Vec<Waiter>);
+type Ack = futures::future::BoxFuture<'static, Result<AppendAck, LogError>>;
+
+/// An append sent and not acknowledged yet, kept so that it can be sent again.
+struct Sent {
+    append: Append,
+    waiters: Vec<Waiter>,
+}
+
+/// Whether an append failed without a definite answer from the stream, so that
+/// sending it again (same message id, same fence) is right.
+fn unanswered(error: &LogError) -> bool {
+    matches!(
+        error.kind(),
+        LogErrorKind::StreamNotFound | LogErrorKind::Timeout | LogErrorKind::Other(_)
+    )
+}
 
 struct CommitTask<L> {
     log: L,
@@ -201,31 +229,53 @@ fn now_ms() -> u64 {
 
 impl<L: EventLog> CommitTask<L> {
     async fn run(mut self, mut queue: mpsc::Receiver<Submission>) {
-        let mut in_flight: FuturesOrdered<futures::future::BoxFuture<'static, AckResult>> =
-            FuturesOrdered::new();
+        // Sent appends, oldest first, and their acknowledgements in the same order.
+        let mut sent: VecDeque<Sent> = VecDeque::new();
+        let mut acks: FuturesOrdered<Ack> = FuturesOrdered::new();
         let mut failure: Option<LogError> = None;
+        // Since when the oldest append goes unanswered (while sending it again).
+        let mut unanswered_since: Option<tokio::time::Instant> = None;
         loop {
-            let can_send = failure.is_none() && in_flight.len() < self.config.max_in_flight;
+            let can_send = failure.is_none()
+                && unanswered_since.is_none()
+                && sent.len() < self.config.max_in_flight;
             tokio::select! {
                 biased;
-                Some((ack, waiters)) = in_flight.next(), if !in_flight.is_empty() => {
+                Some(ack) = acks.next(), if !acks.is_empty() => {
+                    let Some(head) = sent.pop_front() else { continue };
                     match ack {
                         Ok(ack) if failure.is_none() => {
-                            self.durable_seq.send_replace(ack.seq);
-                            for waiter in waiters {
-                                let _ = waiter.reply.send(Ok(Committed {
-                                    seq: ack.seq,
-                                    first_index: waiter.first_index,
-                                    count: waiter.count,
-                                }));
+                            if let Some(since) = unanswered_since.take() {
+                                tracing::info!(
+                                    unanswered_ms = since.elapsed().as_millis() as u64,
+                                    "the event log answers again"
+                                );
                             }
+                            self.durable_seq.send_replace(ack.seq);
+                            reply_committed(head.waiters, ack.seq);
                         }
                         // Acknowledged after an earlier failure: cannot happen with
                         // fencing, but never report success out of order.
-                        Ok(_) => fail_all(waiters, failure.as_ref()),
+                        Ok(_) => fail_all(head.waiters, failure.as_ref()),
+                        Err(error)
+                            if failure.is_none()
+                                && unanswered(&error)
+                                && unanswered_since
+                                    .is_none_or(|since| since.elapsed() < self.config.retry_for) =>
+                        {
+                            if unanswered_since.is_none() {
+                                tracing::warn!(%error, in_flight = sent.len() + 1, "append unanswered; sending it again");
+                                unanswered_since = Some(tokio::time::Instant::now());
+                            }
+                            // Later appends were fenced on this one: all go again,
+                            // in order (their pending answers are dropped).
+                            sent.push_front(head);
+                            tokio::time::sleep(RESEND_PAUSE).await;
+                            acks = self.resend(&sent).await;
+                        }
                         Err(error) => {
                             tracing::error!(%error, "append failed; the committer stops");
-                            for waiter in waiters {
+                            for waiter in head.waiters {
                                 let _ = waiter.reply.send(Err(CommitError::Log(error.clone())));
                             }
                             failure.get_or_insert(error);
@@ -238,46 +288,56 @@ impl<L: EventLog> CommitTask<L> {
                         let _ = first.reply.send(Err(CommitError::Stopped(error.clone())));
                         continue;
                     }
-                    match self.send_message(first, &mut queue).await {
-                        Ok(Some(pending)) => in_flight.push_back(pending),
-                        Ok(None) => {}
-                        Err(error) => { failure.get_or_insert(error); }
+                    if let Some((append, waiters)) = self.pack(first, &mut queue) {
+                        acks.push_back(self.send(append.clone()).await);
+                        sent.push_back(Sent { append, waiters });
                     }
                 }
                 else => break,
             }
         }
         // Drain: answer whatever is still in flight before the task ends.
-        while let Some((ack, waiters)) = in_flight.next().await {
+        while let Some(ack) = acks.next().await {
+            let Some(head) = sent.pop_front() else { break };
             match ack {
-                Ok(ack) if failure.is_none() => {
-                    for waiter in waiters {
-                        let _ = waiter.reply.send(Ok(Committed {
-                            seq: ack.seq,
-                            first_index: waiter.first_index,
-                            count: waiter.count,
-                        }));
-                    }
-                }
-                _ => fail_all(waiters, failure.as_ref()),
+                Ok(ack) if failure.is_none() => reply_committed(head.waiters, ack.seq),
+                _ => fail_all(head.waiters, failure.as_ref()),
             }
         }
     }
 
-    /// Packs `first` and whatever else is queued into one message and sends it.
-    /// `Ok(None)` when every submission was rejected and nothing was sent.
-    async fn send_message(
+    /// Sends `append`; a send that fails at once is an answer like any other.
+    async fn send(&self, append: Append) -> Ack {
+        match self.log.send(append).await {
+            Ok(pending) => Box::pin(pending),
+            Err(error) => Box::pin(futures::future::ready(Err(error))),
+        }
+    }
+
+    /// Sends every unacknowledged append again, in order.
+    async fn resend(&self, sent: &VecDeque<Sent>) -> FuturesOrdered<Ack> {
+        let mut acks = FuturesOrdered::new();
+        for entry in sent {
+            acks.push_back(self.send(entry.append.clone()).await);
+        }
+        acks
+    }
+
+    /// Packs `first` and whatever else is queued into one message, fenced on the
+    /// sequence the previous one will get; `None` when every submission was
+    /// rejected and there is nothing to send.
+    fn pack(
         &mut self,
         first: Submission,
         queue: &mut mpsc::Receiver<Submission>,
-    ) -> Result<Option<futures::future::BoxFuture<'static, AckResult>>, LogError> {
+    ) -> Option<(Append, Vec<Waiter>)> {
         self.header.unix_ms = now_ms();
         let buffer = std::mem::take(&mut self.buffer);
         let mut builder = match MessageBuilder::new(&self.header, buffer) {
             Ok(builder) => builder,
             Err(error) => {
                 let _ = first.reply.send(Err(error.into()));
-                return Ok(None);
+                return None;
             }
         };
         let mut waiters = Vec::new();
@@ -311,28 +371,16 @@ impl<L: EventLog> CommitTask<L> {
         }
         if waiters.is_empty() {
             self.buffer = builder.finish();
-            return Ok(None);
+            return None;
         }
-        let payload = Bytes::from(builder.finish());
-        let msg_id = message_id(&self.header.producer, self.header.epoch, self.counter);
         let append = Append {
             expected_last_seq: Some(self.next_expected),
-            msg_id,
-            payload,
+            msg_id: message_id(&self.header.producer, self.header.epoch, self.counter),
+            payload: Bytes::from(builder.finish()),
         };
-        match self.log.send(append).await {
-            Ok(pending) => {
-                self.counter += 1;
-                self.next_expected += 1;
-                Ok(Some(Box::pin(async move { (pending.await, waiters) })))
-            }
-            Err(error) => {
-                for waiter in waiters {
-                    let _ = waiter.reply.send(Err(CommitError::Log(error.clone())));
-                }
-                Err(error)
-            }
-        }
+        self.counter += 1;
+        self.next_expected += 1;
+        Some((append, waiters))
     }
 
     /// Adds one submission's events, rolling back if any is invalid or the message
@@ -376,6 +424,16 @@ async fn next_submission(
     match carry.take() {
         Some(submission) => Some(submission),
         None => queue.recv().await,
+    }
+}
+
+fn reply_committed(waiters: Vec<Waiter>, seq: u64) {
+    for waiter in waiters {
+        let _ = waiter.reply.send(Ok(Committed {
+            seq,
+            first_index: waiter.first_index,
+            count: waiter.count,
+        }));
     }
 }
 

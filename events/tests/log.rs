@@ -109,3 +109,172 @@ async fn invalid_or_oversized_submissions_are_rejected_alone() {
     let ok = committer.commit(vec![put("fine")]).await.unwrap();
     assert_eq!(ok.seq, 1);
 }
+
+// ---- appends the stream does not answer --------------------------------------------
+
+/// What [`Unanswering`] does with a send it does not pass through.
+#[derive(Clone, Copy, PartialEq)]
+enum Silence {
+    /// Not stored, no answer (as while JetStream elects a stream leader).
+    Lost,
+    /// Stored, but the acknowledgement never came.
+    StoredUnacknowledged,
+}
+
+/// A log whose first `silent` sends go unanswered, one way or the other.
+#[derive(Clone)]
+struct Unanswering {
+    inner: MemoryLog,
+    silent: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    how: Silence,
+}
+
+impl Unanswering {
+    fn new(name: &str, silent: usize, how: Silence) -> Self {
+        Self {
+            inner: MemoryLog::new(name),
+            silent: std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(silent)),
+            how,
+        }
+    }
+}
+
+impl EventLog for Unanswering {
+    type PendingAck = futures::future::BoxFuture<
+        'static,
+        Result<hkvm_events::log::AppendAck, hkvm_events::log::LogError>,
+    >;
+
+    async fn send(
+        &self,
+        append: hkvm_events::log::Append,
+    ) -> Result<Self::PendingAck, hkvm_events::log::LogError> {
+        use std::sync::atomic::Ordering;
+        let silent = self
+            .silent
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if !silent {
+            return Ok(Box::pin(self.inner.send(append).await?));
+        }
+        let kind = match self.how {
+            Silence::Lost => LogErrorKind::StreamNotFound,
+            Silence::StoredUnacknowledged => {
+                self.inner.append(append).await?;
+                LogErrorKind::Timeout
+            }
+        };
+        Ok(Box::pin(futures::future::ready(Err(
+            hkvm_events::log::LogError::new("unanswering", kind),
+        ))))
+    }
+
+    async fn bounds(&self) -> Result<hkvm_events::log::LogBounds, hkvm_events::log::LogError> {
+        self.inner.bounds().await
+    }
+
+    async fn first_seq_since(&self, unix_ms: u64) -> Result<u64, hkvm_events::log::LogError> {
+        self.inner.first_seq_since(unix_ms).await
+    }
+
+    async fn read(
+        &self,
+        options: ReadOptions,
+    ) -> Result<hkvm_events::log::EntryStream, hkvm_events::log::LogError> {
+        self.inner.read(options).await
+    }
+}
+
+/// Every event key in `log`, in stream order.
+async fn keys_in(log: &MemoryLog) -> Vec<String> {
+    let mut keys = Vec::new();
+    for entry in read_all(log, ReadOptions::from(1)).await {
+        let message = hkvm_events::decode_message(&entry.payload, &Limits::default()).unwrap();
+        for event in message.events {
+            if let Ok(KvEvent::PutCommitted(put)) = event {
+                keys.push(put.key);
+            }
+        }
+    }
+    keys
+}
+
+#[tokio::test]
+async fn appends_unanswered_during_an_election_are_sent_again_in_order() {
+    let log = Unanswering::new("election", 3, Silence::Lost);
+    let committer = GroupCommitter::spawn(
+        log.clone(),
+        ProducerId::new("sm").unwrap(),
+        1,
+        0,
+        CommitConfig {
+            // One event per message: several appends are in flight when the
+            // first goes unanswered.
+            max_events_per_message: 1,
+            ..CommitConfig::default()
+        },
+    );
+    let mut pending = Vec::new();
+    for i in 0..20 {
+        pending.push(
+            committer
+                .submit(vec![put(&format!("k{i:02}"))])
+                .await
+                .unwrap(),
+        );
+    }
+    let mut seqs = Vec::new();
+    for commit in pending {
+        seqs.push(commit.await.unwrap().seq);
+    }
+    assert_eq!(seqs, (1..=20).collect::<Vec<u64>>(), "in submission order");
+    let expected: Vec<String> = (0..20).map(|i| format!("k{i:02}")).collect();
+    assert_eq!(
+        keys_in(&log.inner).await,
+        expected,
+        "each stored once, in order"
+    );
+}
+
+#[tokio::test]
+async fn an_append_stored_but_unacknowledged_is_not_stored_twice() {
+    let log = Unanswering::new("lost-ack", 1, Silence::StoredUnacknowledged);
+    let committer = GroupCommitter::spawn(
+        log.clone(),
+        ProducerId::new("sm").unwrap(),
+        1,
+        0,
+        CommitConfig::default(),
+    );
+    let committed = committer.commit(vec![put("once")]).await.unwrap();
+    assert_eq!(committed.seq, 1);
+    committer.commit(vec![put("next")]).await.unwrap();
+    assert_eq!(
+        keys_in(&log.inner).await,
+        vec!["once".to_owned(), "next".to_owned()]
+    );
+}
+
+#[tokio::test]
+async fn a_stream_that_never_answers_again_stops_the_committer() {
+    let log = Unanswering::new("gone", usize::MAX, Silence::Lost);
+    let committer = GroupCommitter::spawn(
+        log,
+        ProducerId::new("sm").unwrap(),
+        1,
+        0,
+        CommitConfig {
+            retry_for: std::time::Duration::from_millis(300),
+            ..CommitConfig::default()
+        },
+    );
+    let error = committer.commit(vec![put("k")]).await.unwrap_err();
+    assert!(
+        matches!(&error, CommitError::Log(e) if e.kind() == &LogErrorKind::StreamNotFound),
+        "{error}"
+    );
+    assert!(matches!(
+        committer.commit(vec![put("later")]).await,
+        Err(CommitError::Stopped(_))
+    ));
+}

@@ -144,6 +144,7 @@ async fn losing_a_nats_node_loses_no_acknowledged_event() {
         elections.extend(leader_elections(&format!("{stdout}\n{stderr}"), killed_ms));
     }
     elections.sort();
+
     let elections = elections
         .iter()
         .map(|(after_ms, what)| format!("{what} +{after_ms} ms"))
