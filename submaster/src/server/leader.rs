@@ -29,19 +29,28 @@ use crate::error::{SubmasterError, SubmasterErrorKind};
 use crate::metrics::gauge_value;
 use crate::state::State;
 
+/// What the leader knows of its lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LeaseState {
+    /// Renewed within the last TTL: the lease is ours.
+    Held,
+    /// Not renewed for a TTL because the lease bucket does not answer (its
+    /// JetStream leader is being re-elected, or this process is cut off). A
+    /// standby may have taken over, so nothing is served — above all no
+    /// `put_start`, whose reservations only a current leader may hand out — but
+    /// the state is kept: once the lease is renewed or taken again, a fenced
+    /// empty append proves that nobody led meanwhile, and serving resumes.
+    Unconfirmed,
+    /// Another instance holds the lease: step down.
+    Lost,
+}
+
 /// Renews the leader lease every `period` in its own task.
-///
-/// Only a definite loss (another instance holds the lease) ends a leadership. A
-/// renewal that fails because the lease bucket is unavailable (its JetStream
-/// leader is being re-elected after a NATS node died) does not: no standby can
-/// take the lease meanwhile either, the event log's fencing keeps a deposed
-/// leader from writing whatever the lease says, and stepping down would turn a
-/// lease-bucket hiccup into a failover of a healthy leader.
 struct Renewer {
     task: tokio::task::JoinHandle<u64>,
     stop: watch::Sender<bool>,
-    /// Turns true when the lease was lost (another instance holds it).
-    lost: watch::Receiver<bool>,
+    /// The lease as last renewed (or not).
+    state: watch::Receiver<LeaseState>,
 }
 
 impl Renewer {
@@ -52,11 +61,11 @@ impl Renewer {
         period: Duration,
     ) -> Self {
         let (stop, mut stopped) = watch::channel(false);
-        let (lost_tx, lost) = watch::channel(false);
+        let (state_tx, state) = watch::channel(LeaseState::Held);
         let task = tokio::spawn(async move {
             let mut tick = interval(period);
             tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-            let mut failing_since: Option<tokio::time::Instant> = None;
+            let mut last_renewed = tokio::time::Instant::now();
             loop {
                 tokio::select! {
                     _ = stopped.changed() => return revision,
@@ -64,28 +73,33 @@ impl Renewer {
                 }
                 match lease.renew(&holder, revision).await {
                     Ok(Some(renewed)) => {
-                        if let Some(since) = failing_since.take() {
-                            tracing::info!(
-                                unavailable_ms = since.elapsed().as_millis() as u64,
-                                "the lease bucket answers again; lease renewed"
-                            );
-                        }
                         revision = renewed;
+                        last_renewed = tokio::time::Instant::now();
+                        state_tx.send_if_modified(|state| {
+                            std::mem::replace(state, LeaseState::Held) != LeaseState::Held
+                        });
                     }
                     Ok(None) => {
-                        let _ = lost_tx.send(true);
+                        let _ = state_tx.send(LeaseState::Lost);
                         return revision;
                     }
+                    // The lease is ours until a TTL passed without a renewal.
+                    Err(error) if last_renewed.elapsed() < period * 3 => {
+                        tracing::warn!(%error, "lease renewal failed; retrying");
+                    }
                     Err(error) => {
-                        if failing_since.is_none() {
-                            tracing::warn!(%error, "lease renewal failed; leading on (the log's fencing stops a deposed leader) and retrying");
-                            failing_since = Some(tokio::time::Instant::now());
+                        let unconfirmed = state_tx.send_if_modified(|state| {
+                            std::mem::replace(state, LeaseState::Unconfirmed)
+                                != LeaseState::Unconfirmed
+                        });
+                        if unconfirmed {
+                            tracing::warn!(%error, "lease not renewed for a TTL: serving nothing until it is");
                         }
                     }
                 }
             }
         });
-        Self { task, stop, lost }
+        Self { task, stop, state }
     }
 
     /// Stops renewing; returns the last revision held.
@@ -248,6 +262,25 @@ impl Leadership<'_> {
                 }
             }
         });
+    }
+
+    /// Answers `Busy` to a request that must not be served now.
+    async fn refuse_busy(&self, job: Job) {
+        let requester = job.requester;
+        self.ctx.metrics.request(
+            requester.op.name(),
+            "busy",
+            requester.received.elapsed().as_secs_f64(),
+        );
+        let retry_after_ms =
+            u64::try_from(self.ctx.config.busy_retry_after.as_millis()).unwrap_or(u64::MAX);
+        let error = RpcError::busy(retry_after_ms, "the leader lease is unconfirmed");
+        rpc::send(
+            &self.ctx.client,
+            requester.reply_to,
+            rpc::encode_error(&error),
+        )
+        .await;
     }
 
     /// Replies to a request that changed nothing durable; reads wait for earlier writes.
@@ -538,7 +571,7 @@ pub(crate) async fn lead(
         lease_revision,
         config.leader_lease_ttl / 3,
     );
-    let mut lease_lost = renewer.lost.clone();
+    let mut lease_state = renewer.state.clone();
     let mut heartbeat = interval(config.registry_ttl / 3);
     for timer in [&mut maintenance, &mut heartbeat] {
         timer.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -548,13 +581,41 @@ pub(crate) async fn lead(
             biased;
             _ = shutdown.changed() => break LeadEnd::Shutdown,
             Some(reason) = failures.recv() => break LeadEnd::SteppedDown(reason),
-            _ = lease_lost.changed() => break LeadEnd::SteppedDown("the leader lease was lost".into()),
+            changed = lease_state.changed() => {
+                let state = *lease_state.borrow_and_update();
+                match (changed, state) {
+                    (Err(_), _) | (_, LeaseState::Lost) => {
+                        break LeadEnd::SteppedDown("the leader lease was lost".into())
+                    }
+                    (Ok(()), LeaseState::Unconfirmed) => { let _ = ready_tx.send(false); }
+                    (Ok(()), LeaseState::Held) => {
+                        // Renewed (or taken again after it expired). Any leader
+                        // that led meanwhile opened its epoch in the log, so an
+                        // empty append fenced on our last sequence tells: it
+                        // fails if the log moved without us.
+                        if let Err(error) = leadership.committer.commit(Vec::new()).await {
+                            break LeadEnd::SteppedDown(format!("the log moved while the lease was unconfirmed: {error}"));
+                        }
+                        tracing::info!("lease renewed and the log unchanged: serving again");
+                        let _ = ready_tx.send(true);
+                    }
+                }
+                Ok(())
+            }
             _ = maintenance.tick() => {
                 leadership.publish_gauges(state);
                 leadership.maintain(state).await
             }
             _ = heartbeat.tick() => { leadership.heartbeat(state); Ok(()) }
-            Some(job) = jobs.recv() => leadership.handle(state, job).await,
+            Some(job) = jobs.recv() => {
+                if *lease_state.borrow() == LeaseState::Held {
+                    leadership.handle(state, job).await
+                } else {
+                    // Queued before the lease went unconfirmed: not served either.
+                    leadership.refuse_busy(job).await;
+                    Ok(())
+                }
+            }
         };
         if let Err(error) = step {
             break LeadEnd::SteppedDown(error.to_string());
