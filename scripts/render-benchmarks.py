@@ -60,8 +60,9 @@ HOW_TO_READ = {
     "killing the leader (its task aborted and its runtime and NATS connection shut "
     "down, as a killed process's socket closes; at most 50 ms, counted) to the first put served by "
     "the hot standby, against a cold restart without a standby; it is bounded below "
-    "by the leader lease TTL. The second failover row shows what the default client "
-    "back-off adds.",
+    "by the leader lease TTL. The second failover row is a client with the default "
+    "retry policy: its back-off ends when the new leader announces itself, so it "
+    "should add next to nothing to the first row.",
     "scale": "Simulated clients (each a node with one segment: one ping a second plus "
     "puts, gets and global batch_is_exist; with the defaults of `hkvm bench scale`: "
     "2,000 ops/s offered in all, 20% puts of 64 KiB with 2 replicas, 60% gets, 20% "
