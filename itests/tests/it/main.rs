@@ -24,5 +24,6 @@ mod follow;
 mod globalmaster_queries;
 mod globalmaster_recovery;
 mod library;
+mod submaster_failover;
 mod submaster_server;
 mod tidy;

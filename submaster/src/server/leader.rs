@@ -21,6 +21,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::{interval, Instant, MissedTickBehavior};
 
 use super::follower::catch_up;
+use super::renewer::{LeaseState, Renewer};
 use super::rpc::{self, Job, Requester};
 use super::Context;
 use crate::command::{self, ServingInfo};
@@ -28,92 +29,6 @@ use crate::election::LeaseHolder;
 use crate::error::{SubmasterError, SubmasterErrorKind};
 use crate::metrics::gauge_value;
 use crate::state::State;
-
-/// What the leader knows of its lease.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum LeaseState {
-    /// Renewed within the last TTL: the lease is ours.
-    Held,
-    /// Not renewed for a TTL because the lease bucket does not answer (its
-    /// JetStream leader is being re-elected, or this process is cut off). A
-    /// standby may have taken over, so nothing is served — above all no
-    /// `put_start`, whose reservations only a current leader may hand out — but
-    /// the state is kept: once the lease is renewed or taken again, a fenced
-    /// empty append proves that nobody led meanwhile, and serving resumes.
-    Unconfirmed,
-    /// Another instance holds the lease: step down.
-    Lost,
-}
-
-/// Renews the leader lease every `period` in its own task.
-struct Renewer {
-    task: tokio::task::JoinHandle<u64>,
-    stop: watch::Sender<bool>,
-    /// The lease as last renewed (or not).
-    state: watch::Receiver<LeaseState>,
-}
-
-impl Renewer {
-    fn spawn(
-        lease: crate::election::LeaderLease,
-        holder: LeaseHolder,
-        mut revision: u64,
-        period: Duration,
-    ) -> Self {
-        let (stop, mut stopped) = watch::channel(false);
-        let (state_tx, state) = watch::channel(LeaseState::Held);
-        let task = tokio::spawn(async move {
-            let mut tick = interval(period);
-            tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-            let mut last_renewed = tokio::time::Instant::now();
-            loop {
-                tokio::select! {
-                    _ = stopped.changed() => return revision,
-                    _ = tick.tick() => {}
-                }
-                match lease.renew(&holder, revision).await {
-                    Ok(Some(renewed)) => {
-                        revision = renewed;
-                        last_renewed = tokio::time::Instant::now();
-                        state_tx.send_if_modified(|state| {
-                            std::mem::replace(state, LeaseState::Held) != LeaseState::Held
-                        });
-                    }
-                    Ok(None) => {
-                        let _ = state_tx.send(LeaseState::Lost);
-                        return revision;
-                    }
-                    // The lease is ours until a TTL passed without a renewal.
-                    Err(error) if last_renewed.elapsed() < period * 3 => {
-                        tracing::warn!(%error, "lease renewal failed; retrying");
-                    }
-                    Err(error) => {
-                        let unconfirmed = state_tx.send_if_modified(|state| {
-                            std::mem::replace(state, LeaseState::Unconfirmed)
-                                != LeaseState::Unconfirmed
-                        });
-                        if unconfirmed {
-                            tracing::warn!(%error, "lease not renewed for a TTL: serving nothing until it is");
-                        }
-                    }
-                }
-            }
-        });
-        Self { task, stop, state }
-    }
-
-    /// Stops renewing; returns the last revision held.
-    async fn stop(mut self) -> u64 {
-        let _ = self.stop.send(true);
-        (&mut self.task).await.unwrap_or_default()
-    }
-}
-
-impl Drop for Renewer {
-    fn drop(&mut self) {
-        let _ = self.stop.send(true);
-    }
-}
 
 /// Why a leadership ended.
 #[derive(Debug)]

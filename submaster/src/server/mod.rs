@@ -5,6 +5,7 @@
 
 mod follower;
 mod leader;
+mod renewer;
 mod rpc;
 
 use std::sync::Arc;
