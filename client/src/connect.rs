@@ -24,7 +24,9 @@ pub enum ConnectError {
 
 /// Connects to the servers of `urls` (comma-separated), naming the connection
 /// `name`. `user:password@` in one of the URLs is used for the connection (the
-/// client library applies credentials of a list only when told to).
+/// client library applies credentials of a list only when told to). The
+/// connection's losses and reconnections are logged, and a reconnection ends the
+/// wait of every request whose answer it lost ([`hkvm_events::connection`]).
 ///
 /// # Errors
 /// [`ConnectError`].
@@ -38,7 +40,13 @@ pub async fn connect(urls: &str, name: &str) -> Result<async_nats::Client, Conne
             urls: urls.to_owned(),
             reason: e.to_string(),
         })?;
-    let mut options = async_nats::ConnectOptions::new().name(name);
+    let connection = name.to_owned();
+    let mut options = async_nats::ConnectOptions::new()
+        .name(name)
+        .event_callback(move |event| {
+            hkvm_events::connection::observe(&connection, &event);
+            async {}
+        });
     if let Some((user, password)) = servers
         .iter()
         .find_map(|server| Some((server.username()?.to_owned(), server.password()?.to_owned())))

@@ -24,6 +24,10 @@ pub enum RetryCause {
     /// A request that is safe to resend got no answer in time.
     #[error("no answer in time")]
     TimedOut,
+    /// A request that is safe to resend lost its answer: its connection, or the
+    /// server's, was replaced (a NATS server went away) while it waited.
+    #[error("the answer was lost with a replaced NATS connection")]
+    AnswerLost,
 }
 
 /// Why a call failed.
@@ -144,7 +148,7 @@ impl ClientError {
                 RetryCause::Busy { .. } => ClientErrorKind::Busy,
                 RetryCause::NotLeader => ClientErrorKind::NotLeader,
                 RetryCause::NoResponders { .. } => ClientErrorKind::NoResponders,
-                RetryCause::TimedOut => ClientErrorKind::Timeout,
+                RetryCause::TimedOut | RetryCause::AnswerLost => ClientErrorKind::Timeout,
             },
             Self::NoService { .. } => ClientErrorKind::NoResponders,
             Self::Transport { .. } | Self::Stopped { .. } => ClientErrorKind::Transport,

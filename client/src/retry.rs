@@ -11,10 +11,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::RequestErrorKind;
+use hkvm_events::connection::ConnectionEpoch;
 use hkvm_events::rpc::{self, RpcErrorCode, RpcReply};
 use rand::Rng as _;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::error::{ClientError, RetryCause};
@@ -98,6 +100,10 @@ pub struct ClientStats {
     pub requests: AtomicU64,
     /// Waits for a leader cut short by a new leader's announcement.
     pub leader_wakeups: AtomicU64,
+    /// Resendable requests sent again at once because their answer was lost with
+    /// a replaced connection (this client's, or the leader's: it announces itself
+    /// again after reconnecting).
+    pub answers_lost: AtomicU64,
 }
 
 impl ClientStats {
@@ -106,6 +112,7 @@ impl ClientStats {
             RetryCause::Busy { .. } => &self.busy,
             RetryCause::NotLeader | RetryCause::NoResponders { .. } => &self.leader_waits,
             RetryCause::TimedOut => &self.timeouts,
+            RetryCause::AnswerLost => &self.answers_lost,
         };
         counter.fetch_add(1, Ordering::Relaxed);
     }
@@ -118,6 +125,14 @@ pub enum Resend {
     Safe,
     /// The request may have taken effect: a timeout is reported to the caller.
     Unsafe,
+}
+
+/// Why one request got no reply.
+enum SendError {
+    /// A failure of its own (transport, timeout).
+    Failed(ClientError),
+    /// Its answer will never come (see [`RetryCause::AnswerLost`]).
+    AnswerLost,
 }
 
 /// What one attempt came to.
@@ -227,7 +242,10 @@ impl RpcCaller {
                 // What was announced before this attempt cannot help after it.
                 announcements.borrow_and_update();
             }
-            let cause = match self.attempt(op, &subject, body.clone(), resend).await {
+            let attempt = self
+                .attempt(op, &subject, body.clone(), resend, announcements.as_mut())
+                .await;
+            let cause = match attempt {
                 Attempt::Done(result) => return result,
                 Attempt::Retry(cause) => cause,
             };
@@ -251,6 +269,15 @@ impl RpcCaller {
                     cause,
                 });
             }
+            if matches!(cause, RetryCause::AnswerLost) {
+                // Not refused: the answer went down with a replaced connection.
+                // Send again at once, spread a little (a leader that reconnected
+                // has all its clients' answers to make up).
+                tracing::debug!(op, %cause, "sending again");
+                self.spread().await;
+                backoff = self.policy.min_backoff;
+                continue;
+            }
             tracing::debug!(op, %cause, delay_ms = delay.as_millis() as u64, "retrying");
             // Whatever the cause (a timeout too: a request sent to a dying
             // leader), a new leader serving is the moment to try again.
@@ -268,13 +295,18 @@ impl RpcCaller {
                 // A new leader serves: retry now, spread a little so that its
                 // waiting clients do not all arrive in the same instant.
                 self.stats.leader_wakeups.fetch_add(1, Ordering::Relaxed);
-                let spread = rand::thread_rng().gen_range(Duration::ZERO..=self.policy.wake_spread);
-                tokio::time::sleep(spread).await;
+                self.spread().await;
                 backoff = self.policy.min_backoff;
             } else {
                 backoff = self.policy.next_backoff(backoff);
             }
         }
+    }
+
+    /// A random pause up to the policy's `wake_spread`.
+    async fn spread(&self) {
+        let spread = rand::thread_rng().gen_range(Duration::ZERO..=self.policy.wake_spread);
+        tokio::time::sleep(spread).await;
     }
 
     /// Sends `request` once, with the request timeout and no retry, and returns the
@@ -290,25 +322,43 @@ impl RpcCaller {
         request: &Req,
     ) -> Result<RpcReply<Rep>, ClientError> {
         let body = rpc::encode(request).map_err(|source| ClientError::Codec { op, source })?;
-        let message = self.send(op, subject, body.into()).await?;
+        let started = Instant::now();
+        let epoch = ConnectionEpoch::of(&self.nats);
+        let message = match self.send(op, subject, body.into(), epoch.replaced()).await {
+            Ok(message) => message,
+            Err(SendError::Failed(error)) => return Err(error),
+            Err(SendError::AnswerLost) => {
+                return Err(ClientError::Unavailable {
+                    op,
+                    ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+                    cause: RetryCause::AnswerLost,
+                })
+            }
+        };
         rpc::decode(&message.payload).map_err(|source| ClientError::Codec { op, source })
     }
 
+    /// Sends one request and waits for its reply, its timeout, or `lost`: a sign
+    /// that its answer will never come (reported as [`SendError::AnswerLost`]).
     async fn send(
         &self,
         op: &'static str,
         subject: String,
         body: bytes::Bytes,
-    ) -> Result<async_nats::Message, ClientError> {
+        lost: impl std::future::Future<Output = ()>,
+    ) -> Result<async_nats::Message, SendError> {
         let timeout = self.policy.request_timeout;
         self.stats.requests.fetch_add(1, Ordering::Relaxed);
-        match tokio::time::timeout(timeout, self.nats.request(subject, body)).await {
-            Ok(Ok(message)) => Ok(message),
-            Ok(Err(source)) => Err(ClientError::Transport { op, source }),
-            Err(_) => Err(ClientError::Timeout {
-                op,
-                ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
-            }),
+        tokio::select! {
+            answer = tokio::time::timeout(timeout, self.nats.request(subject, body)) => match answer {
+                Ok(Ok(message)) => Ok(message),
+                Ok(Err(source)) => Err(SendError::Failed(ClientError::Transport { op, source })),
+                Err(_) => Err(SendError::Failed(ClientError::Timeout {
+                    op,
+                    ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+                })),
+            },
+            () = lost => Err(SendError::AnswerLost),
         }
     }
 
@@ -318,25 +368,47 @@ impl RpcCaller {
         subject: &str,
         body: bytes::Bytes,
         resend: Resend,
+        announcements: Option<&mut watch::Receiver<u64>>,
     ) -> Attempt<Rep> {
-        let message = match self.send(op, subject.to_owned(), body).await {
+        // The answer to a resendable request is lost when this client's
+        // connection is replaced, or when the leader announces itself (again)
+        // while it waits: a new leader, or the same one back on a new connection.
+        let epoch = ConnectionEpoch::of(&self.nats);
+        let lost = async {
+            if resend == Resend::Unsafe {
+                return std::future::pending().await;
+            }
+            match announcements {
+                Some(announced) => tokio::select! {
+                    () = epoch.replaced() => {}
+                    changed = announced.changed() => {
+                        if changed.is_err() {
+                            std::future::pending::<()>().await;
+                        }
+                    }
+                },
+                None => epoch.replaced().await,
+            }
+        };
+        let message = match self.send(op, subject.to_owned(), body, lost).await {
             Ok(message) => message,
-            Err(ClientError::Transport { source, .. })
+            Err(SendError::AnswerLost) => return Attempt::Retry(RetryCause::AnswerLost),
+            Err(SendError::Failed(ClientError::Transport { source, .. }))
                 if source.kind() == RequestErrorKind::NoResponders =>
             {
                 return Attempt::Retry(RetryCause::NoResponders {
                     subject: subject.to_owned(),
                 })
             }
-            Err(ClientError::Transport { source, .. })
+            Err(SendError::Failed(ClientError::Transport { source, .. }))
                 if source.kind() == RequestErrorKind::TimedOut && resend == Resend::Safe =>
             {
                 return Attempt::Retry(RetryCause::TimedOut)
             }
-            Err(ClientError::Timeout { .. }) if resend == Resend::Safe => {
+            Err(SendError::Failed(ClientError::Timeout { .. })) if resend == Resend::Safe => {
                 return Attempt::Retry(RetryCause::TimedOut)
             }
-            Err(error) => return Attempt::Done(Err(error)),
+            Err(SendError::Failed(error)) => return Attempt::Done(Err(error)),
         };
         let reply: RpcReply<Rep> = match rpc::decode(&message.payload) {
             Ok(reply) => reply,

@@ -204,7 +204,10 @@ struct Sent {
 fn unanswered(error: &LogError) -> bool {
     matches!(
         error.kind(),
-        LogErrorKind::StreamNotFound | LogErrorKind::Timeout | LogErrorKind::Other(_)
+        LogErrorKind::StreamNotFound
+            | LogErrorKind::Timeout
+            | LogErrorKind::ConnectionReplaced
+            | LogErrorKind::Other(_)
     )
 }
 

@@ -5,6 +5,7 @@
 pub mod checkpoint;
 pub mod codec;
 pub mod commit;
+pub mod connection;
 pub mod error;
 pub mod event;
 pub mod follow;

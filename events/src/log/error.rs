@@ -44,6 +44,11 @@ pub enum LogErrorKind {
     /// the same message id to find out).
     #[error("timed out")]
     Timeout,
+    /// The connection the append went out on was replaced (its NATS server went
+    /// away) before the acknowledgement came, so none will come; the append may or
+    /// may not be stored (send it again with the same message id to find out).
+    #[error("the NATS connection was replaced before the acknowledgement came")]
+    ConnectionReplaced,
     /// The log refused or failed for another reason.
     #[error("{0}")]
     Other(String),

@@ -15,6 +15,7 @@ use super::{
     check_not_truncated, gap_checked, read_end, Append, AppendAck, EntryStream, EventLog,
     LogBounds, LogEntry, LogError, LogErrorKind, ReadOptions,
 };
+use crate::connection::ConnectionEpoch;
 
 /// An [`EventLog`] over the JetStream stream `stream` whose subject is `subject`.
 #[derive(Debug, Clone)]
@@ -133,6 +134,8 @@ impl EventLog for JetStreamLog {
             message = message.expected_last_sequence(expected);
         }
         let expected = append.expected_last_seq;
+        // Taken before the send: a reconnection during it may have lost it too.
+        let epoch = ConnectionEpoch::of(&self.js.client());
         let pending: PublishAckFuture = self
             .js
             .send_publish(self.subject.clone(), message)
@@ -141,7 +144,13 @@ impl EventLog for JetStreamLog {
         let log = self.clone();
         let msg_id = append.msg_id;
         Ok(async move {
-            match pending.await {
+            let answer = tokio::select! {
+                answer = pending => answer,
+                () = epoch.replaced() => {
+                    return Err(LogError::new(&log.stream, LogErrorKind::ConnectionReplaced));
+                }
+            };
+            match answer {
                 Ok(ack) => Ok(AppendAck {
                     seq: ack.sequence,
                     duplicate: ack.duplicate,

@@ -17,6 +17,7 @@ mod cli_local;
 mod cli_replay;
 mod client_data_path;
 mod cluster;
+mod connection_loss;
 mod containers;
 mod dummies;
 mod events_log;

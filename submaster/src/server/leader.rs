@@ -12,6 +12,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use hkvm_events::codec::{encode_message, Header};
 use hkvm_events::commit::{CommitError, GroupCommitter, PendingCommit};
+use hkvm_events::connection::ConnectionEpoch;
 use hkvm_events::log::{Append, EventLog, LogErrorKind};
 use hkvm_events::registry::{self, SubmasterInfo};
 use hkvm_events::rpc::{RpcError, RpcErrorCode};
@@ -387,10 +388,6 @@ impl Leadership<'_> {
     }
 }
 
-/// Leads until shutdown, a lost lease or a failed append.
-///
-/// # Errors
-/// When the takeover itself fails (the caller retries as a standby).
 /// Tells the clients waiting out a failover that this sub-master serves now
 /// (best effort: a client that misses it retries after its back-off anyway).
 async fn announce(ctx: &Context, holder: &LeaseHolder) {
@@ -407,6 +404,10 @@ async fn announce(ctx: &Context, holder: &LeaseHolder) {
     }
 }
 
+/// Leads until shutdown, a lost lease or a failed append.
+///
+/// # Errors
+/// When the takeover itself fails (the caller retries as a standby).
 pub(crate) async fn lead(
     ctx: &Context,
     state: &mut State,
@@ -474,6 +475,7 @@ pub(crate) async fn lead(
         "leading the sub-cluster"
     );
     leadership.heartbeat(state);
+    let mut connection = ConnectionEpoch::of(&ctx.client);
     announce(ctx, &holder).await;
 
     let mut maintenance = interval(config.maintenance_interval);
@@ -522,6 +524,15 @@ pub(crate) async fn lead(
                 leadership.maintain(state).await
             }
             _ = heartbeat.tick() => { leadership.heartbeat(state); Ok(()) }
+            () = connection.replaced() => {
+                // Replies to requests that came in on the old connection were lost
+                // with it: announcing again makes clients send those again now
+                // rather than after their request timeout.
+                connection = ConnectionEpoch::of(&ctx.client);
+                tracing::info!("NATS connection replaced: announcing this leader again");
+                announce(ctx, &holder).await;
+                Ok(())
+            }
             Some(job) = jobs.recv() => {
                 if *lease_state.borrow() == LeaseState::Held {
                     leadership.handle(state, job).await

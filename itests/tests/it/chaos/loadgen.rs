@@ -30,6 +30,8 @@ pub struct PutRun {
     pub revoked: Vec<String>,
     /// The final summary line.
     pub summary: Value,
+    /// What it logged (errors, and its NATS connection's losses and reconnections).
+    pub log: String,
 }
 
 /// A load generator started in the background.
@@ -99,7 +101,7 @@ pub async fn start(
     }
     let container = hkvm_image()
         .with_network(&topology.network)
-        .with_env_var("RUST_LOG", "error")
+        .with_env_var("RUST_LOG", "error,hkvm_events::connection=info")
         .with_startup_timeout(Duration::from_secs(60))
         .with_cmd(cmd)
         .start()
@@ -112,6 +114,11 @@ impl Running {
     /// Waits (two minutes at most) for the load generator to exit and returns
     /// its JSON lines.
     pub async fn finish(self) -> Vec<Value> {
+        self.finish_with_log().await.0
+    }
+
+    /// As [`Running::finish`], with what it logged.
+    async fn finish_with_log(self) -> (Vec<Value>, String) {
         let waited = tokio::time::timeout(
             Duration::from_secs(120),
             docker::wait_output(&self.container),
@@ -135,16 +142,21 @@ impl Running {
             );
         };
         assert_eq!(code, 0, "loadgen failed: {stderr}");
-        stdout
+        let lines = stdout
             .lines()
             .filter_map(|line| serde_json::from_str(line).ok())
-            .collect()
+            .collect();
+        (lines, stderr)
     }
 
     /// Waits for a `put` run and sorts its lines.
     pub async fn finish_puts(self) -> PutRun {
-        let mut run = PutRun::default();
-        for line in self.finish().await {
+        let (lines, log) = self.finish_with_log().await;
+        let mut run = PutRun {
+            log,
+            ..PutRun::default()
+        };
+        for line in lines {
             let key = line["key"].as_str().unwrap_or_default().to_owned();
             match line["type"].as_str() {
                 Some("ack") => run.acked.push((key, line["t"].as_u64().unwrap_or(0))),

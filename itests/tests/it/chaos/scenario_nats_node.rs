@@ -63,6 +63,67 @@ fn leader_elections(log: &str, after_ms: u64) -> Vec<(u64, String)> {
         .collect()
 }
 
+/// What HKVM's own processes logged about the NATS node loss after `after_ms`
+/// (unix ms): (milliseconds after it, `who: what`) for connection losses and
+/// reconnections, appends left unanswered and answered again, and leader
+/// re-announcements. Lines are `tracing`'s text format, `2026-12-01T02:15:46.943693Z
+/// WARN …` (possibly in terminal colours).
+fn hkvm_marks(log: &str, who: &str, after_ms: u64) -> Vec<(u64, String)> {
+    const MARKS: [(&str, &str); 5] = [
+        ("NATS connection lost", "connection lost"),
+        ("NATS connection (re)established", "connected"),
+        ("append unanswered", "append unanswered"),
+        ("the event log answers again", "appends answered"),
+        ("announcing this leader again", "leader re-announced"),
+    ];
+    log.lines()
+        .filter_map(|line| {
+            let line = strip_colours(line);
+            let (_, what) = MARKS.iter().find(|(text, _)| line.contains(text))?;
+            let stamp = line.split_whitespace().next()?;
+            let at =
+                time::OffsetDateTime::parse(stamp, &time::format_description::well_known::Rfc3339)
+                    .ok()?;
+            let at_ms = u64::try_from(at.unix_timestamp_nanos() / 1_000_000).ok()?;
+            (at_ms > after_ms).then(|| (at_ms - after_ms, format!("{who}: {what}")))
+        })
+        .collect()
+}
+
+/// `line` without terminal colour sequences (`ESC [ … m`).
+fn strip_colours(line: &str) -> String {
+    let mut plain = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c == 'm' {
+                    break;
+                }
+            }
+        } else {
+            plain.push(c);
+        }
+    }
+    plain
+}
+
+#[test]
+fn hkvm_log_marks_parse() {
+    let log = "\u{1b}[2m2026-12-01T02:15:42.417000Z\u{1b}[0m \u{1b}[33m WARN\u{1b}[0m hkvm_events::connection: NATS connection lost; reconnecting\n\
+               2026-12-01T02:15:42.500000Z  WARN hkvm_events::commit: append unanswered; sending it again\n\
+               2026-12-01T02:15:40.000000Z  INFO hkvm_events::connection: NATS connection (re)established\n\
+               2026-12-01T02:15:43.000000Z  INFO something else";
+    let killed = 1_796_091_341_417;
+    assert_eq!(
+        hkvm_marks(log, "sm0", killed),
+        vec![
+            (1000, "sm0: connection lost".to_owned()),
+            (1083, "sm0: append unanswered".to_owned()),
+        ]
+    );
+}
+
 #[test]
 fn nats_leader_election_lines_parse() {
     let log = "[1] 2026/12/01 02:15:46.943693 [INF] JetStream cluster new stream leader for '$G > KV_hkvm_chaos_leader'\n\
@@ -144,8 +205,21 @@ async fn losing_a_nats_node_loses_no_acknowledged_event() {
         elections.extend(leader_elections(&format!("{stdout}\n{stderr}"), killed_ms));
     }
     elections.sort();
-
     let elections = elections
+        .iter()
+        .map(|(after_ms, what)| format!("{what} +{after_ms} ms"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    // And from HKVM's own logs: which connections went down with the node, and
+    // what the sub-masters' appends went through.
+    let mut marks = hkvm_marks(&run.log, "loadgen", killed_ms);
+    for (name, container) in &topology.submasters {
+        let (stdout, stderr) = docker::logs(container).await;
+        let who = name.rsplit('/').next().unwrap_or(name);
+        marks.extend(hkvm_marks(&format!("{stdout}\n{stderr}"), who, killed_ms));
+    }
+    marks.sort();
+    let marks = marks
         .iter()
         .map(|(after_ms, what)| format!("{what} +{after_ms} ms"))
         .collect::<Vec<_>>()
@@ -181,7 +255,7 @@ async fn losing_a_nats_node_loses_no_acknowledged_event() {
         ),
         0,
         &format!(
-            "{} acked ({while_down} with the node down), global consumers resumed; new JetStream leaders: {elections}",
+            "{} acked ({while_down} with the node down), global consumers resumed; new JetStream leaders: {elections}; HKVM: {marks}",
             acked.len()
         ),
     );
