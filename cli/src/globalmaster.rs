@@ -89,7 +89,7 @@ pub fn config(args: &GlobalMasterArgs) -> anyhow::Result<GlobalMasterConfig> {
 /// When NATS is unreachable or setup fails.
 pub async fn run(args: GlobalMasterArgs) -> anyhow::Result<()> {
     let config = config(&args)?;
-    let client = args.target.connect().await?;
+    let client = args.target.connect_as("hkvm-globalmaster").await?;
     tracing::info!(cluster = %config.cluster, replica = %config.replica, "starting the global master");
     hkvm_globalmaster::serve(config, client, crate::signals::terminated()).await?;
     Ok(())

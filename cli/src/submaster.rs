@@ -114,7 +114,7 @@ pub fn config(args: &SubmasterArgs) -> anyhow::Result<SubmasterConfig> {
 /// When NATS is unreachable or setup fails.
 pub async fn run(args: SubmasterArgs) -> anyhow::Result<()> {
     let config = config(&args)?;
-    let client = args.target.connect().await?;
+    let client = args.target.connect_as("hkvm-submaster").await?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
         crate::signals::terminated().await;

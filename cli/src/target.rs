@@ -21,7 +21,16 @@ impl Target {
     /// # Errors
     /// When no server accepts the connection.
     pub async fn connect(&self) -> anyhow::Result<async_nats::Client> {
-        Ok(hkvm_client::connect(&self.url(), "hkvm-cli").await?)
+        self.connect_as("hkvm-cli").await
+    }
+
+    /// Connects to NATS under the connection name `name` (what the server's
+    /// monitoring and this process's logs call the connection).
+    ///
+    /// # Errors
+    /// When no server accepts the connection.
+    pub async fn connect_as(&self, name: &str) -> anyhow::Result<async_nats::Client> {
+        Ok(hkvm_client::connect(&self.url(), name).await?)
     }
 
     /// The NATS URL(s) to use ([`hkvm_client::local_record::resolve`]).

@@ -175,8 +175,9 @@ async fn losing_a_nats_node_loses_no_acknowledged_event() {
     let topology = Topology::start(&spec).await;
     let writers = loadgen::puts(&topology, "sc-0", "nats", 8, "22s").await;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    docker::kill(&topology.nats[2]).await;
+    // From the moment the kill is asked for: its effects start before it returns.
     let killed_ms = unix_ms();
+    docker::kill(&topology.nats[2]).await;
     // Long enough for JetStream to move stream and bucket leaders off the dead
     // node and for clients to reconnect: writes must resume before it returns.
     tokio::time::sleep(Duration::from_secs(15)).await;
