@@ -43,6 +43,11 @@ pub struct CommitConfig {
     /// How long appends that got no answer from the stream are sent again before
     /// the committer gives up (a JetStream stream-leader election takes seconds).
     pub retry_for: Duration,
+    /// How long an append waits for its acknowledgement before it counts as
+    /// unanswered and is sent again (same message id: never stored twice). Short,
+    /// so that writes resume soon after a stream-leader election ends rather than
+    /// after the client library's 5 s publish timeout.
+    pub ack_timeout: Duration,
 }
 
 /// The pause before appends are sent again.
@@ -56,6 +61,7 @@ impl Default for CommitConfig {
             queue_depth: 8192,
             limits: Limits::default(),
             retry_for: Duration::from_secs(10),
+            ack_timeout: Duration::from_secs(1),
         }
     }
 }
@@ -88,6 +94,8 @@ pub enum CommitError {
 struct Submission {
     events: Vec<KvEvent>,
     reply: oneshot::Sender<Result<Committed, CommitError>>,
+    /// Nothing submitted after it may share its message.
+    ends_message: bool,
 }
 
 /// A reply owed to one submission of an in-flight message.
@@ -154,9 +162,34 @@ impl GroupCommitter {
     /// # Errors
     /// [`CommitError::Stopped`] when the commit task has ended.
     pub async fn submit(&self, events: Vec<KvEvent>) -> Result<PendingCommit, CommitError> {
+        self.queue(events, false).await
+    }
+
+    /// Submits a message boundary: no event, and nothing submitted after it
+    /// shares a message with anything submitted before it. The future resolves
+    /// with the sequence of the message holding everything submitted before it
+    /// (an empty message when nothing was waiting), so a writer that applies its
+    /// own submissions to a state in order can stamp a copy of that state, taken
+    /// right after this call, with the exact stream position it covers.
+    ///
+    /// # Errors
+    /// [`CommitError::Stopped`] when the commit task has ended.
+    pub async fn submit_boundary(&self) -> Result<PendingCommit, CommitError> {
+        self.queue(Vec::new(), true).await
+    }
+
+    async fn queue(
+        &self,
+        events: Vec<KvEvent>,
+        ends_message: bool,
+    ) -> Result<PendingCommit, CommitError> {
         let (reply, answer) = oneshot::channel();
         self.submissions
-            .send(Submission { events, reply })
+            .send(Submission {
+                events,
+                reply,
+                ends_message,
+            })
             .await
             .map_err(|_| task_ended())?;
         Ok(PendingCommit { answer })
@@ -309,10 +342,16 @@ impl<L: EventLog> CommitTask<L> {
         }
     }
 
-    /// Sends `append`; a send that fails at once is an answer like any other.
+    /// Sends `append`; a send that fails at once is an answer like any other, and
+    /// so is no acknowledgement within `ack_timeout`.
     async fn send(&self, append: Append) -> Ack {
+        let timeout = self.config.ack_timeout;
         match self.log.send(append).await {
-            Ok(pending) => Box::pin(pending),
+            Ok(pending) => Box::pin(async move {
+                tokio::time::timeout(timeout, pending)
+                    .await
+                    .unwrap_or_else(|_| Err(LogError::new("event log", LogErrorKind::Timeout)))
+            }),
             Err(error) => Box::pin(futures::future::ready(Err(error))),
         }
     }
@@ -352,6 +391,7 @@ impl<L: EventLog> CommitTask<L> {
                 self.carry = Some(submission);
                 break;
             }
+            let ends_message = submission.ends_message;
             match self.add(&mut builder, &submission.events) {
                 Ok(first_index) => waiters.push(Waiter {
                     reply: submission.reply,
@@ -369,6 +409,9 @@ impl<L: EventLog> CommitTask<L> {
                 Err(error) => {
                     let _ = submission.reply.send(Err(error.into()));
                 }
+            }
+            if ends_message {
+                break;
             }
             next = queue.try_recv().ok();
         }

@@ -324,9 +324,21 @@ impl SnapshotStore {
     /// # Errors
     /// When encoding or the object store fails.
     pub async fn save(&self, file: &SnapshotFile) -> Result<(String, u64), SnapshotError> {
-        let bytes = file.encode()?;
+        self.save_encoded(file.covers_seq, file.encode()?).await
+    }
+
+    /// As [`SnapshotStore::save`], for a file already encoded
+    /// ([`SnapshotFile::encode`], say on a blocking thread) that covers `covers_seq`.
+    ///
+    /// # Errors
+    /// When the object store fails.
+    pub async fn save_encoded(
+        &self,
+        covers_seq: u64,
+        bytes: Vec<u8>,
+    ) -> Result<(String, u64), SnapshotError> {
         let checksum = xxhash_rust::xxh3::xxh3_64(&bytes);
-        let name = snapshot_object_name(&self.subcluster, file.covers_seq);
+        let name = snapshot_object_name(&self.subcluster, covers_seq);
         self.store
             .put(name.as_str(), &mut bytes.as_slice())
             .await

@@ -119,6 +119,9 @@ enum Silence {
     Lost,
     /// Stored, but the acknowledgement never came.
     StoredUnacknowledged,
+    /// Not stored, and the acknowledgement is waited for forever (as when the
+    /// stream leader died with the append).
+    Hanging,
 }
 
 /// A log whose first `silent` sends go unanswered, one way or the other.
@@ -158,6 +161,7 @@ impl EventLog for Unanswering {
             return Ok(Box::pin(self.inner.send(append).await?));
         }
         let kind = match self.how {
+            Silence::Hanging => return Ok(Box::pin(futures::future::pending())),
             Silence::Lost => LogErrorKind::StreamNotFound,
             Silence::StoredUnacknowledged => {
                 self.inner.append(append).await?;
@@ -277,4 +281,54 @@ async fn a_stream_that_never_answers_again_stops_the_committer() {
         committer.commit(vec![put("later")]).await,
         Err(CommitError::Stopped(_))
     ));
+}
+
+#[tokio::test]
+async fn an_append_waiting_past_its_ack_timeout_is_sent_again() {
+    let log = Unanswering::new("hanging", 1, Silence::Hanging);
+    let committer = GroupCommitter::spawn(
+        log.clone(),
+        ProducerId::new("sm").unwrap(),
+        1,
+        0,
+        CommitConfig {
+            ack_timeout: std::time::Duration::from_millis(50),
+            ..CommitConfig::default()
+        },
+    );
+    let committed = committer.commit(vec![put("k")]).await.unwrap();
+    assert_eq!(committed.seq, 1);
+    assert_eq!(keys_in(&log.inner).await, vec!["k".to_owned()]);
+}
+
+#[tokio::test]
+async fn nothing_submitted_after_a_boundary_shares_a_message_with_what_came_before() {
+    let log = MemoryLog::new("boundary");
+    let committer = GroupCommitter::spawn(
+        log.clone(),
+        ProducerId::new("sm").unwrap(),
+        1,
+        0,
+        CommitConfig::default(),
+    );
+    // All queued before the commit task runs (this runtime has one thread and
+    // nothing here yields), so without the boundary they would share a message.
+    let a = committer.submit(vec![put("a")]).await.unwrap();
+    let b = committer.submit(vec![put("b")]).await.unwrap();
+    let boundary = committer.submit_boundary().await.unwrap();
+    let c = committer.submit(vec![put("c")]).await.unwrap();
+    let d = committer.submit(vec![put("d")]).await.unwrap();
+    let (a, b, boundary, c, d) = (
+        a.await.unwrap(),
+        b.await.unwrap(),
+        boundary.await.unwrap(),
+        c.await.unwrap(),
+        d.await.unwrap(),
+    );
+    assert_eq!((a.seq, b.seq, boundary.seq), (1, 1, 1));
+    assert_eq!(boundary.count, 0);
+    assert_eq!((c.seq, d.seq), (2, 2), "the rest still share one message");
+    // Alone, a boundary is an empty message of its own.
+    let alone = committer.submit_boundary().await.unwrap().await.unwrap();
+    assert_eq!(alone.seq, 3);
 }

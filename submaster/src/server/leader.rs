@@ -17,13 +17,14 @@ use hkvm_events::log::{Append, EventLog, LogErrorKind};
 use hkvm_events::registry::{self, SubmasterInfo};
 use hkvm_events::rpc::{RpcError, RpcErrorCode};
 use hkvm_events::subject::{epoch_marker_id, leader_subject, submaster_rpc_subject};
-use hkvm_events::{KvEvent, SnapshotTaken};
+use hkvm_events::KvEvent;
 use tokio::sync::{mpsc, watch};
 use tokio::time::{interval, Instant, MissedTickBehavior};
 
 use super::follower::catch_up;
 use super::renewer::{LeaseState, Renewer};
 use super::rpc::{self, Job, Requester};
+use super::snapshotter::Snapshotter;
 use super::Context;
 use crate::command::{self, ServingInfo};
 use crate::election::LeaseHolder;
@@ -115,6 +116,7 @@ struct Leadership<'a> {
     last_snapshot: Instant,
     /// The registry write of the last heartbeat, while it runs.
     heartbeat: Option<tokio::task::JoinHandle<()>>,
+    snapshotter: Snapshotter,
 }
 
 impl Leadership<'_> {
@@ -287,38 +289,17 @@ impl Leadership<'_> {
         Ok(())
     }
 
-    /// Waits until every submitted write is durable, then snapshots the state.
-    async fn snapshot(&mut self, state: &mut State) -> Result<(), CommitError> {
-        let needed = self.write_index;
-        if self
-            .durable
-            .subscribe()
-            .wait_for(|done| *done >= needed)
-            .await
-            .is_err()
-        {
-            return Ok(());
-        }
-        state.applied_seq = self.committer.durable_seq();
-        match crate::snapshot::save(&self.ctx.snapshots, state).await {
-            Ok((object, checksum)) => {
-                self.ctx.metrics.snapshots.inc();
-                tracing::info!(
-                    object,
-                    covers_seq = state.applied_seq,
-                    objects = state.object_count(),
-                    "snapshot written"
-                );
-                let marker = KvEvent::Snapshot(SnapshotTaken {
-                    covers_seq: state.applied_seq,
-                    object,
-                    checksum,
-                });
-                let pending = self.submit(vec![marker]).await?;
-                self.reply_when_durable(pending, None, Vec::new());
-            }
-            Err(error) => tracing::warn!(%error, "snapshot failed; will retry"),
-        }
+    /// Starts a snapshot of the state as of everything submitted so far; it is
+    /// written in the background ([`Snapshotter`]).
+    async fn snapshot(&mut self, state: &State) -> Result<(), CommitError> {
+        self.snapshotter
+            .start(
+                &self.committer,
+                &self.ctx.snapshots,
+                &self.ctx.metrics,
+                state,
+            )
+            .await?;
         self.events_since_snapshot = 0;
         self.last_snapshot = Instant::now();
         Ok(())
@@ -326,7 +307,7 @@ impl Leadership<'_> {
 
     fn snapshot_due(&self) -> bool {
         let config = &self.ctx.config;
-        self.events_since_snapshot >= config.snapshot_every_events
+        !self.snapshotter.busy() && self.events_since_snapshot >= config.snapshot_every_events
             || (self.events_since_snapshot > 0
                 && self.last_snapshot.elapsed() >= config.snapshot_interval)
     }
@@ -463,6 +444,7 @@ pub(crate) async fn lead(
         events_since_snapshot: 0,
         last_snapshot: Instant::now(),
         heartbeat: None,
+        snapshotter: Snapshotter::default(),
     };
     ctx.metrics.takeovers.inc();
     ctx.metrics.role.set(2);

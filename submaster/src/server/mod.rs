@@ -7,6 +7,7 @@ mod follower;
 mod leader;
 mod renewer;
 mod rpc;
+mod snapshotter;
 
 use std::sync::Arc;
 use std::time::Duration;
