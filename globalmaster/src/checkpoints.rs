@@ -1,7 +1,10 @@
 //! Checkpoints in a JetStream object store (`hkvm_<cluster>_checkpoints`), one
 //! object per replica (`projection-<replica>`), and bloom filters in another
 //! (`hkvm_<cluster>_blooms`, one object per sub-cluster). A restart loads the newest
-//! checkpoint that decodes and passes its checksum, from any replica.
+//! checkpoint that decodes and passes its checksum, from any replica. Only the
+//! newest [`CHECKPOINTS_KEPT`] are kept: replicas that are gone (a replica named
+//! after its process id gets a new name on every restart) do not leave theirs
+//! behind for ever.
 
 use async_nats::jetstream::{self, object_store};
 use futures::StreamExt as _;
@@ -34,13 +37,14 @@ pub async fn object_store(
     .map_err(GlobalMasterError::nats("creating an object store"))
 }
 
-/// Loads the newest valid checkpoint; `None` when there is none.
-///
-/// # Errors
-/// When the store cannot be listed.
-pub async fn load_newest(
+/// How many checkpoints (the newest, whoever wrote them) a write leaves in the
+/// store: more than the replicas a cluster runs, so a live replica's is kept.
+pub const CHECKPOINTS_KEPT: usize = 4;
+
+/// The checkpoints in `store`, newest first.
+async fn newest_first(
     store: &object_store::ObjectStore,
-) -> Result<Option<(String, Projection)>, GlobalMasterError> {
+) -> Result<Vec<object_store::ObjectInfo>, GlobalMasterError> {
     let mut list = store
         .list()
         .await
@@ -53,7 +57,17 @@ pub async fn load_newest(
         }
     }
     infos.sort_by_key(|info| std::cmp::Reverse(info.modified));
-    for info in infos {
+    Ok(infos)
+}
+
+/// Loads the newest valid checkpoint; `None` when there is none.
+///
+/// # Errors
+/// When the store cannot be listed.
+pub async fn load_newest(
+    store: &object_store::ObjectStore,
+) -> Result<Option<(String, Projection)>, GlobalMasterError> {
+    for info in newest_first(store).await? {
         let mut object = match store.get(&info.name).await {
             Ok(object) => object,
             Err(error) => {
@@ -74,7 +88,8 @@ pub async fn load_newest(
     Ok(None)
 }
 
-/// Writes this replica's checkpoint of the current projection.
+/// Writes this replica's checkpoint of the current projection, then drops all
+/// but the newest [`CHECKPOINTS_KEPT`].
 ///
 /// # Errors
 /// When encoding or storing fails.
@@ -95,6 +110,17 @@ pub(crate) async fn write(
         .map_err(GlobalMasterError::nats("storing a checkpoint"))?;
     shared.metrics.checkpoints.inc();
     tracing::info!(name, bytes = bytes.len(), "checkpoint written");
+    for old in newest_first(store).await?.iter().skip(CHECKPOINTS_KEPT) {
+        if old.name == name {
+            continue;
+        }
+        match store.delete(&old.name).await {
+            Ok(()) => tracing::info!(name = %old.name, "dropped an old checkpoint"),
+            Err(error) => {
+                tracing::warn!(name = %old.name, %error, "could not drop an old checkpoint")
+            }
+        }
+    }
     Ok(bytes.len())
 }
 

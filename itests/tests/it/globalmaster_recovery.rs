@@ -337,3 +337,33 @@ async fn two_replicas_share_the_queue_group_and_answer_alike() {
     }
     drop(two);
 }
+
+#[tokio::test]
+async fn only_the_newest_checkpoints_are_kept() {
+    let fixture = Fixture::new("t").await;
+    let a = fixture.subcluster("sc-a", &[]).await;
+    a.commit(vec![put("k")]).await;
+    // Replicas that come and go under new names (a default name holds the pid).
+    let replicas = checkpoints::CHECKPOINTS_KEPT + 3;
+    for i in 0..replicas {
+        let master = fixture.start(&format!("g{i}")).await;
+        assert!(master.checkpoint_now().await.unwrap() > 0);
+    }
+    let store = checkpoints::object_store(&fixture.js, &fixture.cluster, Bucket::Checkpoints)
+        .await
+        .unwrap();
+    let mut names = BTreeSet::new();
+    let mut list = store.list().await.unwrap();
+    while let Some(info) = futures::StreamExt::next(&mut list).await {
+        let info = info.unwrap();
+        if !info.deleted {
+            names.insert(info.name);
+        }
+    }
+    let newest: BTreeSet<String> = (replicas - checkpoints::CHECKPOINTS_KEPT..replicas)
+        .map(|i| format!("projection-g{i}"))
+        .collect();
+    assert_eq!(names, newest);
+    let (name, _) = checkpoints::load_newest(&store).await.unwrap().unwrap();
+    assert_eq!(name, format!("projection-g{}", replicas - 1));
+}
