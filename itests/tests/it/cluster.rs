@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use std::sync::Arc;
 
-use hkvm_client::{GlobalClient, KvClient, KvError, NodeConfig, NodeHandle, SubmasterClient};
+use hkvm_client::{
+    GlobalClient, KvClient, KvError, NodeConfig, NodeHandle, RetryPolicy, SubmasterClient,
+};
 use hkvm_events::commit::{CommitConfig, GroupCommitter};
 use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp};
 use hkvm_events::SubclusterId;
@@ -240,8 +242,23 @@ async fn a_put_acknowledged_in_one_subcluster_is_never_a_miss_in_another() {
     let value: Vec<u8> = (0..4096u32).map(|b| (b % 253) as u8).collect();
     late.writer.put("fresh", &value, 1).await.unwrap();
 
-    // At once, from the other sub-cluster: found, not "held nowhere".
-    let fetched = pool.kv["sc-a"].get("fresh").await.unwrap();
+    // At once, from the other sub-cluster: found, not "held nowhere". The
+    // reader waits as long as the global master may (its default request
+    // timeout, 2 s, is below this test's bound: on a loaded machine it ended
+    // the wait before the global master had read the history).
+    let reader = KvClient::new(
+        SubmasterClient::with_policy(
+            pool.fixture.connect().await,
+            pool.fixture.cluster.clone(),
+            SubclusterId::new("sc-a").unwrap(),
+            RetryPolicy {
+                request_timeout: Duration::from_secs(60),
+                ..RetryPolicy::default()
+            },
+        ),
+        Arc::new(TcpTransport::default()),
+    );
+    let fetched = reader.get("fresh").await.unwrap();
     assert_eq!(fetched.subcluster.as_str(), "sc-c");
     assert!(fetched.value[..] == value[..], "byte-exact");
     late.stop().await;
