@@ -109,12 +109,34 @@ def fmt(value: float) -> str:
     return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
 
 
+TARGET_RATIO_AT_MOST = re.compile(r"target ratio <= ([0-9.]+)")
+TARGET_RATIO_AT_LEAST = re.compile(r"target >= ([0-9.]+)")
+TARGET_AT_MOST_MORE = re.compile(r"target: at most ([0-9.]+) \S+ more")
+
+
+def verdict(r: dict) -> str:
+    """Whether a row with a target meets it ("" for rows without one)."""
+    baseline = r["baseline"]
+    if m := TARGET_RATIO_AT_MOST.search(baseline):
+        met = r["ratio"] <= float(m.group(1))
+    elif m := TARGET_RATIO_AT_LEAST.search(baseline):
+        met = r["ratio"] >= float(m.group(1))
+    elif m := TARGET_AT_MOST_MORE.search(baseline):
+        met = r["value"] - r["baseline_value"] <= float(m.group(1))
+    elif baseline in ("target", "design target") and r["unit"] == "bytes":
+        # Size budgets: at most the target.
+        met = r["value"] <= r["baseline_value"]
+    else:
+        return ""
+    return " (target met)" if met else " **(misses the target)**"
+
+
 def plain_table(rows: list) -> None:
     print("| metric | value | unit | baseline (same run) | baseline value | ratio |")
     print("|---|---:|---|---|---:|---:|")
     for r in rows:
         # No ratio against a baseline of 0 (or none): it would mean nothing.
-        ratio = f"{r['ratio']:.3f}" if r["baseline_value"] else "-"
+        ratio = f"{r['ratio']:.3f}{verdict(r)}" if r["baseline_value"] else "-"
         baseline_value = "-" if r["baseline"] == "none" else fmt(r["baseline_value"])
         print(f"| {r['metric']} | {fmt(r['value'])} | {r['unit']} | {r['baseline']} | {baseline_value} | {ratio} |")
 
