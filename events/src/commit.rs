@@ -61,7 +61,7 @@ impl Default for CommitConfig {
             queue_depth: 8192,
             limits: Limits::default(),
             retry_for: Duration::from_secs(10),
-            ack_timeout: Duration::from_secs(1),
+            ack_timeout: Duration::from_secs(2),
         }
     }
 }

@@ -511,8 +511,12 @@ pub(crate) async fn lead(
                 // with it: announcing again makes clients send those again now
                 // rather than after their request timeout.
                 connection = ConnectionEpoch::of(&ctx.client);
-                tracing::info!("NATS connection replaced: announcing this leader again");
-                announce(ctx, &holder).await;
+                // Only a leader whose lease is confirmed: one back from a network
+                // cut may have been deposed meanwhile, and must not draw requests.
+                if *lease_state.borrow() == LeaseState::Held {
+                    tracing::info!("NATS connection replaced: announcing this leader again");
+                    announce(ctx, &holder).await;
+                }
                 Ok(())
             }
             Some(job) = jobs.recv() => {
