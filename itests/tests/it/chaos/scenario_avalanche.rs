@@ -24,17 +24,24 @@ const OBJECTS: usize = 1_000_000;
 /// Clients retrying during the restart.
 const CLIENTS: usize = 2000;
 
-/// Puts `keys` (metadata only); `Ok` only if every item was acknowledged.
+/// Puts `keys` (metadata only); `Ok` only if every item was acknowledged. Each
+/// put carries an id, as every client's put does, so its `put_end` may be sent
+/// again after a timeout.
 async fn put_batch(client: &SubmasterClient, keys: Vec<String>) -> Result<(), String> {
+    let ids: Vec<u64> = keys
+        .iter()
+        .map(|key| hkvm_events::key_hash(key) | 1)
+        .collect();
     let starts = keys
         .iter()
-        .map(|key| PutStartItem {
+        .zip(&ids)
+        .map(|(key, &put_id)| PutStartItem {
             key: key.clone(),
             size: 64,
             replicas: 1,
             preferred_segment: None,
             hard_pin: false,
-            put_id: 0,
+            put_id,
         })
         .collect();
     let started = client.put_start(starts).await.map_err(|e| e.to_string())?;
@@ -43,10 +50,11 @@ async fn put_batch(client: &SubmasterClient, keys: Vec<String>) -> Result<(), St
     }
     let ends = keys
         .into_iter()
-        .map(|key| PutEndItem {
+        .zip(ids)
+        .map(|(key, put_id)| PutEndItem {
             key,
             checksum: 1,
-            put_id: 0,
+            put_id,
         })
         .collect();
     let ended = client.put_end(ends).await.map_err(|e| e.to_string())?;
@@ -140,8 +148,14 @@ async fn a_restart_under_a_retry_storm_recovers_with_bounded_memory() {
                 let exists = client.exist(vec![format!("av-0-{c}")]).await;
                 let put = put_batch(&client, vec![format!("storm-{c}")]).await;
                 let stats = client.stats();
+                let failure = match (&exists, &put) {
+                    (Ok(found), Ok(())) if *found == vec![true] => None,
+                    (Ok(found), Ok(())) => Some(format!("exist answered {found:?}")),
+                    (Err(error), _) => Some(format!("exist: {error}")),
+                    (_, Err(error)) => Some(format!("put: {error}")),
+                };
                 (
-                    exists.map(|e| e == vec![true]).unwrap_or(false) && put.is_ok(),
+                    failure,
                     stats.busy.load(Ordering::Relaxed),
                     stats.leader_waits.load(Ordering::Relaxed),
                 )
@@ -162,12 +176,23 @@ async fn a_restart_under_a_retry_storm_recovers_with_bounded_memory() {
         peak_memory(sm, stop_rx),
     );
     let recovered_ms = restarted.elapsed().as_millis();
-    let succeeded = results.iter().filter(|(ok, _, _)| *ok).count();
+    let succeeded = results
+        .iter()
+        .filter(|(failure, _, _)| failure.is_none())
+        .count();
+    let failures: Vec<&String> = results
+        .iter()
+        .filter_map(|(f, _, _)| f.as_ref())
+        .take(5)
+        .collect();
     let busy: u64 = results.iter().map(|(_, b, _)| b).sum();
     let waits: u64 = results.iter().map(|(_, _, w)| w).sum();
     let after = client.status().await.unwrap();
     assert!(sm.is_running().await.unwrap(), "the sub-master crashed");
-    assert_eq!(succeeded, CLIENTS, "every retrying client succeeds");
+    assert_eq!(
+        succeeded, CLIENTS,
+        "every retrying client succeeds; failures: {failures:?}"
+    );
     assert_eq!(after.objects, (OBJECTS + CLIENTS) as u64, "no object lost");
     assert!(
         busy > 0,
