@@ -1,14 +1,21 @@
 //! `hkvm status`: the registry (every sub-master, its labels, whether it is alive,
-//! objects, usage, stream position) and, when a global master answers, what its
-//! projection holds per sub-cluster and how far behind it is.
+//! objects, usage, stream position), each sub-cluster's stream (bytes, first and
+//! last sequence, the newest snapshot, every reader's recorded position) and, when
+//! a global master answers, what its projection holds per sub-cluster and how far
+//! behind it is.
 
 use std::time::Duration;
 
 use anyhow::Context as _;
 use async_nats::jetstream;
 use hkvm_client::{GlobalClient, RetryPolicy};
-use hkvm_events::registry::{list, open_registry};
+use hkvm_events::log::JetStreamLog;
+use hkvm_events::positions::Positions;
+use hkvm_events::registry::{list, now_unix_ms, open_registry};
 use hkvm_events::rpc::global::{GlobalOp, GlobalStatus, GlobalStatusReply};
+use hkvm_events::snapshot::SnapshotStore;
+use hkvm_events::subject::{event_subject, stream_name};
+use hkvm_events::{ClusterId, SubclusterId};
 
 use crate::target::Target;
 
@@ -26,7 +33,59 @@ fn gib(bytes: u64) -> String {
     format!("{:.2}", bytes as f64 / f64::from(1u32 << 30))
 }
 
-/// Prints the registry and the global master's view.
+/// Prints, per sub-cluster, what its stream holds, what its newest snapshot
+/// covers and where each of its readers recorded it has got to.
+async fn print_streams(js: &jetstream::Context, cluster: &ClusterId, subclusters: &[SubclusterId]) {
+    println!(
+        "\n{:<16} {:>10} {:>12} {:>12} {:>12} {:>12}",
+        "stream of", "messages", "bytes", "first_seq", "last_seq", "snapshot_seq"
+    );
+    let positions = Positions::open(js, cluster, 1).await.ok();
+    let now = now_unix_ms();
+    for subcluster in subclusters {
+        let log = JetStreamLog::new(
+            js.clone(),
+            stream_name(cluster, subcluster),
+            event_subject(cluster, subcluster),
+        );
+        let snapshot = match SnapshotStore::open(js, cluster, subcluster, 1).await {
+            Ok(store) => store.newest_covered_seq().await.ok().flatten(),
+            Err(_) => None,
+        };
+        let snapshot = snapshot.map_or_else(|| "-".to_owned(), |seq| seq.to_string());
+        match log.stats().await {
+            Ok(stats) => println!(
+                "{:<16} {:>10} {:>12} {:>12} {:>12} {:>12}",
+                subcluster.as_str(),
+                stats.messages,
+                stats.bytes,
+                stats.bounds.first_seq,
+                stats.bounds.last_seq,
+                snapshot
+            ),
+            Err(error) => println!("{:<16} {error}", subcluster.as_str()),
+        }
+        let Some(positions) = &positions else {
+            continue;
+        };
+        match positions.list(subcluster).await {
+            Ok(readers) => {
+                for reader in readers {
+                    println!(
+                        "  reader {:<8} {:<28} at {:>12}, recorded {} s ago",
+                        reader.kind.as_str(),
+                        reader.reader,
+                        reader.position.seq,
+                        reader.age_ms(now) / 1000
+                    );
+                }
+            }
+            Err(error) => println!("  reader positions unreadable: {error}"),
+        }
+    }
+}
+
+/// Prints the registry, the streams and the global master's view.
 ///
 /// # Errors
 /// When NATS is unreachable.
@@ -66,6 +125,9 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
             if entries.is_empty() {
                 println!("(no sub-master registered)");
             }
+            let subclusters: Vec<SubclusterId> =
+                entries.iter().map(|e| e.info.subcluster.clone()).collect();
+            print_streams(&js, cluster, &subclusters).await;
         }
         Err(_) => println!("(no registry yet: no sub-master ever registered)"),
     }

@@ -58,6 +58,8 @@ struct FileConfig {
     leader_lease_ttl_ms: Option<u64>,
     snapshot_every_events: Option<u64>,
     snapshot_interval_ms: Option<u64>,
+    purge_history: Option<bool>,
+    reader_ttl_ms: Option<u64>,
     request_queue: Option<usize>,
 }
 
@@ -104,6 +106,10 @@ pub fn config(args: &SubmasterArgs) -> anyhow::Result<SubmasterConfig> {
     config.snapshot_every_events = file
         .snapshot_every_events
         .unwrap_or(config.snapshot_every_events);
+    config.history.purge = file.purge_history.unwrap_or(config.history.purge);
+    if let Some(ms) = file.reader_ttl_ms {
+        config.history.reader_ttl = Duration::from_millis(ms);
+    }
     config.request_queue = file.request_queue.unwrap_or(config.request_queue);
     Ok(config)
 }

@@ -12,6 +12,7 @@ pub mod follow;
 pub mod id;
 pub mod limits;
 pub mod log;
+pub mod positions;
 pub mod registry;
 pub mod rpc;
 pub mod snapshot;

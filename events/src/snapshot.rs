@@ -176,6 +176,11 @@ impl SnapshotError {
     }
 }
 
+/// The sequence a snapshot object's name says it covers (`<subcluster>.<seq>`).
+pub fn covered_seq_of(name: &str) -> Option<u64> {
+    name.rsplit_once('.')?.1.parse().ok()
+}
+
 impl SnapshotFile {
     /// An empty snapshot of the current version covering `covers_seq`.
     pub fn new(covers_seq: u64, max_epoch: u64) -> Self {
@@ -352,6 +357,57 @@ impl SnapshotStore {
         Ok((name, checksum))
     }
 
+    /// Reads the stored object `name` back and checks that its bytes hash to
+    /// `checksum` (what [`SnapshotStore::save_encoded`] returned) and that its body
+    /// matches the checksum it carries: the snapshot is then safe to rely on, and
+    /// the history it covers may be purged.
+    ///
+    /// # Errors
+    /// [`SnapshotError::Store`] when it cannot be read,
+    /// [`SnapshotError::ChecksumMismatch`] or [`SnapshotError::Truncated`] when the
+    /// stored bytes differ.
+    pub async fn verify(&self, name: &str, checksum: u64) -> Result<(), SnapshotError> {
+        let mut bytes = Vec::new();
+        let mut object = self
+            .store
+            .get(name)
+            .await
+            .map_err(|e| SnapshotError::store(format!("reading {name} back"), e))?;
+        object
+            .read_to_end(&mut bytes)
+            .await
+            .map_err(|e| SnapshotError::store(format!("reading {name} back"), e))?;
+        let computed = xxhash_rust::xxh3::xxh3_64(&bytes);
+        if computed != checksum {
+            return Err(SnapshotError::ChecksumMismatch {
+                stored: checksum,
+                computed,
+            });
+        }
+        let (sum, body) = bytes
+            .split_first_chunk::<8>()
+            .ok_or(SnapshotError::Truncated { len: bytes.len() })?;
+        let (stored, computed) = (u64::from_be_bytes(*sum), xxhash_rust::xxh3::xxh3_64(body));
+        if stored != computed {
+            return Err(SnapshotError::ChecksumMismatch { stored, computed });
+        }
+        Ok(())
+    }
+
+    /// The sequence the newest stored snapshot covers, read from its name (its
+    /// content is not checked); `None` when there is none.
+    ///
+    /// # Errors
+    /// [`SnapshotError::Store`] when the store cannot be listed.
+    pub async fn newest_covered_seq(&self) -> Result<Option<u64>, SnapshotError> {
+        Ok(self
+            .names()
+            .await?
+            .iter()
+            .rev()
+            .find_map(|name| covered_seq_of(name)))
+    }
+
     /// Loads the newest snapshot that verifies (skipping unreadable or invalid
     /// ones, with a warning); `None` when there is none.
     ///
@@ -389,5 +445,19 @@ impl SnapshotStore {
             }
         }
         Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_snapshot_name_says_what_it_covers() {
+        let subcluster = SubclusterId::new("sc-0").unwrap();
+        let name = snapshot_object_name(&subcluster, 4711);
+        assert_eq!(covered_seq_of(&name), Some(4711));
+        assert_eq!(covered_seq_of("sc-0.not-a-number"), None);
+        assert_eq!(covered_seq_of("no-dot"), None);
     }
 }

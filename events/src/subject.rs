@@ -85,16 +85,19 @@ pub enum Bucket {
     Checkpoints,
     /// Object store: per-sub-cluster bloom filters published by the global master.
     Blooms,
+    /// KV: where each reader of each stream has got to (the purge point's bound).
+    Positions,
 }
 
 impl Bucket {
     /// Every bucket.
-    pub const ALL: [Bucket; 5] = [
+    pub const ALL: [Bucket; 6] = [
         Bucket::Leader,
         Bucket::Registry,
         Bucket::Snapshots,
         Bucket::Checkpoints,
         Bucket::Blooms,
+        Bucket::Positions,
     ];
 
     /// The purpose part of its name.
@@ -105,6 +108,7 @@ impl Bucket {
             Self::Snapshots => "snapshots",
             Self::Checkpoints => "checkpoints",
             Self::Blooms => "blooms",
+            Self::Positions => "positions",
         }
     }
 

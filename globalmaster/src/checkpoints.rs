@@ -8,8 +8,9 @@
 
 use async_nats::jetstream::{self, object_store};
 use futures::StreamExt as _;
+use hkvm_events::positions::{Positions, ReaderKind};
 use hkvm_events::subject::{bloom_object_name, checkpoint_object_name, Bucket};
-use hkvm_events::ClusterId;
+use hkvm_events::{ClusterId, SubclusterId};
 use hkvm_projector::{checkpoint, Projection};
 use tokio::io::AsyncReadExt as _;
 
@@ -88,20 +89,45 @@ pub async fn load_newest(
     Ok(None)
 }
 
-/// Writes this replica's checkpoint of the current projection, then drops all
-/// but the newest [`CHECKPOINTS_KEPT`].
+/// Opens the cluster's reader positions bucket, where each checkpoint write
+/// records how far it covers every stream; `None` (with a warning) when it cannot
+/// be opened: checkpoints are still written, but do not hold purges back.
+pub(crate) async fn open_positions(
+    js: &jetstream::Context,
+    cluster: &ClusterId,
+) -> Option<Positions> {
+    match Positions::open(js, cluster, 1).await {
+        Ok(positions) => Some(positions),
+        Err(error) => {
+            tracing::warn!(%error, "no reader positions: stream purges will not wait for this replica");
+            None
+        }
+    }
+}
+
+/// Writes this replica's checkpoint of the current projection, records in
+/// `positions` how far it covers each stream (a restart from it reads on from
+/// there, so the streams may be purged up to it), then drops all but the newest
+/// [`CHECKPOINTS_KEPT`].
 ///
 /// # Errors
 /// When encoding or storing fails.
 pub(crate) async fn write(
     shared: &Shared,
     store: &object_store::ObjectStore,
+    positions: Option<&Positions>,
 ) -> Result<usize, GlobalMasterError> {
-    let bytes = {
+    let (bytes, covered) = {
         let projection = shared.read();
-        checkpoint::encode(&projection).map_err(|e| {
+        let covered: Vec<(SubclusterId, u64)> = projection
+            .sources()
+            .iter()
+            .filter_map(|source| Some((source.subcluster.clone()?, source.applied_seq)))
+            .collect();
+        let bytes = checkpoint::encode(&projection).map_err(|e| {
             GlobalMasterError::caused(crate::GlobalMasterErrorKind::Checkpoint, "encoding", e)
-        })?
+        })?;
+        (bytes, covered)
     };
     let name = checkpoint_object_name(&shared.config.replica);
     store
@@ -110,6 +136,21 @@ pub(crate) async fn write(
         .map_err(GlobalMasterError::nats("storing a checkpoint"))?;
     shared.metrics.checkpoints.inc();
     tracing::info!(name, bytes = bytes.len(), "checkpoint written");
+    if let Some(positions) = positions {
+        for (subcluster, seq) in &covered {
+            let recorded = positions
+                .record(
+                    subcluster,
+                    ReaderKind::GlobalMaster,
+                    &shared.config.replica,
+                    *seq,
+                )
+                .await;
+            if let Err(error) = recorded {
+                tracing::warn!(%error, %subcluster, "recording the checkpoint's position");
+            }
+        }
+    }
     for old in newest_first(store).await?.iter().skip(CHECKPOINTS_KEPT) {
         if old.name == name {
             continue;

@@ -152,7 +152,8 @@ impl GlobalMaster {
         let store =
             checkpoints::object_store(&self.js, &self.shared.config.cluster, Bucket::Checkpoints)
                 .await?;
-        checkpoints::write(&self.shared, &store).await
+        let positions = checkpoints::open_positions(&self.js, &self.shared.config.cluster).await;
+        checkpoints::write(&self.shared, &store, positions.as_ref()).await
     }
 
     /// Stops every task of the replica.

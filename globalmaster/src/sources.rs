@@ -267,6 +267,11 @@ impl Sources {
         }
         let store =
             checkpoints::object_store(&self.js, &self.shared.config.cluster, bucket).await?;
+        let positions = if bucket == Bucket::Checkpoints {
+            checkpoints::open_positions(&self.js, &self.shared.config.cluster).await
+        } else {
+            None
+        };
         let shared = Arc::clone(&self.shared);
         self.keep(tokio::spawn(async move {
             let mut ticks = tokio::time::interval(Duration::from_millis(interval_ms));
@@ -281,7 +286,9 @@ impl Sources {
                 let result = if bucket == Bucket::Blooms {
                     checkpoints::publish_blooms(&shared, &store).await
                 } else {
-                    checkpoints::write(&shared, &store).await.map(|_| ())
+                    checkpoints::write(&shared, &store, positions.as_ref())
+                        .await
+                        .map(|_| ())
                 };
                 if let Err(error) = result {
                     tracing::warn!(%error, bucket = bucket.purpose(), "periodic write failed");

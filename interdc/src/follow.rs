@@ -11,6 +11,7 @@ use std::time::Duration;
 use async_nats::jetstream;
 use hkvm_events::codec::Decoded;
 use hkvm_events::follow::{FoldTarget, FollowConfig, Follower, OutOfOrder, ResyncReason, Seed};
+use hkvm_events::positions::{Positions, ReaderKind};
 use hkvm_events::registry::now_unix_ms;
 use hkvm_events::registry::{list, open_registry};
 use hkvm_events::{key_hash, ClusterId};
@@ -22,6 +23,8 @@ use crate::shared::{Shared, SubclusterInfo};
 
 /// How often the registry is listed.
 const REGISTRY_POLL: Duration = Duration::from_secs(1);
+/// Registry lists between two records of the replicator's stream positions.
+const POSITIONS_EVERY: u64 = 10;
 
 /// One pool as seen from the replicator.
 #[derive(Debug, Clone)]
@@ -36,6 +39,51 @@ pub(crate) struct Pool {
     pub registry_ttl: Duration,
     /// How its streams are read.
     pub follow: FollowConfig,
+    /// Where this replicator records how far it has read each of the pool's
+    /// streams, so their purges wait for it (none: they do not).
+    pub positions: Option<Positions>,
+    /// This replicator's name among the streams' readers.
+    pub reader: String,
+}
+
+impl Pool {
+    /// Opens the pool's reader positions bucket; `None` with a warning when it
+    /// cannot be (purges of its streams then do not wait for this replicator,
+    /// which seeds from a snapshot when left behind).
+    pub(crate) async fn open_positions(
+        js: &jetstream::Context,
+        cluster: &ClusterId,
+    ) -> Option<Positions> {
+        match Positions::open(js, cluster, 1).await {
+            Ok(positions) => Some(positions),
+            Err(error) => {
+                tracing::warn!(%cluster, %error, "no reader positions: purges will not wait for the replicator");
+                None
+            }
+        }
+    }
+
+    /// Records how far every followed stream of this pool has been read.
+    async fn record_positions(&self, shared: &Shared) {
+        let Some(positions) = &self.positions else {
+            return;
+        };
+        let read: Vec<_> = shared
+            .diff()
+            .slots()
+            .iter()
+            .filter(|slot| slot.side == self.side)
+            .map(|slot| (slot.subcluster.clone(), slot.applied_seq))
+            .collect();
+        for (subcluster, seq) in read {
+            if let Err(error) = positions
+                .record(&subcluster, ReaderKind::InterDc, &self.reader, seq)
+                .await
+            {
+                tracing::debug!(side = self.side.name(), %subcluster, %error, "recording a reader position");
+            }
+        }
+    }
 }
 
 /// Lists the pool's registry once and starts followers for sub-masters not yet
@@ -110,11 +158,16 @@ pub(crate) async fn discover(shared: &Arc<Shared>, pool: &Pool) -> usize {
     started
 }
 
-/// Re-lists the pool's registry every second, until the task is aborted.
+/// Re-lists the pool's registry every second and records the replicator's
+/// positions in the pool's streams every [`POSITIONS_EVERY`] lists, until the task
+/// is aborted.
 pub(crate) async fn watch_pool(shared: Arc<Shared>, pool: Pool) {
-    loop {
+    for round in 0u64.. {
         tokio::time::sleep(REGISTRY_POLL).await;
         discover(&shared, &pool).await;
+        if round % POSITIONS_EVERY == 0 {
+            pool.record_positions(&shared).await;
+        }
     }
 }
 

@@ -163,20 +163,26 @@ impl InterDc {
             ),
             None => None,
         };
+        let reader = format!("{}-to-{}", config.source.cluster, config.target.cluster);
+        let source_js = jetstream::new(source_nats.clone());
         let pools = [
             Pool {
                 side: Side::Source,
                 cluster: config.source.cluster.clone(),
-                js: jetstream::new(source_nats.clone()),
+                positions: Pool::open_positions(&source_js, &config.source.cluster).await,
+                js: source_js,
                 registry_ttl: config.registry_ttl,
                 follow: config.follow,
+                reader: reader.clone(),
             },
             Pool {
                 side: Side::Target,
                 cluster: config.target.cluster.clone(),
+                positions: Pool::open_positions(&target_js, &config.target.cluster).await,
                 js: target_js,
                 registry_ttl: config.registry_ttl,
                 follow: config.follow,
+                reader,
             },
         ];
         for pool in pools {

@@ -129,6 +129,7 @@ pub fn nats_conf(cluster: &str, subclusters: &[&str]) -> Result<String, IdError>
     let leader = kv_stream(&cluster, Bucket::Leader);
     let registry = kv_stream(&cluster, Bucket::Registry);
     let snapshots = object_stream(&cluster, Bucket::Snapshots);
+    let positions = kv_stream(&cluster, Bucket::Positions);
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -150,8 +151,10 @@ pub fn nats_conf(cluster: &str, subclusters: &[&str]) -> Result<String, IdError>
             format!("$KV.{}.{subcluster}", Bucket::Leader.name(&cluster)),
             format!("$KV.{}.{subcluster}", Bucket::Registry.name(&cluster)),
             format!("$O.{}.>", Bucket::Snapshots.name(&cluster)),
+            // Its standby's position; every reader's is read before a purge.
+            format!("$KV.{}.{subcluster}.>", Bucket::Positions.name(&cluster)),
         ];
-        for s in [&stream, &leader, &registry, &snapshots] {
+        for s in [&stream, &leader, &registry, &snapshots, &positions] {
             publish.extend(stream_api(s));
         }
         let subscribe = vec![
@@ -167,6 +170,8 @@ pub fn nats_conf(cluster: &str, subclusters: &[&str]) -> Result<String, IdError>
         "$JS.API.STREAM.LIST".to_owned(),
         format!("$O.{}.>", Bucket::Checkpoints.name(&cluster)),
         format!("$O.{}.>", Bucket::Blooms.name(&cluster)),
+        // Where its checkpoints cover each stream, so purges wait for them.
+        format!("$KV.{}.*.global.>", Bucket::Positions.name(&cluster)),
         // Forwarding `get_replica_list` to the owning sub-master.
         every_subcluster_rpc_subject(&cluster, Op::GetReplicaList.name())?,
     ];
@@ -174,6 +179,7 @@ pub fn nats_conf(cluster: &str, subclusters: &[&str]) -> Result<String, IdError>
         publish.extend(stream_read_api(stream));
     }
     publish.extend(stream_read_api(&registry));
+    publish.extend(stream_api(&positions));
     for bucket in [Bucket::Checkpoints, Bucket::Blooms] {
         publish.extend(stream_api(&object_stream(&cluster, bucket)));
     }

@@ -33,6 +33,8 @@ pub struct SubmasterConfig {
     pub snapshot_every_events: u64,
     /// ...or this long after the last one, whichever comes first (if anything changed).
     pub snapshot_interval: Duration,
+    /// Bounded history: what may be purged from the stream after a snapshot.
+    pub history: HistoryConfig,
     /// How often upkeep runs (liveness, put timeouts, eviction).
     pub maintenance_interval: Duration,
     /// Requests queued for the state machine before new ones get `Busy`.
@@ -59,11 +61,34 @@ impl SubmasterConfig {
             leader_lease_ttl: Duration::from_secs(1),
             snapshot_every_events: 200_000,
             snapshot_interval: Duration::from_secs(60),
+            history: HistoryConfig::default(),
             maintenance_interval: Duration::from_millis(500),
             request_queue: 16_384,
             busy_retry_after: Duration::from_millis(100),
             registry_ttl: Duration::from_secs(10),
             metrics_addr: None,
+        }
+    }
+}
+
+/// How the leader bounds its stream's history. Fill what you need and take the rest
+/// from `Default`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HistoryConfig {
+    /// Purge the stream after each verified snapshot, up to what it covers and
+    /// every fresh reader position allows. Off, the stream keeps everything (its
+    /// own limits aside).
+    pub purge: bool,
+    /// A reader position older than this no longer holds the purge back: that
+    /// reader seeds from the snapshot when it comes back.
+    pub reader_ttl: Duration,
+}
+
+impl Default for HistoryConfig {
+    fn default() -> Self {
+        Self {
+            purge: true,
+            reader_ttl: Duration::from_secs(600),
         }
     }
 }

@@ -69,7 +69,8 @@ impl From<LogError> for SubmasterError {
             hkvm_events::log::LogErrorKind::Fenced { .. } => SubmasterErrorKind::Fenced,
             _ => SubmasterErrorKind::Log,
         };
-        Self::caused(kind, "event log", error)
+        // The log's own words (a purged start, a fence) say what to do next.
+        Self::caused(kind, format!("event log: {}", error.kind()), error)
     }
 }
 

@@ -19,6 +19,6 @@ pub mod server;
 pub mod snapshot;
 pub mod state;
 
-pub use config::SubmasterConfig;
+pub use config::{HistoryConfig, SubmasterConfig};
 pub use error::{SubmasterError, SubmasterErrorKind};
 pub use server::{run, SubmasterHandle};

@@ -47,6 +47,12 @@ pub struct SubmasterMetrics {
     pub standby_lag: Gauge,
     /// Snapshots written.
     pub snapshots: Counter,
+    /// Stream messages purged after verified snapshots.
+    pub purged_messages: Counter,
+    /// The stream's first sequence after the last purge.
+    pub history_first_seq: Gauge,
+    /// 1 while this leader leaves the snapshots to a hot standby.
+    pub standby_snapshots: Gauge,
     /// Messages or events in the stream that did not decode (skipped).
     pub undecodable: Counter,
     /// Leaderships taken.
@@ -75,6 +81,9 @@ impl SubmasterMetrics {
             applied_seq: Gauge::default(),
             standby_lag: Gauge::default(),
             snapshots: Counter::default(),
+            purged_messages: Counter::default(),
+            history_first_seq: Gauge::default(),
+            standby_snapshots: Gauge::default(),
             undecodable: Counter::default(),
             takeovers: Counter::default(),
         };
@@ -125,6 +134,21 @@ impl SubmasterMetrics {
             metrics.standby_lag.clone(),
         );
         sub.register("snapshots", "Snapshots written", metrics.snapshots.clone());
+        sub.register(
+            "purged_messages",
+            "Stream messages purged after verified snapshots",
+            metrics.purged_messages.clone(),
+        );
+        sub.register(
+            "standby_snapshots",
+            "1 while this leader leaves the snapshots to a hot standby",
+            metrics.standby_snapshots.clone(),
+        );
+        sub.register(
+            "history_first_seq",
+            "The stream's first sequence after the last purge",
+            metrics.history_first_seq.clone(),
+        );
         sub.register(
             "undecodable",
             "Stream messages or events skipped as undecodable",

@@ -49,6 +49,10 @@ pub struct FollowConfig {
     pub max_corrupt_resyncs: usize,
     /// Bounds every decoded message is checked against.
     pub limits: Limits,
+    /// A target this many messages or more behind the sub-master's newest
+    /// snapshot is seeded from it instead of reading all of them (a target with
+    /// nothing folded always is, when a snapshot exists).
+    pub seed_when_behind: u64,
 }
 
 impl Default for FollowConfig {
@@ -61,6 +65,7 @@ impl Default for FollowConfig {
             retry: Duration::from_millis(500),
             max_corrupt_resyncs: 64,
             limits: Limits::default(),
+            seed_when_behind: 100_000,
         }
     }
 }
@@ -195,6 +200,9 @@ impl<T: FoldTarget> Follower<T> {
                      sub-master snapshot covers it: keys stored before it are not known"
                 );
             }
+        } else if self.snapshot_saves_a_replay(applied, bounds).await {
+            // Loading what the snapshot holds beats re-reading the history it covers.
+            self.seed_from_snapshot(bounds).await;
         }
         let applied = self.target.applied_seq();
         let target = bounds.last_seq;
@@ -245,15 +253,41 @@ impl<T: FoldTarget> Follower<T> {
         }
     }
 
+    /// Whether a target at `applied` is far enough behind the newest snapshot (as
+    /// its name says; nothing is loaded) that seeding from it saves a replay: it
+    /// has nothing folded, or is [`FollowConfig::seed_when_behind`] messages
+    /// behind.
+    async fn snapshot_saves_a_replay(&self, applied: u64, bounds: LogBounds) -> bool {
+        let behind = bounds.last_seq.saturating_sub(applied);
+        if behind == 0 || (applied > 0 && behind < self.config.seed_when_behind) {
+            return false;
+        }
+        let newest = match SnapshotStore::open(&self.js, &self.cluster, &self.subcluster, 1).await {
+            Ok(store) => store.newest_covered_seq().await.ok().flatten(),
+            Err(_) => None,
+        };
+        newest.is_some_and(|covers| {
+            covers <= bounds.last_seq
+                && covers > applied
+                && (applied == 0 || covers - applied >= self.config.seed_when_behind)
+        })
+    }
+
     /// Seeds the target from the sub-master's newest snapshot when it reaches the
-    /// stream's first sequence. Returns whether it did.
+    /// stream's first sequence (and not past its last one: a snapshot of an older
+    /// stream of the same name). Returns whether it did.
     async fn seed_from_snapshot(&mut self, bounds: LogBounds) -> bool {
         let loaded = match SnapshotStore::open(&self.js, &self.cluster, &self.subcluster, 1).await {
             Ok(store) => store.load_newest().await,
             Err(error) => Err(error),
         };
         let (name, file) = match loaded {
-            Ok(Some((name, file))) if file.covers_seq + 1 >= bounds.first_seq => (name, file),
+            Ok(Some((name, file)))
+                if file.covers_seq + 1 >= bounds.first_seq
+                    && file.covers_seq <= bounds.last_seq =>
+            {
+                (name, file)
+            }
             Ok(_) => return false,
             Err(error) => {
                 tracing::warn!(subcluster = %self.subcluster, %error, "loading a sub-master snapshot");

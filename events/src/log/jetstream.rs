@@ -17,6 +17,17 @@ use super::{
 };
 use crate::connection::ConnectionEpoch;
 
+/// What a stream holds ([`JetStreamLog::stats`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamStats {
+    /// Its first and last sequence.
+    pub bounds: LogBounds,
+    /// Messages stored.
+    pub messages: u64,
+    /// Bytes stored.
+    pub bytes: u64,
+}
+
 /// An [`EventLog`] over the JetStream stream `stream` whose subject is `subject`.
 #[derive(Debug, Clone)]
 pub struct JetStreamLog {
@@ -67,6 +78,44 @@ impl JetStreamLog {
             last_seq: info.state.last_sequence,
         };
         Ok((bounds, epoch))
+    }
+
+    /// What the stream holds: its bounds, messages and bytes.
+    ///
+    /// # Errors
+    /// [`LogErrorKind::StreamNotFound`] when the stream vanished, or a transport
+    /// error.
+    pub async fn stats(&self) -> Result<StreamStats, LogError> {
+        let mut stream = self.get_stream().await?;
+        let info = stream
+            .info()
+            .await
+            .map_err(|e| LogError::other(&self.stream, e))?;
+        Ok(StreamStats {
+            bounds: LogBounds {
+                first_seq: info.state.first_sequence,
+                last_seq: info.state.last_sequence,
+            },
+            messages: info.state.messages,
+            bytes: info.state.bytes,
+        })
+    }
+
+    /// Deletes every message up to and including `seq` (a purge up to a point
+    /// every reader has passed); returns how many were deleted. Appends go on
+    /// fenced on the same last sequence.
+    ///
+    /// # Errors
+    /// [`LogErrorKind::StreamNotFound`] when the stream vanished, or a transport
+    /// error.
+    pub async fn purge_through(&self, seq: u64) -> Result<u64, LogError> {
+        let stream = self.get_stream().await?;
+        let purged = stream
+            .purge()
+            .sequence(seq.saturating_add(1))
+            .await
+            .map_err(|e| LogError::other(&self.stream, e))?;
+        Ok(purged.purged)
     }
 
     async fn get_stream(&self) -> Result<stream::Stream, LogError> {

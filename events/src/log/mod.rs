@@ -12,7 +12,7 @@ use bytes::Bytes;
 use futures::stream::BoxStream;
 
 pub use error::{LogError, LogErrorKind};
-pub use jetstream::JetStreamLog;
+pub use jetstream::{JetStreamLog, StreamStats};
 pub use memory::MemoryLog;
 
 /// One append request.

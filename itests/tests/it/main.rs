@@ -24,6 +24,7 @@ mod events_log;
 mod follow;
 mod globalmaster_queries;
 mod globalmaster_recovery;
+mod history;
 mod library;
 mod submaster_failover;
 mod submaster_server;

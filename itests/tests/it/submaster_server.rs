@@ -69,7 +69,7 @@ pub(crate) fn start_item(key: &str, size: u64, replicas: u32) -> PutStartItem {
     }
 }
 
-async fn put(client: &SubmasterClient, key: &str) -> Result<(), String> {
+pub(crate) async fn put(client: &SubmasterClient, key: &str) -> Result<(), String> {
     let started = client
         .put_start(vec![start_item(key, 4096, 2)])
         .await
@@ -497,6 +497,8 @@ async fn restore_from_snapshot_plus_tail_equals_a_full_replay() {
     let fixture = Fixture::new("t").await;
     let mut cfg = config(&fixture, "sm-a");
     cfg.snapshot_every_events = 25;
+    // The full replay below needs the whole history (`history` tests purges).
+    cfg.history.purge = false;
     let master = fixture.spawn_submaster(cfg.clone()).await;
     let client = client(&fixture).await;
     for node in ["n1", "n2"] {

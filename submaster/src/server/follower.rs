@@ -11,15 +11,17 @@ use crate::metrics::{gauge_value, SubmasterMetrics};
 use crate::state::State;
 use hkvm_events::snapshot::SnapshotStore;
 
-/// Applies one stored message. Undecodable messages or events are skipped with an
-/// error log and a metric: only a foreign publisher writes them, and stopping the
-/// whole sub-cluster for them would be worse.
+/// Applies one stored message; returns how many events it applied. Undecodable
+/// messages or events are skipped with an error log and a metric: only a foreign
+/// publisher writes them, and stopping the whole sub-cluster for them would be
+/// worse.
 pub(crate) fn apply_entry(
     state: &mut State,
     entry: &LogEntry,
     limits: &Limits,
     metrics: &SubmasterMetrics,
-) {
+) -> usize {
+    let mut applied = 0;
     match decode_message(&entry.payload, limits) {
         Ok(message) => {
             let epoch = message.header.epoch;
@@ -34,6 +36,7 @@ pub(crate) fn apply_entry(
                 }
             }
             state.apply_message(entry.seq, epoch, &events);
+            applied = events.len();
         }
         Err(error) => {
             metrics.undecodable.inc();
@@ -42,6 +45,7 @@ pub(crate) fn apply_entry(
         }
     }
     metrics.applied_seq.set(gauge_value(state.applied_seq));
+    applied
 }
 
 /// Applies everything after `state.applied_seq` up to the current end of the log.

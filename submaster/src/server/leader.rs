@@ -24,7 +24,7 @@ use tokio::time::{interval, Instant, MissedTickBehavior};
 use super::follower::catch_up;
 use super::renewer::{LeaseState, Renewer};
 use super::rpc::{self, Job, Requester};
-use super::snapshotter::Snapshotter;
+use super::snapshotter::{Snapshotter, StandbyWatch};
 use super::Context;
 use crate::command::{self, ServingInfo};
 use crate::election::LeaseHolder;
@@ -117,6 +117,8 @@ struct Leadership<'a> {
     /// The registry write of the last heartbeat, while it runs.
     heartbeat: Option<tokio::task::JoinHandle<()>>,
     snapshotter: Snapshotter,
+    /// Whether a hot standby writes the snapshots.
+    standby: StandbyWatch,
 }
 
 impl Leadership<'_> {
@@ -292,14 +294,13 @@ impl Leadership<'_> {
     /// Starts a snapshot of the state as of everything submitted so far; it is
     /// written in the background ([`Snapshotter`]).
     async fn snapshot(&mut self, state: &State) -> Result<(), CommitError> {
-        self.snapshotter
-            .start(
-                &self.committer,
-                &self.ctx.snapshots,
-                &self.ctx.metrics,
-                state,
-            )
-            .await?;
+        // A hot standby writes them from its own fold: the request loop then
+        // does not even copy the state.
+        if !self.standby.standby_snapshots() {
+            self.snapshotter
+                .start_leading(&self.committer, &self.ctx.snapshot_sink(), state)
+                .await?;
+        }
         self.events_since_snapshot = 0;
         self.last_snapshot = Instant::now();
         Ok(())
@@ -307,9 +308,11 @@ impl Leadership<'_> {
 
     fn snapshot_due(&self) -> bool {
         let config = &self.ctx.config;
-        !self.snapshotter.busy() && self.events_since_snapshot >= config.snapshot_every_events
-            || (self.events_since_snapshot > 0
-                && self.last_snapshot.elapsed() >= config.snapshot_interval)
+        // One snapshot at a time, whichever of the two triggers fires.
+        !self.snapshotter.busy()
+            && (self.events_since_snapshot >= config.snapshot_every_events
+                || (self.events_since_snapshot > 0
+                    && self.last_snapshot.elapsed() >= config.snapshot_interval))
     }
 
     fn publish_gauges(&self, state: &State) {
@@ -445,6 +448,12 @@ pub(crate) async fn lead(
         last_snapshot: Instant::now(),
         heartbeat: None,
         snapshotter: Snapshotter::default(),
+        standby: StandbyWatch::spawn(
+            ctx.positions.clone(),
+            config.subcluster.clone(),
+            config.producer.clone(),
+            ctx.metrics.standby_snapshots.clone(),
+        ),
     };
     ctx.metrics.takeovers.inc();
     ctx.metrics.role.set(2);
