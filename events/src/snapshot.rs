@@ -48,9 +48,10 @@ pub struct SegmentRecord {
 /// One committed object.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ObjectRecord {
-    /// Its key.
+    /// Its key (shared: a sub-master's copy of its state and its restore move
+    /// keys without copying them).
     #[serde(rename = "k")]
-    pub key: String,
+    pub key: std::sync::Arc<str>,
     /// Its size in bytes.
     #[serde(rename = "s")]
     pub size: u64,

@@ -202,7 +202,7 @@ impl FoldTarget for DiffSlot {
             (
                 key_hash(&object.key),
                 SourceBlock {
-                    key: object.key.clone(),
+                    key: object.key.to_string(),
                     size: object.size,
                     checksum: object.checksum,
                     committed_unix_ms: dated,

@@ -53,6 +53,40 @@ impl SegmentAllocator {
         allocator
     }
 
+    /// An allocator over `size` bytes (as [`SegmentAllocator::new`]) in which the
+    /// ranges `used` (`(offset, len)`, sorted by offset) are taken: the bulk form
+    /// of [`SegmentAllocator::reserve_at`] for each, in linear time, for restoring
+    /// a snapshot. A range that overlaps one before it, or reaches past the end,
+    /// is not taken; their number is returned with the allocator.
+    pub fn with_used(size: u64, used: &[(u64, u64)]) -> (Self, u64) {
+        let usable = size / ALIGNMENT * ALIGNMENT;
+        let mut refused = 0;
+        let mut free = Vec::new();
+        let mut cursor = 0;
+        for &(offset, len) in used {
+            let end = offset.checked_add(aligned(len));
+            match end {
+                Some(end) if offset >= cursor && end <= usable => {
+                    if offset > cursor {
+                        free.push((cursor, offset - cursor));
+                    }
+                    cursor = end;
+                }
+                _ => refused += 1,
+            }
+        }
+        if usable > cursor {
+            free.push((cursor, usable - cursor));
+        }
+        let allocator = Self {
+            size: usable,
+            free_bytes: free.iter().map(|(_, len)| len).sum(),
+            by_size: free.iter().map(|&(offset, len)| (len, offset)).collect(),
+            by_offset: free.into_iter().collect(),
+        };
+        (allocator, refused)
+    }
+
     /// Usable bytes.
     pub fn size(&self) -> u64 {
         self.size
@@ -252,6 +286,27 @@ mod tests {
                 a.free(o, l);
             }
             prop_assert_eq!(a.free_ranges(), 1);
+        }
+
+        /// The bulk form equals reserving each range in offset order, refusals
+        /// (overlaps, ranges past the end) included.
+        #[test]
+        fn with_used_equals_reserving_one_by_one(
+            ranges in proptest::collection::vec((0u64..80, 1u64..2000), 0..60)
+        ) {
+            let size = 64 * 1024;
+            let mut used: Vec<(u64, u64)> = ranges.iter().map(|&(slot, len)| (slot * 1024, len)).collect();
+            used.sort_unstable();
+            let mut one_by_one = SegmentAllocator::new(size);
+            let refused_one_by_one = used
+                .iter()
+                .filter(|&&(offset, len)| one_by_one.reserve_at(offset, len).is_err())
+                .count() as u64;
+            let (bulk, refused) = SegmentAllocator::with_used(size, &used);
+            prop_assert_eq!(refused, refused_one_by_one);
+            prop_assert_eq!(bulk.free_bytes(), one_by_one.free_bytes());
+            prop_assert_eq!(&bulk.by_offset, &one_by_one.by_offset);
+            prop_assert_eq!(&bulk.by_size, &one_by_one.by_size);
         }
     }
 }

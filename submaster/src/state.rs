@@ -334,6 +334,55 @@ impl State {
         self.objects.iter().map(|(key, object)| (&**key, object))
     }
 
+    /// All complete objects with their shared keys (a snapshot copies the
+    /// pointer, not the key).
+    pub fn objects_shared(&self) -> impl Iterator<Item = (&Arc<str>, &Object)> {
+        self.objects.iter()
+    }
+
+    /// The bulk form of folding a snapshot's objects, oldest first, into a state
+    /// that holds its segments and nothing else: each object takes the next
+    /// commit order, and each segment's allocator is built once from all its
+    /// replicas' ranges ([`SegmentAllocator::with_used`]) instead of one
+    /// reservation per replica. A replica on a slot without a segment is dropped
+    /// and a range over used space is not reserved, each counted as in a fold.
+    pub fn restore_objects(&mut self, objects: impl ExactSizeIterator<Item = (Arc<str>, Object)>) {
+        self.objects.reserve(objects.len());
+        let mut used: Vec<Vec<(u64, u64)>> = vec![Vec::new(); self.slots.len()];
+        let mounted: Vec<bool> = self.slots.iter().map(Option::is_some).collect();
+        let known = |r: &Replica| mounted.get(r.slot as usize).copied().unwrap_or(false);
+        for (key, mut object) in objects {
+            if !object.replicas.iter().all(known) {
+                let unknown = object.replicas.iter().filter(|r| !known(r)).count();
+                self.anomalies.unknown_segment += unknown as u64;
+                object.replicas = object.replicas.iter().copied().filter(known).collect();
+            }
+            if object.replicas.is_empty() {
+                continue;
+            }
+            for replica in object.replicas.iter() {
+                if let Some(ranges) = used.get_mut(replica.slot as usize) {
+                    ranges.push((replica.offset, object.size));
+                }
+            }
+            object.order = self.next_order;
+            self.next_order += 1;
+            if self.objects.insert(key, object).is_some() {
+                tracing::warn!("a snapshot holds a key twice; the newer record wins");
+            }
+        }
+        for (slot, mut ranges) in used.into_iter().enumerate() {
+            let Some(Some(segment)) = self.slots.get_mut(slot) else {
+                continue;
+            };
+            ranges.sort_unstable();
+            let (allocator, refused) =
+                SegmentAllocator::with_used(segment.allocator.size(), &ranges);
+            segment.allocator = allocator;
+            self.anomalies.overlapping_range += refused;
+        }
+    }
+
     /// Number of complete objects.
     pub fn object_count(&self) -> usize {
         self.objects.len()

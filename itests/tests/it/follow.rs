@@ -73,7 +73,7 @@ impl FoldTarget for Model {
             .snapshot
             .objects
             .iter()
-            .map(|o| o.key.clone())
+            .map(|o| o.key.to_string())
             .collect();
         seen.applied_seq = seed.snapshot.covers_seq;
         seen.seeded_from = Some(seed.snapshot.covers_seq);
@@ -317,7 +317,7 @@ async fn snapshot_covering(stream: &Stream, covers_seq: u64, keys: &[&str]) {
     file.objects = keys
         .iter()
         .map(|key| ObjectRecord {
-            key: (*key).to_owned(),
+            key: (*key).into(),
             size: 1,
             checksum: 1,
             replicas: Vec::new(),
