@@ -53,6 +53,15 @@ HOW_TO_READ = {
     "global-master part of recovery).",
     "exist": "Global batch_is_exist over NATS against the same lookups in-process on "
     "the same projection: the ratio is what NATS and the RPC layer cost.",
+    "soak": "Running for a long time: a leader and a hot standby under churn (8 clients "
+    "putting into segments small enough that the leader evicts all the time, removes, "
+    "one leader kill half-way) with snapshots and purges running. The end of the run "
+    "against its start: stream bytes and restore time stay flat (bounded history), "
+    "messages held against messages ever appended show what purging removed, put p99 "
+    "stays flat. Then put p99 while a large state's snapshot is written as a hot "
+    "standby writes it (copy, encode, store, read back; here in the benchmark's "
+    "process, so it shares this machine's two cores with the leader and nats-server) "
+    "against the same load without (target: at most 2x).",
     "recover": "Sub-master time from start to its first served request (an `exist` "
     "answered by the leader): by full replay against a raw JetStream replay of the "
     "same stream (the floor: reading the bytes), and from a snapshot plus a tail "

@@ -22,6 +22,7 @@ mod raw;
 mod recover;
 mod report;
 mod scale;
+mod soak;
 mod target;
 mod transfer;
 
@@ -61,6 +62,10 @@ enum Command {
     /// Sub-master time to first served request (snapshot + tail, full replay)
     /// against raw JetStream replay; failover to a hot standby against a cold restart.
     Recover(BenchArgs),
+    /// Running for a long time: churn with snapshots, purges and a leader kill
+    /// (stream bytes, restore time and put p99 at the end against the start), and
+    /// put p99 while a large snapshot is written against without.
+    Soak(BenchArgs),
     /// Simulated clients against N = 1, 2, 4, 8 sub-clusters: ops/s, latency,
     /// master CPU per 1000 requests and memory, against N = 1.
     Scale(ScaleBenchArgs),
@@ -114,6 +119,7 @@ enum Workload {
     Exist,
     Put,
     Recover,
+    Soak,
     Scale(scale::Setup),
     Memory,
     Interdc,
@@ -170,6 +176,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Exist(args) => (args, vec![Workload::Exist]),
         Command::Put(args) => (args, vec![Workload::Put]),
         Command::Recover(args) => (args, vec![Workload::Recover]),
+        Command::Soak(args) => (args, vec![Workload::Soak]),
         Command::Scale(args) => (
             args.bench,
             vec![Workload::Scale(scale::Setup::new(args.scale)?)],
@@ -190,6 +197,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 Workload::Ingest,
                 Workload::Exist,
                 Workload::Recover,
+                Workload::Soak,
                 Workload::Python,
                 Workload::Dummies,
                 Workload::Scale(scale::Setup::new(args.scale)?),
@@ -252,6 +260,7 @@ async fn bench(args: BenchArgs, workloads: Vec<Workload>) -> anyhow::Result<()> 
             Workload::Exist => exist::run(&nats, quick, &mut printer).await?,
             Workload::Put => put::run(&nats, quick, &mut printer).await?,
             Workload::Recover => recover::run(&nats, quick, &mut printer).await?,
+            Workload::Soak => soak::run(&nats, quick, &mut printer).await?,
             Workload::Scale(setup) => scale::run(&nats, quick, &setup, &mut printer).await?,
             Workload::Memory => memory::run(quick, &mut printer)?,
             Workload::Interdc => interdc::run(&nats, quick, &mut printer).await?,

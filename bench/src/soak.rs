@@ -1,0 +1,465 @@
+//! The `soak` workload: running for a long time. A sub-cluster with a leader and a
+//! hot standby takes minutes of churn — puts from several clients into segments
+//! small enough that the leader evicts, removes, and one leader kill half-way —
+//! with snapshots and purges running; rows compare the end of the run with its
+//! start (stream bytes, restore time, put p99). Then put p99 while a large
+//! snapshot is written, as a hot standby writes it (copy, encode, store, read
+//! back), against the same load without.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use hkvm_client::SubmasterClient;
+use hkvm_events::rpc::submaster::{ItemError, ItemResult, MountSegment, PutEndItem, PutStartItem};
+use hkvm_events::snapshot::SnapshotStore;
+use hkvm_events::{NodeId, SegmentId};
+use hkvm_submaster::server::load_state;
+use hkvm_submaster::{snapshot, SubmasterConfig};
+
+use super::recover::{put_until_served, serving, Bench, Hosted};
+use super::report::{BenchResult, Printer};
+use super::BenchNats;
+
+const WORKLOAD: &str = "soak";
+/// Value size of every churned object.
+const OBJECT_SIZE: u64 = 64 * 1024;
+/// Concurrent put clients.
+const CLIENTS: usize = 8;
+/// Every this many puts, a client removes one of its earlier keys.
+const REMOVE_EVERY: u64 = 10;
+/// How long a client waits after finding the pool full.
+const NO_SPACE_PAUSE: Duration = Duration::from_millis(5);
+
+/// How long and how big.
+struct Sizes {
+    windows: usize,
+    window: Duration,
+    /// Segment size: objects fill it and the leader evicts.
+    segment: u64,
+    snapshot_every_events: u64,
+    snapshot_interval: Duration,
+    /// Objects in the state whose snapshot is written under load.
+    big_state: usize,
+}
+
+impl Sizes {
+    fn new(quick: bool) -> Self {
+        if quick {
+            Self {
+                windows: 4,
+                window: Duration::from_secs(3),
+                segment: 256 << 20,
+                snapshot_every_events: 500,
+                snapshot_interval: Duration::from_secs(2),
+                big_state: 100_000,
+            }
+        } else {
+            Self {
+                windows: 9,
+                window: Duration::from_secs(20),
+                segment: 1 << 30,
+                snapshot_every_events: 20_000,
+                snapshot_interval: Duration::from_secs(10),
+                big_state: 10_000_000,
+            }
+        }
+    }
+}
+
+/// The put clients: each puts fresh keys, removes one of its own every
+/// [`REMOVE_EVERY`] puts, and records every put's latency.
+struct Load {
+    stop: Arc<AtomicBool>,
+    latencies: Arc<Mutex<Vec<Duration>>>,
+    failed: Arc<AtomicU64>,
+    refused: Arc<AtomicU64>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(client: &SubmasterClient, prefix: &str, replicas: u32) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let latencies = Arc::new(Mutex::new(Vec::new()));
+        let failed = Arc::new(AtomicU64::new(0));
+        let refused = Arc::new(AtomicU64::new(0));
+        let tasks = (0..CLIENTS)
+            .map(|worker| {
+                let (client, stop) = (client.clone(), Arc::clone(&stop));
+                let (latencies, failed) = (Arc::clone(&latencies), Arc::clone(&failed));
+                let refused = Arc::clone(&refused);
+                let prefix = format!("{prefix}/{worker}");
+                tokio::spawn(async move {
+                    let mut n = 0u64;
+                    // A put lost in a leader change goes again under the same key
+                    // (with a new put id): its latency counts from the first try.
+                    let mut first_try: Option<Instant> = None;
+                    let mut attempt = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        let key = format!("{prefix}/{n:012}");
+                        let started = *first_try.get_or_insert_with(Instant::now);
+                        attempt += 1;
+                        let put_id = (worker as u64) << 48 | attempt;
+                        match put(&client, &key, replicas, put_id).await {
+                            Ok(Put::Done) => lock(&latencies).push(started.elapsed()),
+                            Ok(Put::NoSpace) => {
+                                refused.fetch_add(1, Ordering::Relaxed);
+                                first_try = None;
+                                tokio::time::sleep(NO_SPACE_PAUSE).await;
+                                continue;
+                            }
+                            Ok(Put::Lost) => continue,
+                            Err(error) => {
+                                tracing::debug!(%error, key, "a soak put failed");
+                                failed.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                        first_try = None;
+                        if n % REMOVE_EVERY == REMOVE_EVERY - 1 {
+                            let old = format!("{prefix}/{:012}", n / 2);
+                            let _ = client.remove(vec![old], true).await;
+                        }
+                        n += 1;
+                    }
+                })
+            })
+            .collect();
+        Self {
+            stop,
+            latencies,
+            failed,
+            refused,
+            tasks,
+        }
+    }
+
+    /// The latencies since the last call, sorted.
+    fn take(&self) -> Vec<Duration> {
+        let mut taken = std::mem::take(&mut *lock(&self.latencies));
+        taken.sort_unstable();
+        taken
+    }
+
+    /// Stops the clients; returns how many puts failed and how many found the
+    /// pool full.
+    async fn stop(self) -> (u64, u64) {
+        self.stop.store(true, Ordering::Relaxed);
+        for task in self.tasks {
+            let _ = task.await;
+        }
+        (
+            self.failed.load(Ordering::Relaxed),
+            self.refused.load(Ordering::Relaxed),
+        )
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// How a put ended.
+enum Put {
+    Done,
+    /// The pool was full (eviction had not caught up yet): a client waits and
+    /// puts again, as Mooncake's do.
+    NoSpace,
+    /// The reservation went with a leader change (`NoPendingPut`): the put is
+    /// definitely not committed, and the client puts it again.
+    Lost,
+}
+
+/// One durable put (start and end, with a put id so that a resent end is
+/// definite).
+async fn put(
+    client: &SubmasterClient,
+    key: &str,
+    replicas: u32,
+    put_id: u64,
+) -> anyhow::Result<Put> {
+    let item = PutStartItem {
+        key: key.to_owned(),
+        size: OBJECT_SIZE,
+        replicas,
+        preferred_segment: None,
+        hard_pin: false,
+        put_id,
+    };
+    let started = client.put_start(vec![item]).await?;
+    match started.first() {
+        Some(ItemResult::Ok(_)) => {}
+        Some(ItemResult::Err(ItemError::NoSpace { .. })) => return Ok(Put::NoSpace),
+        other => anyhow::bail!("put_start: {other:?}"),
+    }
+    let end = PutEndItem {
+        key: key.to_owned(),
+        checksum: 7,
+        put_id,
+    };
+    let ended = client.put_end(vec![end]).await?;
+    match ended.first() {
+        Some(ItemResult::Ok(())) => Ok(Put::Done),
+        Some(ItemResult::Err(ItemError::NoPendingPut)) => Ok(Put::Lost),
+        other => anyhow::bail!("put_end: {other:?}"),
+    }
+}
+
+fn p99_ms(sorted: &[Duration]) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let index = ((sorted.len() - 1) as f64 * 0.99).round() as usize;
+    sorted[index].as_secs_f64() * 1e3
+}
+
+/// Seconds to rebuild the state as a restarting sub-master does (newest snapshot
+/// plus the tail).
+async fn restore_seconds(js: &jetstream::Context, config: &SubmasterConfig) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    load_state(js, config, true).await?;
+    Ok(started.elapsed().as_secs_f64())
+}
+
+/// Runs the workload.
+///
+/// # Errors
+/// When NATS fails or no sub-master serves.
+pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
+    let sizes = Sizes::new(quick);
+    churn(nats, &sizes, printer).await?;
+    snapshot_under_load(nats, &sizes, printer).await
+}
+
+/// Minutes of churn with snapshots, purges and one leader kill.
+async fn churn(nats: &BenchNats, sizes: &Sizes, printer: &mut Printer) -> anyhow::Result<()> {
+    let connection = nats.connect().await?;
+    let js = jetstream::new(connection.clone());
+    let bench = Bench::new(&js, "bsoak").await?;
+    let mut config = bench.config.clone();
+    config.snapshot_every_events = sizes.snapshot_every_events;
+    config.snapshot_interval = sizes.snapshot_interval;
+    // Churn evicts all the time: read leases and the takeover grace (every object
+    // counts as leased for one lease TTL) are short, and upkeep runs often.
+    config.policy.lease_ttl_ms = 1_000;
+    config.policy.evict_ratio = 0.10;
+    config.maintenance_interval = Duration::from_millis(100);
+    let instance = |name: &str| -> anyhow::Result<SubmasterConfig> {
+        let mut instance = config.clone();
+        instance.producer = hkvm_events::ProducerId::new(name)?;
+        Ok(instance)
+    };
+    let mut leader = Hosted::spawn(nats, instance("soak-a")?).await?;
+    let client = SubmasterClient::new(
+        connection,
+        config.cluster.clone(),
+        config.subcluster.clone(),
+    );
+    for node in 0..2 {
+        client
+            .mount_segment(MountSegment {
+                node: NodeId::new(format!("soak-n{node}"))?,
+                segment: SegmentId::new(format!("soak-n{node}-seg"))?,
+                size: sizes.segment,
+                endpoint: format!("127.0.0.1:{}", 7100 + node),
+            })
+            .await?;
+    }
+    let mut standby = Hosted::spawn(nats, instance("soak-b")?).await?;
+    let capacity = sizes.segment / OBJECT_SIZE;
+    eprintln!(
+        "bench soak: {} windows of {:?}, {CLIENTS} clients, segments of {capacity} objects, \
+         a snapshot every {} events or {:?}",
+        sizes.windows, sizes.window, sizes.snapshot_every_events, sizes.snapshot_interval
+    );
+    let load = Load::start(&client, "soak", 2);
+    let mut first: Option<(u64, f64, f64)> = None;
+    let mut last = (0u64, 0.0f64);
+    let mut spare = 0;
+    for window in 0..sizes.windows {
+        tokio::time::sleep(sizes.window).await;
+        let latencies = load.take();
+        let stats = bench.log.stats().await?;
+        let p99 = p99_ms(&latencies);
+        eprintln!(
+            "bench soak: window {}/{}: {} puts, p99 {p99:.1} ms; stream {} msgs, {} bytes, \
+             sequences {}..{}",
+            window + 1,
+            sizes.windows,
+            latencies.len(),
+            stats.messages,
+            stats.bytes,
+            stats.bounds.first_seq,
+            stats.bounds.last_seq
+        );
+        if first.is_none() {
+            first = Some((stats.bytes, restore_seconds(&js, &config).await?, p99));
+        }
+        last = (stats.bytes, p99);
+        if window == sizes.windows / 2 {
+            // Kill whichever instance leads; the other takes over, and a fresh
+            // standby joins, as an operator's restart would bring one.
+            let serving = serving(&client).await?;
+            eprintln!("bench soak: killing the leader {serving}");
+            let survivor = if serving == leader.name {
+                leader.abort().await?;
+                standby
+            } else {
+                standby.abort().await?;
+                leader
+            };
+            leader = survivor;
+            spare += 1;
+            standby = Hosted::spawn(nats, instance(&format!("soak-s{spare}"))?).await?;
+        }
+    }
+    let (failed, refused) = load.stop().await;
+    let stats = bench.log.stats().await?;
+    let end_restore = restore_seconds(&js, &config).await?;
+    let (first_bytes, first_restore, first_p99) = first.unwrap_or_default();
+    let results = [
+        BenchResult::new(
+            WORKLOAD,
+            "stream bytes at the end of the run",
+            last.0 as f64,
+            "bytes",
+            "stream bytes after the first window",
+            first_bytes as f64,
+        ),
+        BenchResult::new(
+            WORKLOAD,
+            "messages held by the stream at the end",
+            stats.messages as f64,
+            "msgs",
+            "messages appended over the run",
+            stats.bounds.last_seq as f64,
+        ),
+        BenchResult::new(
+            WORKLOAD,
+            "restore (snapshot + tail) at the end of the run",
+            end_restore,
+            "s",
+            "restore after the first window",
+            first_restore,
+        ),
+        BenchResult::new(
+            WORKLOAD,
+            "put p99, last window",
+            last.1,
+            "ms",
+            "put p99, first window",
+            first_p99,
+        ),
+        BenchResult::new(
+            WORKLOAD,
+            "puts that failed (one leader kill in the run)",
+            failed as f64,
+            "puts",
+            "none",
+            0.0,
+        ),
+        BenchResult::new(
+            WORKLOAD,
+            "put_start answered no space (the pool full until eviction caught up)",
+            refused as f64,
+            "puts",
+            "none",
+            0.0,
+        ),
+    ];
+    for result in &results {
+        printer.print(result);
+    }
+    leader.shutdown().await?;
+    standby.shutdown().await?;
+    let _ = js.delete_stream(bench.log.stream_name()).await;
+    Ok(())
+}
+
+/// Put p99 while a large state's snapshot is written as a hot standby writes it,
+/// against the same load without.
+async fn snapshot_under_load(
+    nats: &BenchNats,
+    sizes: &Sizes,
+    printer: &mut Printer,
+) -> anyhow::Result<()> {
+    let connection = nats.connect().await?;
+    let js = jetstream::new(connection.clone());
+    let mut bench = Bench::new(&js, "bsoaksnap").await?;
+    let objects = sizes.big_state;
+    eprintln!("bench soak: writing a stream of {objects} objects");
+    bench.write(objects + 2).await?;
+    let leader = Hosted::spawn(nats, bench.instance("soak-big")?).await?;
+    let client = SubmasterClient::new(
+        connection,
+        bench.config.cluster.clone(),
+        bench.config.subcluster.clone(),
+    );
+    put_until_served(&client, "soak/warm".to_owned()).await?;
+    // The standby's fold of the same stream.
+    let state = Arc::new(load_state(&js, &bench.config, false).await?.state);
+    let store = SnapshotStore::open(
+        &js,
+        &bench.config.cluster,
+        &bench.config.subcluster,
+        bench.config.stream.replicas,
+    )
+    .await?;
+
+    let load = Load::start(&client, "soak-big", 1);
+    tokio::time::sleep(sizes.window).await;
+    let without = load.take();
+    let started = Instant::now();
+    let written = {
+        let (state, covers_seq) = (Arc::clone(&state), state.applied_seq);
+        tokio::spawn(async move {
+            // A standby's copy, encoding, store and read-back, off this runtime's
+            // workers as off another process's.
+            let bytes = tokio::task::spawn_blocking(move || {
+                let file = snapshot::to_file(&state);
+                file.encode()
+            })
+            .await??;
+            let (name, checksum) = store.save_encoded(covers_seq, bytes).await?;
+            store.verify(&name, checksum).await?;
+            anyhow::Ok(())
+        })
+    };
+    written.await??;
+    let snapshot_seconds = started.elapsed().as_secs_f64();
+    let during = load.take();
+    let (failed, _) = load.stop().await;
+    anyhow::ensure!(failed == 0, "{failed} puts failed during the snapshot");
+    eprintln!(
+        "bench soak: {} puts without a snapshot, {} while one was written ({snapshot_seconds:.1} s)",
+        without.len(),
+        during.len()
+    );
+    for result in [
+        BenchResult::new(
+            WORKLOAD,
+            format!(
+                "put p99 while a {objects}-object snapshot is written (as a standby writes it: copy, encode, store, read back)"
+            ),
+            p99_ms(&during),
+            "ms",
+            "put p99, same load, no snapshot (target ratio <= 2)",
+            p99_ms(&without),
+        ),
+        BenchResult::new(
+            WORKLOAD,
+            format!("snapshot written under that load ({objects} objects)"),
+            snapshot_seconds,
+            "s",
+            "none",
+            0.0,
+        ),
+    ] {
+        printer.print(&result);
+    }
+    leader.shutdown().await?;
+    let _ = js.delete_stream(bench.log.stream_name()).await;
+    Ok(())
+}
