@@ -23,10 +23,13 @@ use crate::process::{run_hkvm, Process, Stream};
 /// A pool of `cluster`: each of `subclusters` (`(name, label)`) labelled
 /// `pool=<label>`, with two nodes of 32 MiB.
 fn pool(cluster: &str, subclusters: &[(&str, &str)]) -> PoolSpec {
-    subclusters.iter().fold(
-        PoolSpec::new(cluster).nodes(2, 32 << 20),
-        |spec, (name, label)| spec.subcluster(name, &[("pool", label)]),
-    )
+    // The checks count every commit ever appended: the history is kept.
+    let spec = PoolSpec::new(cluster)
+        .nodes(2, 32 << 20)
+        .tweak(|config| config.history.purge = false);
+    subclusters.iter().fold(spec, |spec, (name, label)| {
+        spec.subcluster(name, &[("pool", label)])
+    })
 }
 
 /// `hkvm <args>` with the inter-DC master's progress logged.

@@ -15,7 +15,7 @@ use async_nats::jetstream;
 use futures::StreamExt as _;
 use hkvm_client::{GlobalClient, KvClient, NodeConfig, NodeHandle, RetryPolicy, SubmasterClient};
 use hkvm_events::commit::{CommitConfig, GroupCommitter};
-use hkvm_events::log::{EventLog, JetStreamLog, ReadOptions};
+use hkvm_events::log::{EventLog, JetStreamLog, LogErrorKind, ReadOptions};
 use hkvm_events::registry::{ensure_registry_bucket, register, SubmasterInfo};
 use hkvm_events::rpc::global::{GlobalOp, GlobalStatus, GlobalStatusReply};
 use hkvm_events::stream::{ensure_stream, StreamSettings};
@@ -245,12 +245,15 @@ impl Fixture {
     }
 
     /// How many times each key was committed in `subcluster`'s stream (none when
-    /// the stream does not exist yet).
+    /// the stream does not exist yet). An audit of every commit: it fails when the
+    /// history was purged (run such tests with `history.purge` off).
     pub async fn commits(&self, subcluster: &str) -> BTreeMap<String, u32> {
         let log = self.log(&SubclusterId::new(subcluster).unwrap());
         let mut commits = BTreeMap::new();
-        let Ok(mut entries) = log.read(ReadOptions::from(1)).await else {
-            return commits;
+        let mut entries = match log.read(ReadOptions::from(1)).await {
+            Ok(entries) => entries,
+            Err(error) if *error.kind() == LogErrorKind::StreamNotFound => return commits,
+            Err(error) => panic!("cannot audit every commit of {subcluster}: {error}"),
         };
         while let Some(entry) = entries.next().await {
             let entry = entry.unwrap();

@@ -20,7 +20,7 @@ use testcontainers::core::WaitFor;
 use testcontainers::runners::AsyncRunner as _;
 use testcontainers::ImageExt as _;
 
-use super::topology::{Container, Spec, Topology, CLUSTER};
+use super::topology::{Container, Spec, Topology, CLUSTER, SUBMASTER_TOML};
 use super::{docker, loadgen, report};
 
 /// Bytes per block.
@@ -121,11 +121,13 @@ async fn interdc_copies_over_a_lossy_wan_and_resumes_after_kill() {
     let Some(scenario) = report::Scenario::start("9 inter-DC copy, kill -9") else {
         return;
     };
+    // The checks count every commit ever appended: the history is kept.
     let spec = |labels: &'static str| Spec {
         subclusters: vec![("sc-0", labels)],
         submasters: 1,
         nodes: 2,
         globals: 0,
+        submaster_toml: format!("{SUBMASTER_TOML}purge_history = false\n"),
         ..Spec::default()
     };
     let (source_spec, target_spec) = (spec("pool=prefill"), spec("pool=decode"));
