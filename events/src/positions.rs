@@ -186,6 +186,24 @@ impl Positions {
         Ok(Self { store })
     }
 
+    /// [`Positions::open`] (one replica if it must be created) for a reader that
+    /// runs without it: `None`, with a warning naming `who`, when the bucket
+    /// cannot be opened. Purges then do not wait for that reader, which seeds from
+    /// a snapshot when it is left behind.
+    pub async fn open_for_reader(
+        js: &jetstream::Context,
+        cluster: &ClusterId,
+        who: &str,
+    ) -> Option<Self> {
+        match Self::open(js, cluster, 1).await {
+            Ok(positions) => Some(positions),
+            Err(error) => {
+                tracing::warn!(%cluster, %error, who, "no reader positions: purges will not wait for this reader");
+                None
+            }
+        }
+    }
+
     /// Records that `reader` (of `kind`) no longer needs `subcluster`'s stream up
     /// to `seq`.
     ///

@@ -89,22 +89,6 @@ pub async fn load_newest(
     Ok(None)
 }
 
-/// Opens the cluster's reader positions bucket, where each checkpoint write
-/// records how far it covers every stream; `None` (with a warning) when it cannot
-/// be opened: checkpoints are still written, but do not hold purges back.
-pub(crate) async fn open_positions(
-    js: &jetstream::Context,
-    cluster: &ClusterId,
-) -> Option<Positions> {
-    match Positions::open(js, cluster, 1).await {
-        Ok(positions) => Some(positions),
-        Err(error) => {
-            tracing::warn!(%error, "no reader positions: stream purges will not wait for this replica");
-            None
-        }
-    }
-}
-
 /// Writes this replica's checkpoint of the current projection, records in
 /// `positions` how far it covers each stream (a restart from it reads on from
 /// there, so the streams may be purged up to it), then drops all but the newest

@@ -24,6 +24,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use async_nats::jetstream;
+use hkvm_events::positions::Positions;
 use hkvm_events::rpc::global::GlobalStatusReply;
 use hkvm_events::subject::Bucket;
 use hkvm_projector::Projection;
@@ -152,7 +153,9 @@ impl GlobalMaster {
         let store =
             checkpoints::object_store(&self.js, &self.shared.config.cluster, Bucket::Checkpoints)
                 .await?;
-        let positions = checkpoints::open_positions(&self.js, &self.shared.config.cluster).await;
+        let positions =
+            Positions::open_for_reader(&self.js, &self.shared.config.cluster, "global master")
+                .await;
         checkpoints::write(&self.shared, &store, positions.as_ref()).await
     }
 

@@ -10,6 +10,7 @@ use std::time::Duration;
 use async_nats::jetstream;
 use futures::StreamExt as _;
 use hkvm_events::log::{EventLog, JetStreamLog};
+use hkvm_events::positions::Positions;
 use hkvm_events::registry::{self, Registered, RegistryChange};
 use hkvm_events::subject::Bucket;
 use hkvm_events::subject::{event_subject, stream_name};
@@ -268,7 +269,7 @@ impl Sources {
         let store =
             checkpoints::object_store(&self.js, &self.shared.config.cluster, bucket).await?;
         let positions = if bucket == Bucket::Checkpoints {
-            checkpoints::open_positions(&self.js, &self.shared.config.cluster).await
+            Positions::open_for_reader(&self.js, &self.shared.config.cluster, "global master").await
         } else {
             None
         };

@@ -47,22 +47,6 @@ pub(crate) struct Pool {
 }
 
 impl Pool {
-    /// Opens the pool's reader positions bucket; `None` with a warning when it
-    /// cannot be (purges of its streams then do not wait for this replicator,
-    /// which seeds from a snapshot when left behind).
-    pub(crate) async fn open_positions(
-        js: &jetstream::Context,
-        cluster: &ClusterId,
-    ) -> Option<Positions> {
-        match Positions::open(js, cluster, 1).await {
-            Ok(positions) => Some(positions),
-            Err(error) => {
-                tracing::warn!(%cluster, %error, "no reader positions: purges will not wait for the replicator");
-                None
-            }
-        }
-    }
-
     /// Records how far every followed stream of this pool has been read.
     async fn record_positions(&self, shared: &Shared) {
         let Some(positions) = &self.positions else {

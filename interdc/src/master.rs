@@ -4,6 +4,7 @@
 //! status record every second.
 
 use hkvm_events::follow::FollowConfig;
+use hkvm_events::positions::Positions;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -169,7 +170,12 @@ impl InterDc {
             Pool {
                 side: Side::Source,
                 cluster: config.source.cluster.clone(),
-                positions: Pool::open_positions(&source_js, &config.source.cluster).await,
+                positions: Positions::open_for_reader(
+                    &source_js,
+                    &config.source.cluster,
+                    "inter-DC master",
+                )
+                .await,
                 js: source_js,
                 registry_ttl: config.registry_ttl,
                 follow: config.follow,
@@ -178,7 +184,12 @@ impl InterDc {
             Pool {
                 side: Side::Target,
                 cluster: config.target.cluster.clone(),
-                positions: Pool::open_positions(&target_js, &config.target.cluster).await,
+                positions: Positions::open_for_reader(
+                    &target_js,
+                    &config.target.cluster,
+                    "inter-DC master",
+                )
+                .await,
                 js: target_js,
                 registry_ttl: config.registry_ttl,
                 follow: config.follow,

@@ -31,11 +31,11 @@ use crate::election::{LeaderLease, LeaseHolder};
 use crate::error::{SubmasterError, SubmasterErrorKind};
 use crate::metrics::{gauge_value, SubmasterMetrics};
 use crate::state::State;
-use hkvm_events::positions::{Positions, ReaderKind};
+use hkvm_events::positions::Positions;
 use hkvm_events::snapshot::SnapshotStore;
 use leader::LeadEnd;
 use purger::Purger;
-use snapshotter::{SnapshotSink, Snapshotter};
+use snapshotter::{SnapshotSink, StandbySnapshots};
 
 /// How often a standby looks at the leader lease.
 const LEASE_POLL: Duration = Duration::from_millis(100);
@@ -133,86 +133,13 @@ impl Context {
             metrics,
         })
     }
-}
 
-impl Context {
     /// Where snapshots go and what follows them.
     fn snapshot_sink(&self) -> SnapshotSink {
         SnapshotSink {
             store: self.snapshots.clone(),
             purger: self.purger.clone(),
             metrics: self.metrics.clone(),
-        }
-    }
-}
-
-/// A standby's share of the snapshots: it writes them from its own fold, so the
-/// leader does not, and records its position (which says so to the leader, and
-/// keeps purges from passing it).
-struct StandbySnapshots {
-    snapshotter: Snapshotter,
-    events_since: u64,
-    last: tokio::time::Instant,
-    last_record: Option<tokio::time::Instant>,
-    recording: Option<JoinHandle<()>>,
-}
-
-impl StandbySnapshots {
-    fn new() -> Self {
-        Self {
-            snapshotter: Snapshotter::default(),
-            events_since: 0,
-            last: tokio::time::Instant::now(),
-            last_record: None,
-            recording: None,
-        }
-    }
-
-    /// Records the standby's position (on a task: a bucket that does not answer
-    /// must not delay following or the lease poll) and, when one is due, starts a
-    /// snapshot of `state`.
-    fn tick(&mut self, ctx: &Context, state: &State) {
-        let Some(positions) = &ctx.positions else {
-            return;
-        };
-        let record_due = self
-            .last_record
-            .is_none_or(|at| at.elapsed() >= snapshotter::STANDBY_RECORD_EVERY);
-        let recording = self.recording.as_ref().is_some_and(|t| !t.is_finished());
-        if record_due && !recording {
-            self.last_record = Some(tokio::time::Instant::now());
-            let (positions, subcluster, me, seq) = (
-                positions.clone(),
-                ctx.config.subcluster.clone(),
-                ctx.config.producer.clone(),
-                state.applied_seq,
-            );
-            self.recording = Some(tokio::spawn(async move {
-                let recorded = positions
-                    .record(&subcluster, ReaderKind::Standby, me.as_str(), seq)
-                    .await;
-                if let Err(error) = recorded {
-                    tracing::debug!(%error, "recording the standby's position");
-                }
-            }));
-        }
-        let config = &ctx.config;
-        let due = !self.snapshotter.busy()
-            && (self.events_since >= config.snapshot_every_events
-                || (self.events_since > 0 && self.last.elapsed() >= config.snapshot_interval));
-        if due {
-            self.snapshotter
-                .start_standing_by(&ctx.snapshot_sink(), state);
-            self.events_since = 0;
-            self.last = tokio::time::Instant::now();
-        }
-    }
-}
-
-impl Drop for StandbySnapshots {
-    fn drop(&mut self) {
-        if let Some(task) = self.recording.take() {
-            task.abort();
         }
     }
 }

@@ -24,6 +24,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use tokio::task::JoinHandle;
 
 use super::purger::Purger;
+use super::Context;
 use crate::metrics::SubmasterMetrics;
 use crate::state::State;
 
@@ -134,7 +135,7 @@ async fn write(
 
 /// How often a standby records its position, which also tells the leader that
 /// it writes the snapshots.
-pub(super) const STANDBY_RECORD_EVERY: Duration = Duration::from_secs(1);
+const STANDBY_RECORD_EVERY: Duration = Duration::from_secs(1);
 /// A standby position younger than this means a standby writes the snapshots.
 const STANDBY_FRESH: Duration = Duration::from_secs(3);
 
@@ -199,6 +200,78 @@ impl StandbyWatch {
 impl Drop for StandbyWatch {
     fn drop(&mut self) {
         if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+/// A standby's share of the snapshots: it writes them from its own fold, so the
+/// leader does not, and records its position (which says so to the leader, and
+/// keeps purges from passing it).
+pub(super) struct StandbySnapshots {
+    snapshotter: Snapshotter,
+    /// Events applied since the last snapshot.
+    pub(super) events_since: u64,
+    last: tokio::time::Instant,
+    last_record: Option<tokio::time::Instant>,
+    recording: Option<JoinHandle<()>>,
+}
+
+impl StandbySnapshots {
+    pub(super) fn new() -> Self {
+        Self {
+            snapshotter: Snapshotter::default(),
+            events_since: 0,
+            last: tokio::time::Instant::now(),
+            last_record: None,
+            recording: None,
+        }
+    }
+
+    /// Records the standby's position (on a task: a bucket that does not answer
+    /// must not delay following or the lease poll) and, when one is due, starts a
+    /// snapshot of `state`.
+    pub(super) fn tick(&mut self, ctx: &Context, state: &State) {
+        let Some(positions) = &ctx.positions else {
+            return;
+        };
+        let record_due = self
+            .last_record
+            .is_none_or(|at| at.elapsed() >= STANDBY_RECORD_EVERY);
+        let recording = self.recording.as_ref().is_some_and(|t| !t.is_finished());
+        if record_due && !recording {
+            self.last_record = Some(tokio::time::Instant::now());
+            let (positions, subcluster, me, seq) = (
+                positions.clone(),
+                ctx.config.subcluster.clone(),
+                ctx.config.producer.clone(),
+                state.applied_seq,
+            );
+            self.recording = Some(tokio::spawn(async move {
+                let recorded = positions
+                    .record(&subcluster, ReaderKind::Standby, me.as_str(), seq)
+                    .await;
+                if let Err(error) = recorded {
+                    tracing::debug!(%error, "recording the standby's position");
+                }
+            }));
+        }
+        let config = &ctx.config;
+        let due = !self.snapshotter.busy()
+            && (self.events_since >= config.snapshot_every_events
+                || (self.events_since > 0 && self.last.elapsed() >= config.snapshot_interval));
+        if due {
+            self.snapshotter
+                .start_standing_by(&ctx.snapshot_sink(), state);
+            self.events_since = 0;
+            self.last = tokio::time::Instant::now();
+        }
+    }
+}
+
+impl Drop for StandbySnapshots {
+    fn drop(&mut self) {
+        if let Some(task) = self.recording.take() {
             task.abort();
         }
     }
