@@ -416,6 +416,7 @@ impl SnapshotStore {
     /// [`SnapshotError::Store`] when the object store cannot be listed.
     pub async fn load_newest(&self) -> Result<Option<(String, SnapshotFile)>, SnapshotError> {
         for name in self.names().await?.into_iter().rev() {
+            let started = std::time::Instant::now();
             let mut bytes = Vec::new();
             let read = async {
                 let mut object = self
@@ -432,12 +433,16 @@ impl SnapshotStore {
                 tracing::warn!(%error, name, "skipping an unreadable snapshot");
                 continue;
             }
+            let read_ms = started.elapsed().as_millis() as u64;
             match SnapshotFile::decode(&bytes) {
                 Ok(file) => {
                     tracing::info!(
                         name,
                         covers_seq = file.covers_seq,
                         objects = file.objects.len(),
+                        bytes = bytes.len(),
+                        read_ms,
+                        decode_ms = started.elapsed().as_millis() as u64 - read_ms,
                         "snapshot loaded"
                     );
                     return Ok(Some((name, file)));

@@ -123,7 +123,18 @@ pub async fn save(store: &SnapshotStore, state: &State) -> Result<(String, u64),
 /// # Errors
 /// When the object store cannot be listed.
 pub async fn load_newest(store: &SnapshotStore) -> Result<Option<State>, SubmasterError> {
-    Ok(store.load_newest().await?.map(|(_, file)| from_file(file)))
+    let Some((name, file)) = store.load_newest().await? else {
+        return Ok(None);
+    };
+    let started = std::time::Instant::now();
+    let state = from_file(file);
+    tracing::info!(
+        name,
+        objects = state.object_count(),
+        ms = started.elapsed().as_millis() as u64,
+        "state rebuilt from the snapshot"
+    );
+    Ok(Some(state))
 }
 
 #[cfg(test)]
