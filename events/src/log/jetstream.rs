@@ -67,17 +67,9 @@ impl JetStreamLog {
     /// [`LogErrorKind::StreamNotFound`] when the stream vanished, or a transport
     /// error.
     pub async fn bounds_and_epoch(&self) -> Result<(LogBounds, u64), LogError> {
-        let mut stream = self.get_stream().await?;
-        let info = stream
-            .info()
-            .await
-            .map_err(|e| LogError::other(&self.stream, e))?;
+        let info = self.info().await?;
         let epoch = u64::try_from(info.created.unix_timestamp_nanos()).unwrap_or_default();
-        let bounds = LogBounds {
-            first_seq: info.state.first_sequence,
-            last_seq: info.state.last_sequence,
-        };
-        Ok((bounds, epoch))
+        Ok((bounds_of(&info), epoch))
     }
 
     /// What the stream holds: its bounds, messages and bytes.
@@ -86,19 +78,18 @@ impl JetStreamLog {
     /// [`LogErrorKind::StreamNotFound`] when the stream vanished, or a transport
     /// error.
     pub async fn stats(&self) -> Result<StreamStats, LogError> {
-        let mut stream = self.get_stream().await?;
-        let info = stream
-            .info()
-            .await
-            .map_err(|e| LogError::other(&self.stream, e))?;
+        let info = self.info().await?;
         Ok(StreamStats {
-            bounds: LogBounds {
-                first_seq: info.state.first_sequence,
-                last_seq: info.state.last_sequence,
-            },
+            bounds: bounds_of(&info),
             messages: info.state.messages,
             bytes: info.state.bytes,
         })
+    }
+
+    /// The stream's info, fresh from the server (looking the stream up asks the
+    /// server for it: one round trip, not two).
+    async fn info(&self) -> Result<stream::Info, LogError> {
+        Ok(self.get_stream().await?.cached_info().clone())
     }
 
     /// Deletes every message up to and including `seq` (a purge up to a point
@@ -167,6 +158,13 @@ impl JetStreamLog {
     }
 }
 
+fn bounds_of(info: &stream::Info) -> LogBounds {
+    LogBounds {
+        first_seq: info.state.first_sequence,
+        last_seq: info.state.last_sequence,
+    }
+}
+
 fn unix_ms(published: &async_nats::jetstream::message::Info<'_>) -> u64 {
     let nanos = published.published.unix_timestamp_nanos();
     u64::try_from(nanos / 1_000_000).unwrap_or_default()
@@ -219,15 +217,7 @@ impl EventLog for JetStreamLog {
     }
 
     async fn bounds(&self) -> Result<LogBounds, LogError> {
-        let mut stream = self.get_stream().await?;
-        let info = stream
-            .info()
-            .await
-            .map_err(|e| LogError::other(&self.stream, e))?;
-        Ok(LogBounds {
-            first_seq: info.state.first_sequence,
-            last_seq: info.state.last_sequence,
-        })
+        Ok(bounds_of(&self.info().await?))
     }
 
     async fn first_seq_since(&self, unix_ms: u64) -> Result<u64, LogError> {
