@@ -91,6 +91,20 @@ impl Bench {
         })
     }
 
+    /// The snapshot store of the stream under test.
+    pub(super) async fn snapshot_store(
+        &self,
+        js: &jetstream::Context,
+    ) -> anyhow::Result<SnapshotStore> {
+        Ok(SnapshotStore::open(
+            js,
+            &self.config.cluster,
+            &self.config.subcluster,
+            self.config.stream.replicas,
+        )
+        .await?)
+    }
+
     /// The configuration of a measured instance.
     pub(super) fn instance(&self, name: &str) -> anyhow::Result<SubmasterConfig> {
         let mut config = self.config.clone();
@@ -333,13 +347,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     let started = Instant::now();
     let loaded = load_state(&js, &bench.config, false).await?;
     let load_seconds = started.elapsed().as_secs_f64();
-    let store = SnapshotStore::open(
-        &js,
-        &bench.config.cluster,
-        &bench.config.subcluster,
-        bench.config.stream.replicas,
-    )
-    .await?;
+    let store = bench.snapshot_store(&js).await?;
     let started = Instant::now();
     snapshot::save(&store, &loaded.state).await?;
     let save_seconds = started.elapsed().as_secs_f64();

@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream;
 use hkvm_client::SubmasterClient;
 use hkvm_events::rpc::submaster::{ItemError, ItemResult, MountSegment, PutEndItem, PutStartItem};
-use hkvm_events::snapshot::SnapshotStore;
 use hkvm_events::{NodeId, SegmentId};
 use hkvm_submaster::server::load_state;
 use hkvm_submaster::{snapshot, SubmasterConfig};
@@ -400,13 +399,7 @@ async fn snapshot_under_load(
     put_until_served(&client, "soak/warm".to_owned()).await?;
     // The standby's fold of the same stream.
     let state = Arc::new(load_state(&js, &bench.config, false).await?.state);
-    let store = SnapshotStore::open(
-        &js,
-        &bench.config.cluster,
-        &bench.config.subcluster,
-        bench.config.stream.replicas,
-    )
-    .await?;
+    let store = bench.snapshot_store(&js).await?;
 
     let load = Load::start(&client, "soak-big", 1);
     tokio::time::sleep(sizes.window).await;
