@@ -276,9 +276,13 @@ async fn start_until_served(
     }
 }
 
-/// One put (start and end) of a fresh key; retries until it succeeds.
+/// One put (start and end) of a fresh key; retries until it succeeds. The put
+/// carries an id, as a real client's does, so a start whose reply was lost in the
+/// failover is answered with its own reservation when sent again (without one it
+/// would be refused as pending until the put timeout reclaims it).
 pub(super) async fn put_until_served(client: &SubmasterClient, key: String) -> anyhow::Result<()> {
     let started = Instant::now();
+    let put_id = rand::random::<u64>().max(1);
     loop {
         let item = PutStartItem {
             key: key.clone(),
@@ -286,14 +290,14 @@ pub(super) async fn put_until_served(client: &SubmasterClient, key: String) -> a
             replicas: 1,
             preferred_segment: None,
             hard_pin: false,
-            put_id: 0,
+            put_id,
         };
         if let Ok(reply) = client.put_start(vec![item]).await {
             if matches!(reply.first(), Some(ItemResult::Ok(_))) {
                 let end = PutEndItem {
                     key: key.clone(),
                     checksum: 7,
-                    put_id: 0,
+                    put_id,
                 };
                 if let Ok(reply) = client.put_end(vec![end]).await {
                     if matches!(reply.first(), Some(ItemResult::Ok(()))) {

@@ -29,6 +29,11 @@ pub struct Replica {
     pub offset: u64,
 }
 
+/// An object's replicas: up to two are held inline (no allocation per
+/// object; 40 bytes against a boxed slice's 16 plus a 32-byte allocation for
+/// two), more spill to the heap.
+pub type Replicas = smallvec::SmallVec<[Replica; 2]>;
+
 /// A complete object.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Object {
@@ -37,7 +42,7 @@ pub struct Object {
     /// xxh3-64 of the value.
     pub checksum: u64,
     /// Its replicas (at least one).
-    pub replicas: Box<[Replica]>,
+    pub replicas: Replicas,
     /// Put flags (hard pin).
     pub flags: PutFlags,
     /// Commit order: smaller is older (eviction is oldest-first).
@@ -218,13 +223,7 @@ impl State {
         // Replicas on it are gone; objects without any replica are gone.
         self.objects.retain(|_, object| {
             if object.replicas.iter().any(|r| r.slot == slot) {
-                let kept: Vec<Replica> = object
-                    .replicas
-                    .iter()
-                    .copied()
-                    .filter(|r| r.slot != slot)
-                    .collect();
-                object.replicas = kept.into_boxed_slice();
+                object.replicas.retain(|r| r.slot != slot);
             }
             !object.replicas.is_empty()
         });
@@ -259,7 +258,7 @@ impl State {
             Object {
                 size: put.size,
                 checksum: put.checksum,
-                replicas: replicas.into_boxed_slice(),
+                replicas: Replicas::from_slice(&replicas),
                 flags: put.flags,
                 order,
                 lease_until_ms: 0,
@@ -338,49 +337,6 @@ impl State {
     /// pointer, not the key).
     pub fn objects_shared(&self) -> impl Iterator<Item = (&Arc<str>, &Object)> {
         self.objects.iter()
-    }
-
-    /// The bulk form of folding a snapshot's objects, oldest first, into a state
-    /// that holds its segments and nothing else: each object takes the next
-    /// commit order, and each segment's allocator is built once from all its
-    /// replicas' ranges ([`SegmentAllocator::with_used`]) instead of one
-    /// reservation per replica. A replica on a slot without a segment is dropped
-    /// and a range over used space is not reserved, each counted as in a fold.
-    pub fn restore_objects(&mut self, objects: impl ExactSizeIterator<Item = (Arc<str>, Object)>) {
-        self.objects.reserve(objects.len());
-        let mut used: Vec<Vec<(u64, u64)>> = vec![Vec::new(); self.slots.len()];
-        let mounted: Vec<bool> = self.slots.iter().map(Option::is_some).collect();
-        let known = |r: &Replica| mounted.get(r.slot as usize).copied().unwrap_or(false);
-        for (key, mut object) in objects {
-            if !object.replicas.iter().all(known) {
-                let unknown = object.replicas.iter().filter(|r| !known(r)).count();
-                self.anomalies.unknown_segment += unknown as u64;
-                object.replicas = object.replicas.iter().copied().filter(known).collect();
-            }
-            if object.replicas.is_empty() {
-                continue;
-            }
-            for replica in object.replicas.iter() {
-                if let Some(ranges) = used.get_mut(replica.slot as usize) {
-                    ranges.push((replica.offset, object.size));
-                }
-            }
-            object.order = self.next_order;
-            self.next_order += 1;
-            if self.objects.insert(key, object).is_some() {
-                tracing::warn!("a snapshot holds a key twice; the newer record wins");
-            }
-        }
-        for (slot, mut ranges) in used.into_iter().enumerate() {
-            let Some(Some(segment)) = self.slots.get_mut(slot) else {
-                continue;
-            };
-            ranges.sort_unstable();
-            let (allocator, refused) =
-                SegmentAllocator::with_used(segment.allocator.size(), &ranges);
-            segment.allocator = allocator;
-            self.anomalies.overlapping_range += refused;
-        }
     }
 
     /// Number of complete objects.
@@ -495,6 +451,74 @@ impl State {
         self.applied_seq == other.applied_seq
             && segments(self) == segments(other)
             && objects(self) == objects(other)
+    }
+}
+
+/// The bulk form of folding a snapshot's objects, oldest first, into a state
+/// that holds its segments and nothing else: each object takes the next commit
+/// order, and each segment's allocator is built once from all its replicas'
+/// ranges ([`SegmentAllocator::with_used`]) instead of one reservation per
+/// replica. A replica on a slot without a segment is dropped and a range over
+/// used space is not reserved, each counted as in a fold.
+#[derive(Debug)]
+pub struct BulkRestore {
+    state: State,
+    /// (offset, size) of every replica, per slot.
+    used: Vec<Vec<(u64, u64)>>,
+    mounted: Vec<bool>,
+}
+
+impl BulkRestore {
+    /// Starts restoring into `state` (its segments mounted), expecting about
+    /// `objects` objects.
+    pub fn new(mut state: State, objects: usize) -> Self {
+        state.objects.reserve(objects);
+        let used = vec![Vec::new(); state.slots.len()];
+        let mounted = state.slots.iter().map(Option::is_some).collect();
+        Self {
+            state,
+            used,
+            mounted,
+        }
+    }
+
+    /// Adds the next object (newer than every one before).
+    pub fn push(&mut self, key: Arc<str>, mut object: Object) {
+        let mounted = &self.mounted;
+        let known = |r: &Replica| mounted.get(r.slot as usize).copied().unwrap_or(false);
+        if !object.replicas.iter().all(known) {
+            let unknown = object.replicas.iter().filter(|r| !known(r)).count();
+            self.state.anomalies.unknown_segment += unknown as u64;
+            object.replicas = object.replicas.iter().copied().filter(known).collect();
+        }
+        if object.replicas.is_empty() {
+            return;
+        }
+        for replica in object.replicas.iter() {
+            if let Some(ranges) = self.used.get_mut(replica.slot as usize) {
+                ranges.push((replica.offset, object.size));
+            }
+        }
+        object.order = self.state.next_order;
+        self.state.next_order += 1;
+        if self.state.objects.insert(key, object).is_some() {
+            tracing::warn!("a snapshot holds a key twice; the newer record wins");
+        }
+    }
+
+    /// The restored state, every segment's allocator built from its replicas.
+    pub fn finish(mut self) -> State {
+        for (slot, mut ranges) in self.used.into_iter().enumerate() {
+            let Some(Some(segment)) = self.state.slots.get_mut(slot) else {
+                continue;
+            };
+            ranges.sort_unstable();
+            let (allocator, refused) =
+                SegmentAllocator::with_used(segment.allocator.size(), &ranges);
+            segment.allocator = allocator;
+            self.state.anomalies.overlapping_range += refused;
+        }
+        self.state
     }
 }
 

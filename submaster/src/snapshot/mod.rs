@@ -1,14 +1,17 @@
 //! The sub-master's side of snapshots: its [`State`] to and from the snapshot
-//! format of [`hkvm_events::snapshot`] (which also owns the store). A restored
-//! state is rebuilt through [`State::apply`], so it is the same fold.
+//! format of [`hkvm_events::snapshot`] (which also owns the store). A restore
+//! builds the state while the snapshot is decoded ([`Restorer`]): segments through
+//! [`State::apply`], objects in bulk; the result equals the fold of the same events.
 
 use hkvm_events::snapshot::{ObjectRecord, SegmentRecord, SnapshotFile, SnapshotStore};
 use std::sync::Arc;
 
-use hkvm_events::{KvEvent, PutFlags, SegmentMounted};
-
 use crate::error::SubmasterError;
-use crate::state::{Object, Replica, Slot, State};
+use crate::state::{Object, State};
+
+mod restorer;
+
+pub use restorer::Restorer;
 
 /// The snapshot of the durable part of `state`, objects oldest first.
 pub fn to_file(state: &State) -> SnapshotFile {
@@ -48,52 +51,6 @@ pub fn to_file(state: &State) -> SnapshotFile {
     file
 }
 
-/// Rebuilds a state from a snapshot (already verified by its decoder): the
-/// segments through [`State::apply`], the objects in bulk
-/// ([`State::restore_objects`]); the result is the state folding the same
-/// segments and puts would give.
-pub fn from_file(file: SnapshotFile) -> State {
-    let mut state = State::new();
-    for segment in &file.segments {
-        state.apply(&KvEvent::SegmentMounted(SegmentMounted {
-            node: segment.node.clone(),
-            segment: segment.segment.clone(),
-            size: segment.size,
-            endpoint: segment.endpoint.clone(),
-        }));
-    }
-    // Segment index in the file -> slot (a name listed twice shares one slot).
-    let slots: Vec<Slot> = file
-        .segments
-        .iter()
-        .map(|segment| state.slot_of(&segment.segment).unwrap_or(Slot::MAX))
-        .collect();
-    let objects = file.objects.into_iter().map(|record| {
-        let replicas = record
-            .replicas
-            .iter()
-            .map(|&(index, offset)| Replica {
-                slot: slots.get(index as usize).copied().unwrap_or(Slot::MAX),
-                offset,
-            })
-            .collect();
-        let object = Object {
-            size: record.size,
-            checksum: record.checksum,
-            replicas,
-            flags: PutFlags(record.flags),
-            order: 0,
-            lease_until_ms: 0,
-            put_id: record.put_id,
-        };
-        (record.key, object)
-    });
-    state.restore_objects(objects);
-    state.applied_seq = file.covers_seq;
-    state.max_epoch = file.max_epoch;
-    state
-}
-
 /// Encodes `state` as snapshot bytes.
 ///
 /// # Errors
@@ -107,7 +64,9 @@ pub fn encode(state: &State) -> Result<Vec<u8>, SubmasterError> {
 /// # Errors
 /// A checksum mismatch, an unknown version, or a malformed body.
 pub fn decode(bytes: &[u8]) -> Result<State, SubmasterError> {
-    Ok(from_file(SnapshotFile::decode(bytes)?))
+    let mut restorer = Restorer::default();
+    let header = SnapshotFile::decode_with(bytes, &mut restorer)?;
+    Ok(restorer.finish(&header))
 }
 
 /// Stores a snapshot of `state`; returns the object name and its checksum.
@@ -123,15 +82,15 @@ pub async fn save(store: &SnapshotStore, state: &State) -> Result<(String, u64),
 /// # Errors
 /// When the object store cannot be listed.
 pub async fn load_newest(store: &SnapshotStore) -> Result<Option<State>, SubmasterError> {
-    let Some((name, file)) = store.load_newest().await? else {
+    let Some((name, header, restorer)) = store.load_newest_with(Restorer::default).await? else {
         return Ok(None);
     };
     let started = std::time::Instant::now();
-    let state = from_file(file);
+    let state = restorer.finish(&header);
     tracing::info!(
         name,
         objects = state.object_count(),
-        ms = started.elapsed().as_millis() as u64,
+        allocators_ms = started.elapsed().as_millis() as u64,
         "state rebuilt from the snapshot"
     );
     Ok(Some(state))
@@ -139,7 +98,10 @@ pub async fn load_newest(store: &SnapshotStore) -> Result<Option<State>, Submast
 
 #[cfg(test)]
 mod tests {
-    use hkvm_events::{NodeId, Placement, PutCommitted, Removed, SegmentId, SegmentUnmounted};
+    use hkvm_events::{
+        KvEvent, NodeId, Placement, PutCommitted, Removed, SegmentId, SegmentMounted,
+        SegmentUnmounted,
+    };
     use proptest::prelude::*;
 
     use super::*;
@@ -209,11 +171,14 @@ mod tests {
 
     proptest! {
         /// Folding every event equals restoring a snapshot of a prefix and
-        /// folding the rest: the bulk restore is the same fold.
+        /// folding the rest: the bulk restore is the same fold, whether the
+        /// objects are inserted in line or by the inserting thread in batches
+        /// of any size.
         #[test]
         fn a_snapshot_plus_the_tail_equals_the_whole_fold(
             steps in proptest::collection::vec(step(), 0..120),
             cut in 0usize..130,
+            batch in prop_oneof![1usize..9, Just(usize::MAX)],
         ) {
             let events = events(&steps);
             let cut = cut.min(events.len());
@@ -225,7 +190,9 @@ mod tests {
             for (seq, event) in events[..cut].iter().enumerate() {
                 prefix.apply_message(seq as u64 + 1, 1, [event]);
             }
-            let mut restored = decode(&encode(&prefix).unwrap()).unwrap();
+            let mut restorer = Restorer::with_batch(batch);
+            let header = SnapshotFile::decode_with(&encode(&prefix).unwrap(), &mut restorer).unwrap();
+            let mut restored = restorer.finish(&header);
             prop_assert!(restored.same_durable_state(&prefix));
             for (seq, event) in events.iter().enumerate().skip(cut) {
                 restored.apply_message(seq as u64 + 1, 1, [event]);

@@ -1,0 +1,301 @@
+//! The sub-master snapshot format and its store: the durable state of one
+//! sub-cluster (segments and committed objects, oldest first) stamped with the
+//! stream sequence it covers, as one self-checking blob in a JetStream object store.
+//! The sub-master writes snapshots and restores its state from them; the global
+//! master and the inter-DC master read them (through [`SnapshotFile`]) to seed a
+//! source whose stream history was purged, without rebuilding a sub-master.
+//!
+//! Layout: `xxh3-64(body)` as 8 big-endian bytes, then the body: a named-field
+//! MessagePack map [`SnapshotFile`] (`v` version, `q` covered sequence, `e` highest
+//! leader epoch, `g` segments, `o` objects). Objects are `(k key, s size, c value
+//! checksum, p [(segment index, offset)], f flags)`.
+//!
+//! Objects are named `<subcluster>.<covered sequence, 20 digits>` in the bucket
+//! [`Bucket::Snapshots`](crate::subject::Bucket::Snapshots); lexical order is
+//! sequence order.
+
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::event::Placement;
+use crate::id::{NodeId, SegmentId};
+
+mod store;
+mod visit;
+
+pub use store::SnapshotStore;
+pub use visit::{ObjectView, SnapshotHeader, SnapshotVisitor};
+
+/// The snapshot format version this build writes and reads.
+pub const SNAPSHOT_VERSION: u16 = 1;
+/// Snapshots kept per sub-cluster (older ones are deleted after a save).
+pub const SNAPSHOTS_KEPT: usize = 2;
+
+/// One mounted segment.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SegmentRecord {
+    /// The node that contributes it.
+    #[serde(rename = "n")]
+    pub node: NodeId,
+    /// Its id.
+    #[serde(rename = "g")]
+    pub segment: SegmentId,
+    /// Its size in bytes.
+    #[serde(rename = "s")]
+    pub size: u64,
+    /// Where its node serves transfers.
+    #[serde(rename = "e")]
+    pub endpoint: String,
+}
+
+/// One committed object.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObjectRecord {
+    /// Its key (shared: a sub-master's copy of its state and its restore move
+    /// keys without copying them).
+    #[serde(rename = "k")]
+    pub key: Arc<str>,
+    /// Its size in bytes.
+    #[serde(rename = "s")]
+    pub size: u64,
+    /// xxh3-64 of its value.
+    #[serde(rename = "c")]
+    pub checksum: u64,
+    /// (index into [`SnapshotFile::segments`], offset) per replica.
+    #[serde(rename = "p")]
+    pub replicas: Vec<(u32, u64)>,
+    /// Its [`PutFlags`](crate::PutFlags) bits.
+    #[serde(rename = "f")]
+    pub flags: u32,
+    /// The id of the put that committed it (0: none).
+    #[serde(rename = "i", default, skip_serializing_if = "is_zero")]
+    pub put_id: u64,
+}
+
+fn is_zero(value: &u64) -> bool {
+    *value == 0
+}
+
+/// A whole snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotFile {
+    /// The format version ([`SNAPSHOT_VERSION`]).
+    #[serde(rename = "v")]
+    pub version: u16,
+    /// The last stream sequence whose events it includes.
+    #[serde(rename = "q")]
+    pub covers_seq: u64,
+    /// The highest leader epoch seen.
+    #[serde(rename = "e")]
+    pub max_epoch: u64,
+    /// Every mounted segment.
+    #[serde(rename = "g")]
+    pub segments: Vec<SegmentRecord>,
+    /// Every committed object, oldest first (a restore keeps the eviction order).
+    #[serde(rename = "o")]
+    pub objects: Vec<ObjectRecord>,
+}
+
+/// Why a snapshot could not be encoded, decoded, stored or loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    /// Fewer bytes than the checksum.
+    #[error("snapshot of {len} bytes is shorter than its checksum")]
+    Truncated {
+        /// How many bytes there were.
+        len: usize,
+    },
+    /// The body does not match its checksum.
+    #[error("snapshot checksum mismatch: stored {stored:#018x}, computed {computed:#018x}")]
+    ChecksumMismatch {
+        /// The checksum carried.
+        stored: u64,
+        /// The checksum of the body.
+        computed: u64,
+    },
+    /// A version this build does not read.
+    #[error("unknown snapshot version {0}")]
+    UnknownVersion(u16),
+    /// An object names a segment index the snapshot does not have.
+    #[error("object {key:?} names segment index {index} of {segments}")]
+    BadSegmentIndex {
+        /// The object's key.
+        key: String,
+        /// The index it carries.
+        index: u32,
+        /// How many segments the snapshot has.
+        segments: usize,
+    },
+    /// The body is not a snapshot.
+    #[error("malformed snapshot body")]
+    Malformed(#[source] rmp_serde::decode::Error),
+    /// The body could not be encoded.
+    #[error("encoding a snapshot")]
+    Encode(#[source] rmp_serde::encode::Error),
+    /// The object store failed.
+    #[error("snapshot store: {what}")]
+    Store {
+        /// What was being done.
+        what: String,
+        /// The JetStream error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+/// The kind of a [`SnapshotError`], for matching.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SnapshotErrorKind {
+    /// The bytes are not a valid snapshot (truncated, corrupt, unknown version,
+    /// inconsistent).
+    Invalid,
+    /// Encoding failed.
+    Encode,
+    /// The object store failed.
+    Store,
+}
+
+impl SnapshotError {
+    /// The kind.
+    pub fn kind(&self) -> SnapshotErrorKind {
+        match self {
+            Self::Truncated { .. }
+            | Self::ChecksumMismatch { .. }
+            | Self::UnknownVersion(_)
+            | Self::BadSegmentIndex { .. }
+            | Self::Malformed(_) => SnapshotErrorKind::Invalid,
+            Self::Encode(_) => SnapshotErrorKind::Encode,
+            Self::Store { .. } => SnapshotErrorKind::Store,
+        }
+    }
+
+    fn store(
+        what: impl Into<String>,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Self::Store {
+            what: what.into(),
+            source: Box::new(source),
+        }
+    }
+}
+
+/// The sequence a snapshot object's name says it covers (`<subcluster>.<seq>`).
+pub fn covered_seq_of(name: &str) -> Option<u64> {
+    name.rsplit_once('.')?.1.parse().ok()
+}
+
+impl SnapshotFile {
+    /// An empty snapshot of the current version covering `covers_seq`.
+    pub fn new(covers_seq: u64, max_epoch: u64) -> Self {
+        Self {
+            version: SNAPSHOT_VERSION,
+            covers_seq,
+            max_epoch,
+            segments: Vec::new(),
+            objects: Vec::new(),
+        }
+    }
+
+    /// Encodes the snapshot: checksum, then body.
+    ///
+    /// # Errors
+    /// [`SnapshotError::Encode`] (not expected for these types).
+    pub fn encode(&self) -> Result<Vec<u8>, SnapshotError> {
+        let body = rmp_serde::to_vec_named(self).map_err(SnapshotError::Encode)?;
+        let mut bytes = Vec::with_capacity(body.len() + 8);
+        bytes.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&body).to_be_bytes());
+        bytes.extend_from_slice(&body);
+        Ok(bytes)
+    }
+
+    /// Decodes and verifies a snapshot: checksum, version, and that every replica
+    /// names a segment of the snapshot.
+    ///
+    /// # Errors
+    /// [`SnapshotErrorKind::Invalid`] errors.
+    pub fn decode(bytes: &[u8]) -> Result<Self, SnapshotError> {
+        let mut records = Records::default();
+        let header = Self::decode_with(bytes, &mut records)?;
+        Ok(Self {
+            version: header.version,
+            covers_seq: header.covers_seq,
+            max_epoch: header.max_epoch,
+            segments: header.segments,
+            objects: records.0,
+        })
+    }
+
+    /// Verifies a snapshot's checksum and decodes it object by object into
+    /// `visitor` (the same checks as [`SnapshotFile::decode`], without building
+    /// the list of records); returns the header.
+    ///
+    /// # Errors
+    /// [`SnapshotErrorKind::Invalid`] errors; the visitor has then seen a prefix
+    /// of the objects and should be dropped.
+    pub fn decode_with<V: SnapshotVisitor>(
+        bytes: &[u8],
+        visitor: &mut V,
+    ) -> Result<SnapshotHeader, SnapshotError> {
+        let (sum, body) = bytes
+            .split_first_chunk::<8>()
+            .ok_or(SnapshotError::Truncated { len: bytes.len() })?;
+        let stored = u64::from_be_bytes(*sum);
+        let computed = xxhash_rust::xxh3::xxh3_64(body);
+        if stored != computed {
+            return Err(SnapshotError::ChecksumMismatch { stored, computed });
+        }
+        visit::decode_body(body, visitor)
+    }
+
+    /// The placements of `object` (segment ids and offsets), in replica order.
+    pub fn placements<'a>(
+        &'a self,
+        object: &'a ObjectRecord,
+    ) -> impl Iterator<Item = Placement> + 'a {
+        object.replicas.iter().filter_map(|(index, offset)| {
+            Some(Placement {
+                segment: self.segments.get(*index as usize)?.segment.clone(),
+                offset: *offset,
+            })
+        })
+    }
+}
+
+/// A visitor collecting the records, for [`SnapshotFile::decode`].
+#[derive(Default)]
+struct Records(Vec<ObjectRecord>);
+
+impl SnapshotVisitor for Records {
+    fn header(&mut self, _: &SnapshotHeader, objects: usize) {
+        self.0.reserve(objects);
+    }
+
+    fn object(&mut self, object: ObjectView<'_>) {
+        self.0.push(ObjectRecord {
+            key: Arc::from(object.key),
+            size: object.size,
+            checksum: object.checksum,
+            replicas: object.replicas.to_vec(),
+            flags: object.flags,
+            put_id: object.put_id,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::id::SubclusterId;
+    use crate::subject::snapshot_object_name;
+
+    #[test]
+    fn a_snapshot_name_says_what_it_covers() {
+        let subcluster = SubclusterId::new("sc-0").unwrap();
+        let name = snapshot_object_name(&subcluster, 4711);
+        assert_eq!(covered_seq_of(&name), Some(4711));
+        assert_eq!(covered_seq_of("sc-0.not-a-number"), None);
+        assert_eq!(covered_seq_of("no-dot"), None);
+    }
+}

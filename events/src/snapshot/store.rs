@@ -1,0 +1,245 @@
+//! The snapshot store: one JetStream object store per cluster, holding each
+//! sub-cluster's newest [`SNAPSHOTS_KEPT`] snapshots.
+
+use async_nats::jetstream::{self, object_store};
+use futures::StreamExt as _;
+use tokio::io::AsyncReadExt as _;
+
+use super::{
+    covered_seq_of, Records, SnapshotError, SnapshotFile, SnapshotHeader, SnapshotVisitor,
+    SNAPSHOTS_KEPT,
+};
+use crate::id::{ClusterId, SubclusterId};
+use crate::subject::{bucket_name, snapshot_object_name, snapshot_object_prefix, Bucket};
+
+/// The snapshot store of one sub-cluster.
+#[derive(Clone)]
+pub struct SnapshotStore {
+    store: object_store::ObjectStore,
+    subcluster: SubclusterId,
+}
+
+impl std::fmt::Debug for SnapshotStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SnapshotStore")
+            .field("subcluster", &self.subcluster)
+            .finish()
+    }
+}
+
+impl SnapshotStore {
+    /// Opens (creating if needed, with `replicas` copies) the cluster's snapshot
+    /// object store, for `subcluster`'s snapshots.
+    ///
+    /// # Errors
+    /// [`SnapshotError::Store`] when JetStream refuses the store.
+    pub async fn open(
+        js: &jetstream::Context,
+        cluster: &ClusterId,
+        subcluster: &SubclusterId,
+        replicas: usize,
+    ) -> Result<Self, SnapshotError> {
+        let bucket = bucket_name(cluster, Bucket::Snapshots.purpose());
+        let store = match js.get_object_store(&bucket).await {
+            Ok(store) => store,
+            Err(_) => js
+                .create_object_store(object_store::Config {
+                    bucket: bucket.clone(),
+                    description: Some("HKVM sub-master snapshots".to_owned()),
+                    num_replicas: replicas,
+                    storage: jetstream::stream::StorageType::File,
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| SnapshotError::store(format!("creating {bucket}"), e))?,
+        };
+        Ok(Self {
+            store,
+            subcluster: subcluster.clone(),
+        })
+    }
+
+    /// The names of this sub-cluster's snapshots, oldest first.
+    ///
+    /// # Errors
+    /// [`SnapshotError::Store`] when the store cannot be listed.
+    pub async fn names(&self) -> Result<Vec<String>, SnapshotError> {
+        let prefix = snapshot_object_prefix(&self.subcluster);
+        let mut list = self
+            .store
+            .list()
+            .await
+            .map_err(|e| SnapshotError::store("listing", e))?;
+        let mut names = Vec::new();
+        while let Some(info) = list.next().await {
+            let info = info.map_err(|e| SnapshotError::store("listing", e))?;
+            if info.name.starts_with(&prefix) && !info.deleted {
+                names.push(info.name);
+            }
+        }
+        // Names end in a zero-padded sequence: lexical order is sequence order.
+        names.sort();
+        Ok(names)
+    }
+
+    /// Stores `file` and drops all but the newest [`SNAPSHOTS_KEPT`]. Returns the
+    /// object name and the checksum of the stored bytes.
+    ///
+    /// # Errors
+    /// When encoding or the object store fails.
+    pub async fn save(&self, file: &SnapshotFile) -> Result<(String, u64), SnapshotError> {
+        self.save_encoded(file.covers_seq, file.encode()?).await
+    }
+
+    /// As [`SnapshotStore::save`], for a file already encoded
+    /// ([`SnapshotFile::encode`], say on a blocking thread) that covers `covers_seq`.
+    ///
+    /// # Errors
+    /// When the object store fails.
+    pub async fn save_encoded(
+        &self,
+        covers_seq: u64,
+        bytes: Vec<u8>,
+    ) -> Result<(String, u64), SnapshotError> {
+        let checksum = xxhash_rust::xxh3::xxh3_64(&bytes);
+        let name = snapshot_object_name(&self.subcluster, covers_seq);
+        self.store
+            .put(name.as_str(), &mut bytes.as_slice())
+            .await
+            .map_err(|e| SnapshotError::store(format!("storing {name}"), e))?;
+        let names = self.names().await?;
+        for old in names.iter().rev().skip(SNAPSHOTS_KEPT) {
+            if let Err(error) = self.store.delete(old).await {
+                tracing::warn!(%error, old, "could not drop an old snapshot");
+            }
+        }
+        Ok((name, checksum))
+    }
+
+    /// Reads the stored object `name` back and checks that its bytes hash to
+    /// `checksum` (what [`SnapshotStore::save_encoded`] returned) and that its body
+    /// matches the checksum it carries: the snapshot is then safe to rely on, and
+    /// the history it covers may be purged.
+    ///
+    /// # Errors
+    /// [`SnapshotError::Store`] when it cannot be read,
+    /// [`SnapshotError::ChecksumMismatch`] or [`SnapshotError::Truncated`] when the
+    /// stored bytes differ.
+    pub async fn verify(&self, name: &str, checksum: u64) -> Result<(), SnapshotError> {
+        let bytes = self.read(name).await?;
+        let computed = xxhash_rust::xxh3::xxh3_64(&bytes);
+        if computed != checksum {
+            return Err(SnapshotError::ChecksumMismatch {
+                stored: checksum,
+                computed,
+            });
+        }
+        let (sum, body) = bytes
+            .split_first_chunk::<8>()
+            .ok_or(SnapshotError::Truncated { len: bytes.len() })?;
+        let (stored, computed) = (u64::from_be_bytes(*sum), xxhash_rust::xxh3::xxh3_64(body));
+        if stored != computed {
+            return Err(SnapshotError::ChecksumMismatch { stored, computed });
+        }
+        Ok(())
+    }
+
+    /// The sequence the newest stored snapshot covers, read from its name (its
+    /// content is not checked); `None` when there is none.
+    ///
+    /// # Errors
+    /// [`SnapshotError::Store`] when the store cannot be listed.
+    pub async fn newest_covered_seq(&self) -> Result<Option<u64>, SnapshotError> {
+        Ok(self
+            .names()
+            .await?
+            .iter()
+            .rev()
+            .find_map(|name| covered_seq_of(name)))
+    }
+
+    /// Loads the newest snapshot that verifies (skipping unreadable or invalid
+    /// ones, with a warning); `None` when there is none.
+    ///
+    /// # Errors
+    /// [`SnapshotError::Store`] when the object store cannot be listed.
+    pub async fn load_newest(&self) -> Result<Option<(String, SnapshotFile)>, SnapshotError> {
+        let loaded = self.load_newest_with(Records::default).await?;
+        Ok(loaded.map(|(name, header, records)| {
+            let file = SnapshotFile {
+                version: header.version,
+                covers_seq: header.covers_seq,
+                max_epoch: header.max_epoch,
+                segments: header.segments,
+                objects: records.0,
+            };
+            (name, file)
+        }))
+    }
+
+    /// As [`SnapshotStore::load_newest`], decoding object by object into a
+    /// visitor ([`SnapshotFile::decode_with`]) on a blocking thread. `fresh`
+    /// makes one visitor per snapshot tried: one that fails half-way is dropped
+    /// with what it had built. Returns the snapshot's name, its header and the
+    /// visitor that took it whole.
+    ///
+    /// # Errors
+    /// [`SnapshotError::Store`] when the object store cannot be listed.
+    pub async fn load_newest_with<V>(
+        &self,
+        fresh: impl Fn() -> V,
+    ) -> Result<Option<(String, SnapshotHeader, V)>, SnapshotError>
+    where
+        V: SnapshotVisitor + Send + 'static,
+    {
+        for name in self.names().await?.into_iter().rev() {
+            let started = std::time::Instant::now();
+            let bytes = match self.read(&name).await {
+                Ok(bytes) => bytes,
+                Err(error) => {
+                    tracing::warn!(%error, name, "skipping an unreadable snapshot");
+                    continue;
+                }
+            };
+            let read_ms = started.elapsed().as_millis() as u64;
+            let mut visitor = fresh();
+            let len = bytes.len();
+            let (decoded, visitor) = tokio::task::spawn_blocking(move || {
+                let decoded = SnapshotFile::decode_with(&bytes, &mut visitor);
+                (decoded, visitor)
+            })
+            .await
+            .map_err(|e| SnapshotError::store(format!("decoding {name}"), e))?;
+            match decoded {
+                Ok(header) => {
+                    tracing::info!(
+                        name,
+                        covers_seq = header.covers_seq,
+                        bytes = len,
+                        read_ms,
+                        decode_ms = started.elapsed().as_millis() as u64 - read_ms,
+                        "snapshot loaded"
+                    );
+                    return Ok(Some((name, header, visitor)));
+                }
+                Err(error) => tracing::warn!(%error, name, "skipping an invalid snapshot"),
+            }
+        }
+        Ok(None)
+    }
+
+    /// The stored bytes of the object `name`.
+    async fn read(&self, name: &str) -> Result<Vec<u8>, SnapshotError> {
+        let mut bytes = Vec::new();
+        let mut object = self
+            .store
+            .get(name)
+            .await
+            .map_err(|e| SnapshotError::store(format!("reading {name}"), e))?;
+        object
+            .read_to_end(&mut bytes)
+            .await
+            .map_err(|e| SnapshotError::store(format!("reading {name}"), e))?;
+        Ok(bytes)
+    }
+}
