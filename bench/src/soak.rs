@@ -408,15 +408,11 @@ async fn snapshot_under_load(
     let written = {
         let (state, covers_seq) = (Arc::clone(&state), state.applied_seq);
         tokio::spawn(async move {
-            // A standby's copy, encoding, store and read-back, off this runtime's
-            // workers as off another process's.
-            let bytes = tokio::task::spawn_blocking(move || {
-                let file = snapshot::to_file(&state);
-                file.encode()
-            })
-            .await??;
-            let (name, checksum) = store.save_encoded(covers_seq, bytes).await?;
-            store.verify(&name, checksum).await?;
+            // A standby's copy (off this runtime's workers, as in another
+            // process), then its encoding, store and read-back on the writer
+            // thread a standby uses.
+            let file = tokio::task::spawn_blocking(move || snapshot::to_file(&state)).await?;
+            snapshot::store_verified(&store, file, covers_seq).await?;
             anyhow::Ok(())
         })
     };

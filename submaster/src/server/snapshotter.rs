@@ -4,8 +4,9 @@
 //! even copy its state. A leader alone asks its committer for a message boundary
 //! and copies its state right after, in its request loop (no await in between), so
 //! the copy is exactly the fold of the stream up to the boundary's message.
-//! Everything else — waiting for that message to be durable, encoding on a
-//! blocking thread, storing the object, reading it back to verify it, appending
+//! Everything else — waiting for that message to be durable, encoding, storing
+//! the object and reading it back to verify it (on a low-priority thread of their
+//! own, [`crate::snapshot::store_verified`]), appending
 //! the marker event (the leader only: one writer per stream), purging the history
 //! it covers ([`Purger`]) — runs on a task of its own. A stream or object store
 //! that does not answer (a NATS node lost, a JetStream election) then delays the
@@ -91,30 +92,33 @@ impl Snapshotter {
     }
 }
 
-/// Encodes, stores and verifies `file` as covering `covers_seq`, appends the
+impl Drop for Snapshotter {
+    /// A sub-master that stops (or a standby that becomes the leader) abandons
+    /// a snapshot in progress: nothing is appended or purged on its behalf
+    /// after it stopped.
+    fn drop(&mut self) {
+        if let Some(task) = self.running.take() {
+            task.abort();
+        }
+    }
+}
+
+/// Encodes, stores and verifies `file` as covering `covers_seq` (on the
+/// low-priority writer thread, [`crate::snapshot::store_verified`]), appends the
 /// marker through `committer` (if any), then purges. Failures are logged; the next
 /// snapshot tries again.
 async fn write(
-    mut file: SnapshotFile,
+    file: SnapshotFile,
     covers_seq: u64,
     sink: &SnapshotSink,
     committer: Option<&GroupCommitter>,
 ) {
-    file.covers_seq = covers_seq;
     let objects = file.objects.len();
-    let encoded = tokio::task::spawn_blocking(move || file.encode()).await;
-    let saved = match encoded {
-        Ok(Ok(bytes)) => sink.store.save_encoded(covers_seq, bytes).await,
-        Ok(Err(error)) => Err(error),
-        Err(error) => return tracing::warn!(%error, "snapshot encoding failed; will retry"),
-    };
-    let (object, checksum) = match saved {
-        Ok(saved) => saved,
-        Err(error) => return tracing::warn!(%error, "snapshot failed; will retry"),
-    };
-    if let Err(error) = sink.store.verify(&object, checksum).await {
-        return tracing::error!(%error, object, "a stored snapshot did not read back intact; will retry");
-    }
+    let (object, checksum) =
+        match crate::snapshot::store_verified(&sink.store, file, covers_seq).await {
+            Ok(written) => written,
+            Err(error) => return tracing::warn!(%error, "snapshot failed; will retry"),
+        };
     sink.metrics.snapshots.inc();
     tracing::info!(object, covers_seq, objects, "snapshot written and verified");
     if let Some(committer) = committer {

@@ -10,8 +10,10 @@ use crate::error::SubmasterError;
 use crate::state::{Object, State};
 
 mod restorer;
+mod writer;
 
 pub use restorer::Restorer;
+pub use writer::{store_verified, WRITER_NICE};
 
 /// The snapshot of the durable part of `state`, objects oldest first.
 pub fn to_file(state: &State) -> SnapshotFile {
