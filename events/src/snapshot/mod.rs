@@ -218,13 +218,7 @@ impl SnapshotFile {
     pub fn decode(bytes: &[u8]) -> Result<Self, SnapshotError> {
         let mut records = Records::default();
         let header = Self::decode_with(bytes, &mut records)?;
-        Ok(Self {
-            version: header.version,
-            covers_seq: header.covers_seq,
-            max_epoch: header.max_epoch,
-            segments: header.segments,
-            objects: records.0,
-        })
+        Ok(records.into_file(header))
     }
 
     /// Verifies a snapshot's checksum and decodes it object by object into
@@ -266,6 +260,19 @@ impl SnapshotFile {
 /// A visitor collecting the records, for [`SnapshotFile::decode`].
 #[derive(Default)]
 struct Records(Vec<ObjectRecord>);
+
+impl Records {
+    /// The whole snapshot: `header` and the records collected.
+    fn into_file(self, header: SnapshotHeader) -> SnapshotFile {
+        SnapshotFile {
+            version: header.version,
+            covers_seq: header.covers_seq,
+            max_epoch: header.max_epoch,
+            segments: header.segments,
+            objects: self.0,
+        }
+    }
+}
 
 impl SnapshotVisitor for Records {
     fn header(&mut self, _: &SnapshotHeader, objects: usize) {

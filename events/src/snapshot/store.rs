@@ -166,13 +166,7 @@ impl SnapshotStore {
     pub async fn load_newest(&self) -> Result<Option<(String, SnapshotFile)>, SnapshotError> {
         let loaded = self.load_newest_with(Records::default).await?;
         Ok(loaded.map(|(name, header, records)| {
-            let file = SnapshotFile {
-                version: header.version,
-                covers_seq: header.covers_seq,
-                max_epoch: header.max_epoch,
-                segments: header.segments,
-                objects: records.0,
-            };
+            let file = records.into_file(header);
             (name, file)
         }))
     }
