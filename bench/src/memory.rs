@@ -49,6 +49,7 @@ fn build_state(objects: usize) -> anyhow::Result<State> {
             segment: segment.clone(),
             size: 1 << 42,
             endpoint: format!("10.0.0.{s}:7000"),
+            rdma: None,
         }));
     }
     for i in 0..objects {

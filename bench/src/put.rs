@@ -145,6 +145,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
                 segment: SegmentId::new(format!("node-{node}-seg"))?,
                 size: 1 << 44,
                 endpoint: format!("127.0.0.1:{}", 7000 + node),
+                rdma: None,
             })
             .await
             .context("mounting bench segments")?;

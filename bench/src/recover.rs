@@ -120,6 +120,7 @@ impl Bench {
                 segment: segment.clone(),
                 size: 1 << 44,
                 endpoint: format!("127.0.0.1:{}", 7000 + n),
+                rdma: None,
             }));
         }
         let i = n - self.segments.len();

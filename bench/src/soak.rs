@@ -263,6 +263,7 @@ async fn churn(nats: &BenchNats, sizes: &Sizes, printer: &mut Printer) -> anyhow
                 segment: SegmentId::new(format!("soak-n{node}-seg"))?,
                 size: sizes.segment,
                 endpoint: format!("127.0.0.1:{}", 7100 + node),
+                rdma: None,
             })
             .await?;
     }

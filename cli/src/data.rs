@@ -9,7 +9,9 @@ use anyhow::Context as _;
 use hkvm_client::coalesce::CoalesceConfig;
 use hkvm_client::dummy::DummyServer;
 use hkvm_client::store::{Store, StoreAddress, StoreConfig};
-use hkvm_client::{KvClient, NodeConfig, NodeHandle, SubmasterClient};
+use hkvm_client::{
+    KvClient, NodeConfig, NodeHandle, Protocol, RdmaSettings, SubmasterClient, Transports,
+};
 use hkvm_events::NodeId;
 use hkvm_transfer::TcpTransport;
 
@@ -37,6 +39,47 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("{text:?} is too large"))
 }
 
+/// How KV bytes move: `--protocol tcp|rdma` and the RDMA device options.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TransportArgs {
+    /// `tcp`, or `rdma`: serve (a node) and move (a client) bytes over RDMA where
+    /// both ends have it, TCP otherwise. Fails at once on a host without the RDMA
+    /// device asked for, or in a build without the `rdma` feature.
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma"])]
+    pub protocol: String,
+    /// With `--protocol rdma`: the devices to try, comma-separated (e.g.
+    /// `mlx5_0,mlx5_1`); the first that opens is used. Default: the host's first.
+    #[arg(long, default_value = "")]
+    pub rdma_devices: String,
+    /// With `--protocol rdma`: the port's GID index (RoCE v2 usually needs the
+    /// index of an IPv4-mapped GID; `show_gids` lists them).
+    #[arg(long, default_value_t = 0)]
+    pub rdma_gid_index: u8,
+    /// With `--protocol rdma`: the device port (1-based).
+    #[arg(long, default_value_t = 1)]
+    pub rdma_port: u8,
+}
+
+impl TransportArgs {
+    /// The protocol these options ask for.
+    pub fn protocol(&self) -> Protocol {
+        match self.protocol.as_str() {
+            "rdma" => Protocol::Rdma(RdmaSettings {
+                devices: self
+                    .rdma_devices
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|d| !d.is_empty())
+                    .map(str::to_owned)
+                    .collect(),
+                port: self.rdma_port,
+                gid_index: self.rdma_gid_index,
+            }),
+            _ => Protocol::Tcp,
+        }
+    }
+}
+
 /// Options of `hkvm node`.
 #[derive(Debug, clap::Args)]
 pub struct NodeArgs {
@@ -54,6 +97,8 @@ pub struct NodeArgs {
     /// The address peers should use (default: the listen address).
     #[arg(long)]
     pub advertise: Option<String>,
+    #[command(flatten)]
+    pub transport: TransportArgs,
     /// Serve dummy clients (inference processes on this host calling
     /// `setup_dummy(..., "localhost:<port>")`) on the abstract Unix socket
     /// `hkvm-node-<port>`: this node is then their real client.
@@ -82,13 +127,24 @@ pub async fn node(args: NodeArgs) -> anyhow::Result<()> {
     let mut config = NodeConfig::new(id, args.segment_size)?;
     config.listen = args.listen;
     config.advertise = args.advertise;
+    config.protocol = args.transport.protocol();
+    if let Protocol::Rdma(settings) = &config.protocol {
+        hkvm_client::transports::check_rdma(settings)?;
+    }
     let metadata = args.at.client().await?;
     let node = NodeHandle::start(config, metadata).await?;
-    println!(
-        "node serving {} bytes at {}",
-        args.segment_size,
-        node.endpoint()
-    );
+    match node.rdma_endpoint() {
+        Some(rdma) => println!(
+            "node serving {} bytes at {} and over RDMA at {rdma}",
+            args.segment_size,
+            node.endpoint()
+        ),
+        None => println!(
+            "node serving {} bytes at {}",
+            args.segment_size,
+            node.endpoint()
+        ),
+    }
     crate::signals::terminated().await;
     node.shutdown().await.context("unmounting")?;
     Ok(())
@@ -96,6 +152,9 @@ pub async fn node(args: NodeArgs) -> anyhow::Result<()> {
 
 /// Runs a node that is also the real client of this host's dummy clients.
 async fn real_client(args: NodeArgs, port: u16) -> anyhow::Result<()> {
+    if let Protocol::Rdma(settings) = args.transport.protocol() {
+        hkvm_client::transports::check_rdma(&settings)?;
+    }
     let address = StoreAddress {
         servers: args.at.target.url(),
         cluster: args.at.target.cluster.clone(),
@@ -109,6 +168,7 @@ async fn real_client(args: NodeArgs, port: u16) -> anyhow::Result<()> {
     config.global_segment_size = args.segment_size;
     config.listen = Some(args.listen);
     config.node_id = args.id.clone();
+    config.protocol = args.transport.protocol();
     config.coalesce = Some(CoalesceConfig {
         window: std::time::Duration::from_micros(args.coalesce_window_us),
         ..CoalesceConfig::default()
@@ -136,6 +196,8 @@ pub struct PutArgs {
     /// Replicas on distinct nodes.
     #[arg(long, default_value_t = 1)]
     pub replicas: u32,
+    #[command(flatten)]
+    pub transport: TransportArgs,
     /// The key.
     pub key: String,
     /// The file holding the value, or `-` for stdin.
@@ -147,6 +209,8 @@ pub struct PutArgs {
 pub struct GetArgs {
     #[command(flatten)]
     pub at: SubclusterTarget,
+    #[command(flatten)]
+    pub transport: TransportArgs,
     /// The key.
     pub key: String,
     /// Write the value here (default: stdout).
@@ -154,9 +218,14 @@ pub struct GetArgs {
     pub output: Option<PathBuf>,
 }
 
-async fn kv(at: &SubclusterTarget) -> anyhow::Result<KvClient> {
+async fn kv(at: &SubclusterTarget, transport: &TransportArgs) -> anyhow::Result<KvClient> {
+    let mut transports = Transports::single(Arc::new(TcpTransport::default()));
+    if let Protocol::Rdma(settings) = transport.protocol() {
+        let rdma = hkvm_client::transports::open_rdma(&settings)?;
+        transports = transports.with_rdma(rdma);
+    }
     let metadata: SubmasterClient = at.client().await?;
-    Ok(KvClient::new(metadata, Arc::new(TcpTransport::default())))
+    Ok(KvClient::with_transports(metadata, transports))
 }
 
 /// Stores a file (or stdin) under a key.
@@ -171,7 +240,7 @@ pub async fn put(args: PutArgs) -> anyhow::Result<()> {
     } else {
         std::fs::read(&args.file).with_context(|| format!("reading {}", args.file.display()))?
     };
-    kv(&args.at)
+    kv(&args.at, &args.transport)
         .await?
         .put(&args.key, &value, args.replicas)
         .await?;
@@ -189,7 +258,10 @@ pub async fn put(args: PutArgs) -> anyhow::Result<()> {
 /// # Errors
 /// When the key is missing, no replica is intact, or writing fails.
 pub async fn get(args: GetArgs) -> anyhow::Result<()> {
-    let fetched = kv(&args.at).await?.get(&args.key).await?;
+    let fetched = kv(&args.at, &args.transport)
+        .await?
+        .get(&args.key)
+        .await?;
     match &args.output {
         Some(path) => std::fs::write(path, &fetched.value)
             .with_context(|| format!("writing {}", path.display()))?,

@@ -15,6 +15,7 @@ pub mod node;
 pub mod retry;
 pub mod store;
 pub mod submaster;
+pub mod transports;
 
 pub use connect::{connect, ConnectError};
 pub use error::{ClientError, ClientErrorKind, RetryCause};
@@ -24,3 +25,4 @@ pub use leader_watch::LeaderWatch;
 pub use node::{NodeConfig, NodeError, NodeHandle};
 pub use retry::{ClientStats, Presence, Resend, RetryPolicy, RpcCaller};
 pub use submaster::SubmasterClient;
+pub use transports::{Protocol, RdmaSettings, Route, Transports};

@@ -1,19 +1,21 @@
-//! A node ("real client"): owns one memory segment, serves it over the transport,
-//! mounts it with its sub-master, pings it, remounts when a new leader does not know
-//! it (Mooncake's NEED_REMOUNT), and unmounts on shutdown.
+//! A node ("real client"): owns one memory segment, serves it over TCP (and over
+//! RDMA when asked: `Protocol::Rdma`), mounts it with its sub-master advertising
+//! both, pings it, remounts when a new leader does not know it (Mooncake's
+//! NEED_REMOUNT), and unmounts on shutdown.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use hkvm_events::rpc::submaster::{MountSegment, Ping, Remount, UnmountSegment};
-use hkvm_events::{NodeId, SegmentId};
-use hkvm_transfer::{RegionId, Segment, ServerHandle, TcpConfig, TcpTransport, Transport as _};
+use hkvm_events::{NodeId, RdmaEndpoint, SegmentId};
+use hkvm_transfer::{RegionId, Segment, ServerHandle, TcpConfig, TcpTransport, Transport};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::error::ClientError;
 use crate::submaster::SubmasterClient;
+use crate::transports::Protocol;
 
 /// How a node runs.
 #[derive(Debug, Clone)]
@@ -31,6 +33,9 @@ pub struct NodeConfig {
     pub advertise: Option<String>,
     /// How often it pings the sub-master.
     pub ping_interval: Duration,
+    /// TCP only, or RDMA too (the node then fails to start on a host without the
+    /// device asked for).
+    pub protocol: Protocol,
 }
 
 impl NodeConfig {
@@ -47,6 +52,7 @@ impl NodeConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             advertise: None,
             ping_interval: Duration::from_secs(1),
+            protocol: Protocol::Tcp,
         })
     }
 }
@@ -69,6 +75,7 @@ pub struct NodeHandle {
     stop: watch::Sender<bool>,
     pinger: JoinHandle<()>,
     server: ServerHandle,
+    rdma: Option<RdmaServing>,
     client: SubmasterClient,
     config: NodeConfig,
 }
@@ -98,12 +105,87 @@ fn advertised_endpoint(advertise: Option<&str>, listening: SocketAddr) -> String
     }
 }
 
-fn mount_request(config: &NodeConfig, endpoint: &str) -> MountSegment {
+fn mount_request(
+    config: &NodeConfig,
+    endpoint: &str,
+    rdma: Option<&RdmaEndpoint>,
+) -> MountSegment {
     MountSegment {
         node: config.node.clone(),
         segment: config.segment.clone(),
         size: config.segment_size,
         endpoint: endpoint.to_owned(),
+        rdma: rdma.cloned(),
+    }
+}
+
+/// A node's segment served over RDMA: the transport (which peers' queue pairs
+/// reach), its exchange server and what the node advertises.
+struct RdmaServing {
+    transport: Arc<dyn Transport>,
+    server: ServerHandle,
+    advert: RdmaEndpoint,
+}
+
+/// Opens RDMA as `config` asks, registers the segment and serves queue-pair
+/// exchanges next to the TCP listener (same address, a port of its own).
+#[cfg(feature = "rdma")]
+async fn serve_rdma(
+    config: &NodeConfig,
+    segment: &Arc<Segment>,
+    tcp_endpoint: &str,
+) -> Result<Option<RdmaServing>, NodeError> {
+    let Protocol::Rdma(settings) = &config.protocol else {
+        return Ok(None);
+    };
+    let transport = crate::transports::open_rdma(settings)?;
+    transport.register(Arc::clone(segment))?;
+    let listener = tokio::net::TcpListener::bind(SocketAddr::new(config.listen.ip(), 0))
+        .await
+        .map_err(|source| hkvm_transfer::TransferError::Io {
+            what: "binding the RDMA exchange listener",
+            source,
+        })?;
+    let server = transport.serve(listener)?;
+    let host = tcp_endpoint
+        .rsplit_once(':')
+        .map_or(tcp_endpoint, |(host, _)| host);
+    let port = transport.port_address();
+    let region = transport.served_region(segment.id()).ok_or_else(|| {
+        hkvm_transfer::TransferError::UnknownRegion {
+            region: segment.id().to_string(),
+        }
+    })?;
+    let advert = RdmaEndpoint {
+        device: port.device,
+        gid: port.gid,
+        lid: port.lid,
+        exchange: format!("{host}:{}", server.local_addr().port()),
+        rkey: region.rkey,
+        addr: region.addr,
+        len: region.len,
+    };
+    tracing::info!(node = %config.node, rdma = %advert, "node serves its segment over RDMA");
+    Ok(Some(RdmaServing {
+        transport,
+        server,
+        advert,
+    }))
+}
+
+/// Without the `rdma` feature a node asked for RDMA fails at once.
+#[cfg(not(feature = "rdma"))]
+async fn serve_rdma(
+    config: &NodeConfig,
+    _segment: &Arc<Segment>,
+    _tcp_endpoint: &str,
+) -> Result<Option<RdmaServing>, NodeError> {
+    match &config.protocol {
+        Protocol::Tcp => Ok(None),
+        Protocol::Rdma(settings) => match crate::transports::open_rdma(settings) {
+            Err(error) => Err(error.into()),
+            Ok(_) => unreachable!("open_rdma always fails without the rdma feature"),
+        },
     }
 }
 
@@ -119,13 +201,16 @@ impl NodeHandle {
         transport.register(Arc::clone(&segment))?;
         let server = transport.bind(config.listen).await?;
         let endpoint = advertised_endpoint(config.advertise.as_deref(), server.local_addr());
+        let rdma = serve_rdma(&config, &segment, &endpoint).await?;
+        let advert = rdma.as_ref().map(|serving| serving.advert.clone());
         client
-            .mount_segment(mount_request(&config, &endpoint))
+            .mount_segment(mount_request(&config, &endpoint, advert.as_ref()))
             .await?;
-        tracing::info!(node = %config.node, segment = %config.segment, size = config.segment_size, %endpoint, "node mounted its segment");
+        tracing::info!(node = %config.node, segment = %config.segment, size = config.segment_size, %endpoint, rdma = advert.is_some(), "node mounted its segment");
         let (stop, mut stopped) = watch::channel(false);
         let pinger = {
             let (client, config, endpoint) = (client.clone(), config.clone(), endpoint.clone());
+            let advert = advert.clone();
             tokio::spawn(async move {
                 let mut tick = tokio::time::interval(config.ping_interval);
                 loop {
@@ -143,7 +228,11 @@ impl NodeHandle {
                             tracing::warn!(node = %config.node, epoch = reply.epoch, "the leader does not know this node: remounting");
                             let remount = Remount {
                                 node: config.node.clone(),
-                                segments: vec![mount_request(&config, &endpoint)],
+                                segments: vec![mount_request(
+                                    &config,
+                                    &endpoint,
+                                    advert.as_ref(),
+                                )],
                             };
                             if let Err(error) = client.remount(remount).await {
                                 tracing::warn!(%error, "remount failed; will retry");
@@ -161,9 +250,21 @@ impl NodeHandle {
             stop,
             pinger,
             server,
+            rdma,
             client,
             config,
         })
+    }
+
+    /// What the node advertises for RDMA, when it serves RDMA.
+    pub fn rdma_endpoint(&self) -> Option<&RdmaEndpoint> {
+        self.rdma.as_ref().map(|serving| &serving.advert)
+    }
+
+    /// The node's RDMA transport, when it serves RDMA: a client in the same process
+    /// moves its bytes with it too (one device context, one protection domain).
+    pub fn rdma_transport(&self) -> Option<&Arc<dyn Transport>> {
+        self.rdma.as_ref().map(|serving| &serving.transport)
     }
 
     /// The endpoint peers reach this node at.
@@ -191,6 +292,9 @@ impl NodeHandle {
             })
             .await;
         self.server.shutdown().await;
+        if let Some(rdma) = self.rdma {
+            rdma.server.shutdown().await;
+        }
         unmounted
     }
 
@@ -198,6 +302,9 @@ impl NodeHandle {
     pub async fn kill(self) {
         self.pinger.abort();
         self.server.shutdown().await;
+        if let Some(rdma) = self.rdma {
+            rdma.server.shutdown().await;
+        }
     }
 }
 

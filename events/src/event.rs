@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::id::{NodeId, SegmentId};
+use crate::transport::RdmaEndpoint;
 
 /// xxh3-64 of a key: the hash every index uses.
 pub fn key_hash(key: &str) -> u64 {
@@ -41,6 +42,9 @@ pub struct SegmentMounted {
     /// Where the node serves transfers (`host:port`).
     #[serde(rename = "e")]
     pub endpoint: String,
+    /// How peers reach the segment over RDMA (none: TCP only).
+    #[serde(rename = "r", default, skip_serializing_if = "Option::is_none")]
+    pub rdma: Option<RdmaEndpoint>,
 }
 
 /// A segment was unmounted; every replica on it is gone.

@@ -18,6 +18,7 @@ pub mod rpc;
 pub mod snapshot;
 pub mod stream;
 pub mod subject;
+pub mod transport;
 
 pub use codec::{decode_message, encode_message, DecodedMessage, Header, MessageBuilder};
 pub use error::{DecodeError, EncodeError, EventError, EventErrorKind};
@@ -27,3 +28,4 @@ pub use event::{
 };
 pub use id::{ClusterId, IdError, NodeId, ProducerId, SegmentId, SubclusterId};
 pub use limits::{Limits, ValidationError};
+pub use transport::RdmaEndpoint;

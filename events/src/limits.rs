@@ -146,7 +146,14 @@ impl Limits {
         match event {
             KvEvent::SegmentMounted(mounted) => {
                 Self::check_size("segment", mounted.size, self.max_segment_size)?;
-                self.check_name("endpoint", &mounted.endpoint)
+                self.check_name("endpoint", &mounted.endpoint)?;
+                match &mounted.rdma {
+                    Some(rdma) => {
+                        self.check_name("RDMA device", &rdma.device)?;
+                        self.check_name("RDMA exchange endpoint", &rdma.exchange)
+                    }
+                    None => Ok(()),
+                }
             }
             KvEvent::SegmentUnmounted(_) | KvEvent::NodeLost(_) => Ok(()),
             KvEvent::PutCommitted(put) => {

@@ -5,7 +5,7 @@
 use hkvm_events::codec::{decode_message, encode_message, Header, ENVELOPE_VERSION};
 use hkvm_events::{
     DecodeError, EventErrorKind, EventKind, Evicted, KvEvent, Limits, NodeId, NodeLost, Placement,
-    ProducerId, PutCommitted, PutFlags, Removed, SegmentId, SegmentMounted, SegmentUnmounted,
+    ProducerId, PutCommitted, PutFlags, RdmaEndpoint, Removed, SegmentId, SegmentMounted, SegmentUnmounted,
     SnapshotTaken, ValidationError,
 };
 use proptest::prelude::*;
@@ -45,6 +45,7 @@ fn one_of_each() -> Vec<KvEvent> {
             segment: segment("seg-a"),
             size: 1 << 30,
             endpoint: "10.0.0.1:7000".into(),
+            rdma: None,
         }),
         KvEvent::PutCommitted(pinned),
         KvEvent::Evicted(Evicted {
@@ -318,6 +319,27 @@ fn arb_id() -> impl Strategy<Value = String> {
     "[A-Za-z0-9_-]{1,16}"
 }
 
+fn arb_rdma() -> impl Strategy<Value = RdmaEndpoint> {
+    (
+        "[a-z0-9_]{1,12}",
+        any::<[u8; 16]>(),
+        any::<u16>(),
+        "[a-z0-9.:]{1,20}",
+        any::<u32>(),
+        any::<u64>(),
+        any::<u64>(),
+    )
+        .prop_map(|(device, gid, lid, exchange, rkey, addr, len)| RdmaEndpoint {
+            device,
+            gid,
+            lid,
+            exchange,
+            rkey,
+            addr,
+            len,
+        })
+}
+
 fn arb_event() -> impl Strategy<Value = KvEvent> {
     let put = (
         ".{1,40}",
@@ -348,14 +370,22 @@ fn arb_event() -> impl Strategy<Value = KvEvent> {
         keys.clone()
             .prop_map(|keys| KvEvent::Evicted(Evicted { keys })),
         keys.prop_map(|keys| KvEvent::Removed(Removed { keys })),
-        (arb_id(), arb_id(), any::<u32>(), "[a-z0-9.:]{0,20}").prop_map(
-            |(node, seg, size, endpoint)| KvEvent::SegmentMounted(SegmentMounted {
-                node: NodeId::new(node).unwrap(),
-                segment: SegmentId::new(seg).unwrap(),
-                size: u64::from(size),
-                endpoint,
-            })
-        ),
+        (
+            arb_id(),
+            arb_id(),
+            any::<u32>(),
+            "[a-z0-9.:]{0,20}",
+            proptest::option::of(arb_rdma())
+        )
+            .prop_map(|(node, seg, size, endpoint, rdma)| {
+                KvEvent::SegmentMounted(SegmentMounted {
+                    node: NodeId::new(node).unwrap(),
+                    segment: SegmentId::new(seg).unwrap(),
+                    size: u64::from(size),
+                    endpoint,
+                    rdma,
+                })
+            }),
         arb_id().prop_map(|node| KvEvent::NodeLost(NodeLost {
             node: NodeId::new(node).unwrap()
         })),

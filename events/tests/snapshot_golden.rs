@@ -18,12 +18,14 @@ fn sample() -> SnapshotFile {
             segment: SegmentId::new("n0-seg").unwrap(),
             size: 1 << 20,
             endpoint: "10.0.0.1:7000".into(),
+            rdma: None,
         },
         SegmentRecord {
             node: NodeId::new("n1").unwrap(),
             segment: SegmentId::new("n1-seg").unwrap(),
             size: 1 << 20,
             endpoint: "10.0.0.2:7000".into(),
+            rdma: None,
         },
     ];
     file.objects = vec![

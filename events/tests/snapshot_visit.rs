@@ -45,6 +45,7 @@ fn file(objects: &[Spec]) -> SnapshotFile {
             segment: SegmentId::new(format!("n{i}-seg")).unwrap(),
             size: 1 << 30,
             endpoint: format!("10.0.0.{i}:7000"),
+            rdma: None,
         })
         .collect();
     file.objects = objects

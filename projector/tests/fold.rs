@@ -82,6 +82,7 @@ fn segments_follow_mounts_and_node_loss() {
                 segment: SegmentId::new(segment).unwrap(),
                 size: 100,
                 endpoint: "h:1".into(),
+                rdma: None,
             }),
         );
     }

@@ -207,8 +207,8 @@ class MooncakeDistributedStore:
         if segment < 0 or buffer < 0:
             log.error("setup: sizes must not be negative")
             return ErrorCode.INVALID_PARAMS
-        if str(protocol).lower() != "tcp":
-            log.error("setup: protocol %r is not available (this build moves data over tcp)", protocol)
+        if str(protocol).lower() not in ("tcp", "rdma"):
+            log.error("setup: unknown protocol %r (expected tcp or rdma)", protocol)
             return ErrorCode.INVALID_PARAMS
         with self._lock:
             if self._native is not None:
@@ -216,7 +216,12 @@ class MooncakeDistributedStore:
                 return ErrorCode.INVALID_PARAMS
             try:
                 self._native = _native.NativeStore(
-                    str(local_hostname), str(master_server_addr), segment, buffer
+                    str(local_hostname),
+                    str(master_server_addr),
+                    segment,
+                    buffer,
+                    str(protocol).lower(),
+                    str(rdma_devices or ""),
                 )
             except _native.HkvmError as error:
                 code, message = error.args

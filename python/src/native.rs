@@ -7,7 +7,7 @@ use std::future::Future;
 use hkvm_client::store::{
     segment_for, BufferRegistry, ErrorCode, Store, StoreAddress, StoreConfig, StoreError,
 };
-use hkvm_client::PutOptions;
+use hkvm_client::{Protocol, PutOptions};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes};
 
@@ -122,18 +122,22 @@ impl NativeStore {
     /// # Errors
     /// `HkvmError((code, message))` when anything fails.
     #[new]
-    #[pyo3(signature = (local_hostname, master_server_addr, global_segment_size, local_buffer_size))]
+    #[pyo3(signature = (local_hostname, master_server_addr, global_segment_size, local_buffer_size, protocol = "tcp", rdma_devices = ""))]
     fn new(
         py: Python<'_>,
         local_hostname: String,
         master_server_addr: &str,
         global_segment_size: u64,
         local_buffer_size: u64,
+        protocol: &str,
+        rdma_devices: &str,
     ) -> PyResult<Self> {
         let fail = |error: StoreError| HkvmError::new_err((error.code().value(), describe(&error)));
         let address: StoreAddress = master_server_addr
             .parse()
             .map_err(|e| fail(StoreError::Address(e)))?;
+        let protocol = Protocol::parse(protocol, rdma_devices)
+            .map_err(|e| fail(StoreError::InvalidParams(e.to_string())))?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("hkvm-store")
@@ -143,6 +147,7 @@ impl NativeStore {
         let mut config = StoreConfig::new(address, local_hostname);
         config.global_segment_size = global_segment_size;
         config.local_buffer_size = local_buffer_size;
+        config.protocol = protocol;
         let store = py
             .detach(|| runtime.block_on(Store::open(config)))
             .map_err(fail)?;
@@ -433,15 +438,25 @@ impl NativeStore {
     /// Registers `[ptr, ptr + size)` for zero-copy calls: 0, or -600 for a null,
     /// empty or overlapping range.
     fn register_buffer(&self, ptr: usize, size: usize) -> i32 {
-        match self.buffers.register(ptr, size) {
+        if self.buffers.register(ptr, size).is_err() {
+            return INVALID;
+        }
+        // SAFETY: the caller keeps registered memory alive until it unregisters it
+        // (the contract of Mooncake's `register_buffer`).
+        match unsafe { self.store.register_local(ptr as *mut u8, size) } {
             Ok(()) => 0,
-            Err(_) => INVALID,
+            Err(error) => {
+                tracing::warn!(%error, "the transport refused the buffer");
+                self.buffers.unregister(ptr);
+                INVALID
+            }
         }
     }
 
     /// Forgets a registration: 0, or -600 when `ptr` starts none.
     fn unregister_buffer(&self, ptr: usize) -> i32 {
         if self.buffers.unregister(ptr) {
+            self.store.unregister_local(ptr as *mut u8);
             0
         } else {
             INVALID

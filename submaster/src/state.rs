@@ -11,7 +11,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use hkvm_events::{KvEvent, NodeId, Placement, PutCommitted, PutFlags, SegmentId, SegmentMounted};
+use hkvm_events::{
+    KvEvent, NodeId, Placement, PutCommitted, PutFlags, RdmaEndpoint, SegmentId, SegmentMounted,
+};
 
 use crate::allocator::SegmentAllocator;
 use crate::keyhash::KeyHashBuilder;
@@ -63,6 +65,8 @@ pub struct Segment {
     pub node: NodeId,
     /// The node's transfer endpoint.
     pub endpoint: String,
+    /// How peers reach it over RDMA (none: TCP only).
+    pub rdma: Option<RdmaEndpoint>,
     /// Free-space bookkeeping.
     pub allocator: SegmentAllocator,
 }
@@ -170,6 +174,7 @@ impl State {
                 // A remount (same name): refresh where it is served, keep its data.
                 let old = std::mem::replace(&mut segment.node, mounted.node.clone());
                 segment.endpoint.clone_from(&mounted.endpoint);
+                segment.rdma.clone_from(&mounted.rdma);
                 self.forget_node_segment(&old);
                 *self
                     .segments_per_node
@@ -182,6 +187,7 @@ impl State {
             id: mounted.segment.clone(),
             node: mounted.node.clone(),
             endpoint: mounted.endpoint.clone(),
+            rdma: mounted.rdma.clone(),
             allocator: SegmentAllocator::new(mounted.size),
         };
         let slot = match self.free_slots.pop() {
@@ -416,13 +422,14 @@ impl State {
     /// space) and the same objects. Used by tests and the restore check.
     pub fn same_durable_state(&self, other: &State) -> bool {
         let segments = |state: &State| {
-            let mut list: Vec<(String, String, String, u64, u64)> = state
+            let mut list: Vec<(String, String, String, Option<RdmaEndpoint>, u64, u64)> = state
                 .segments()
                 .map(|(_, s)| {
                     (
                         s.id.to_string(),
                         s.node.to_string(),
                         s.endpoint.clone(),
+                        s.rdma.clone(),
                         s.allocator.size(),
                         s.allocator.free_bytes(),
                     )
@@ -534,6 +541,7 @@ mod tests {
             segment: SegmentId::new(segment).unwrap(),
             size: 1 << 20,
             endpoint: "127.0.0.1:1".to_owned(),
+            rdma: None,
         }));
     }
 

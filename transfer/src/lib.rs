@@ -16,6 +16,7 @@ pub mod transport;
 pub mod wan;
 
 pub use error::{ErrorKind, TransferError};
+pub use rdma::exchange::RemoteRegion;
 pub use region::{RegionId, RegionTable, Segment};
 pub use tcp::{ServerHandle, TcpConfig, TcpTransport};
 pub use transport::{ReadInto, ReadOp, Transport, WriteOp};

@@ -7,6 +7,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 
 use crate::error::TransferError;
+use crate::rdma::exchange::RemoteRegion;
 use crate::region::{RegionId, Segment};
 
 /// One write of a batch: `data` goes to `offset` of region `region` at the peer.
@@ -67,6 +68,38 @@ pub trait Transport: Send + Sync {
     /// # Errors
     /// [`TransferError::UnknownRegion`] when it is not registered.
     fn unregister(&self, id: &RegionId) -> Result<Arc<Segment>, TransferError>;
+
+    /// Records where a peer's region is, as its node advertised it out of band (a
+    /// segment descriptor). Backends that address a peer's memory directly (RDMA)
+    /// can then reach a region the peer registered after they connected; TCP names
+    /// regions by id and ignores it.
+    fn learn_region(&self, endpoint: &str, region: RemoteRegion) {
+        let _ = (endpoint, region);
+    }
+
+    /// Registers caller memory `[ptr, ptr + len)` so that batches whose local bytes
+    /// lie inside it move them without a copy: RDMA registers it as a memory
+    /// region; TCP, which copies through the socket anyway, records nothing.
+    ///
+    /// # Safety
+    /// The memory must stay mapped, and must not be freed while a batch uses it,
+    /// until [`Transport::unregister_local`] for `ptr` returned.
+    ///
+    /// # Errors
+    /// [`TransferError::Invalid`] for a null, empty or overlapping range; a
+    /// backend-specific error when the memory cannot be registered.
+    unsafe fn register_local(&self, ptr: *mut u8, len: usize) -> Result<(), TransferError> {
+        let _ = (ptr, len);
+        Ok(())
+    }
+
+    /// Ends the registration [`Transport::register_local`] made at `ptr` (once no
+    /// running batch uses it); whether there was one. Backends that record nothing
+    /// answer `false`.
+    fn unregister_local(&self, ptr: *mut u8) -> bool {
+        let _ = ptr;
+        false
+    }
 
     /// Writes every op of the batch to the peer at `endpoint`.
     ///

@@ -79,6 +79,7 @@ impl Client {
                 segment: SegmentId::new(format!("{}-seg", self.node))?,
                 size: 1 << 34,
                 endpoint: format!("10.{}.{}.1:7000", self.index / 256, self.index % 256),
+                rdma: None,
             })
             .await?;
         Ok(())

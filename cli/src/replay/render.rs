@@ -36,6 +36,10 @@ fn event_fields(event: &KvEvent) -> Value {
         KvEvent::SegmentMounted(e) => json!({
             "node": e.node.as_str(), "segment": e.segment.as_str(),
             "size": e.size, "endpoint": e.endpoint,
+            "rdma": e.rdma.as_ref().map(|r| json!({
+                "device": r.device, "gid": r.gid_text(), "lid": r.lid,
+                "exchange": r.exchange, "rkey": r.rkey, "addr": format!("{:#x}", r.addr),
+            })),
         }),
         KvEvent::SegmentUnmounted(e) => {
             json!({"node": e.node.as_str(), "segment": e.segment.as_str()})
@@ -61,10 +65,16 @@ fn event_fields(event: &KvEvent) -> Value {
 /// The kind-specific part of a text line.
 fn event_text(event: &KvEvent) -> String {
     match event {
-        KvEvent::SegmentMounted(e) => format!(
-            "node={} segment={} size={} endpoint={}",
-            e.node, e.segment, e.size, e.endpoint
-        ),
+        KvEvent::SegmentMounted(e) => match &e.rdma {
+            None => format!(
+                "node={} segment={} size={} endpoint={}",
+                e.node, e.segment, e.size, e.endpoint
+            ),
+            Some(rdma) => format!(
+                "node={} segment={} size={} endpoint={} rdma={rdma}",
+                e.node, e.segment, e.size, e.endpoint
+            ),
+        },
         KvEvent::SegmentUnmounted(e) => format!("node={} segment={}", e.node, e.segment),
         KvEvent::NodeLost(e) => format!("node={}", e.node),
         KvEvent::PutCommitted(e) => {

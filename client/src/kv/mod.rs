@@ -12,6 +12,8 @@ use hkvm_events::rpc::submaster::{ItemError, ReplicaList, ReplicaLocation};
 use hkvm_events::{SegmentId, SubclusterId};
 use hkvm_transfer::{TransferError, Transport};
 
+use crate::transports::Transports;
+
 use crate::error::{ClientError, ClientErrorKind};
 use crate::submaster::SubmasterClient;
 
@@ -145,7 +147,7 @@ pub struct Fetched {
 #[derive(Clone)]
 pub struct KvClient {
     metadata: SubmasterClient,
-    transport: Arc<dyn Transport>,
+    transports: Arc<Transports>,
     /// This process's own node endpoint, read first when it holds a replica.
     local_endpoint: Option<String>,
 }
@@ -154,19 +156,29 @@ impl std::fmt::Debug for KvClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KvClient")
             .field("subcluster", self.metadata.subcluster())
-            .field("backend", &self.transport.backend())
+            .field("transports", &self.transports)
             .finish()
     }
 }
 
 impl KvClient {
-    /// A client over `metadata` moving bytes with `transport`.
+    /// A client over `metadata` moving every replica's bytes with `transport`.
     pub fn new(metadata: SubmasterClient, transport: Arc<dyn Transport>) -> Self {
+        Self::with_transports(metadata, Transports::single(transport))
+    }
+
+    /// A client over `metadata` choosing per replica among `transports`.
+    pub fn with_transports(metadata: SubmasterClient, transports: Transports) -> Self {
         Self {
             metadata,
-            transport,
+            transports: Arc::new(transports),
             local_endpoint: None,
         }
+    }
+
+    /// Its transports.
+    pub fn transports(&self) -> &Transports {
+        &self.transports
     }
 
     /// Prefer replicas on this endpoint (the caller's own node) when reading.

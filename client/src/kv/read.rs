@@ -245,8 +245,10 @@ impl KvClient {
                 if ops.is_empty() {
                     Ok(())
                 } else {
-                    self.transport
-                        .read_batch_into(&replica.endpoint, &mut ops)
+                    let route = self.transports.route(replica);
+                    route
+                        .transport
+                        .read_batch_into(route.endpoint, &mut ops)
                         .await
                 }
             };
@@ -292,7 +294,8 @@ impl KvClient {
                 offset: replica.offset,
                 len: list.size,
             }];
-            match self.transport.read_batch(&replica.endpoint, &op).await {
+            let route = self.transports.route(replica);
+            match route.transport.read_batch(route.endpoint, &op).await {
                 Ok(mut values) => match values.pop() {
                     Some(value) if value_checksum(&value) == list.checksum => {
                         return Ok(Fetched {

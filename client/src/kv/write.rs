@@ -339,7 +339,8 @@ impl KvClient {
             if ops.is_empty() {
                 return Ok(());
             }
-            self.transport.write_batch(&replica.endpoint, &ops).await
+            let route = self.transports.route(replica);
+            route.transport.write_batch(route.endpoint, &ops).await
         });
         for result in join_all(writes).await {
             result.map_err(|source| KvError::Write {

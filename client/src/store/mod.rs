@@ -1,7 +1,7 @@
 //! An embedded real client with Mooncake Store's semantics, the core behind the
 //! Python `MooncakeDistributedStore`: setting it up makes the process a node of its
-//! sub-cluster (contributing a memory segment it serves over TCP) and a client of
-//! the whole cluster. Puts go to its sub-master (first writer wins, as in
+//! sub-cluster (contributing a memory segment it serves over TCP, and over RDMA with
+//! `Protocol::Rdma`) and a client of the whole cluster. Puts go to its sub-master (first writer wins, as in
 //! Mooncake); reads, existence and removal find keys in other sub-clusters through
 //! the global master. Every value is checksummed end to end.
 
@@ -30,6 +30,7 @@ use crate::connect::{connect, ConnectError};
 use crate::kv::{KvClient, KvError, Located, PutOptions};
 use crate::node::{NodeConfig, NodeError, NodeHandle};
 use crate::retry::RetryPolicy;
+use crate::transports::{Protocol, Transports};
 use crate::{ClientError, GlobalClient, SubmasterClient};
 
 /// How a store is set up.
@@ -56,6 +57,10 @@ pub struct StoreConfig {
     pub listen: Option<std::net::SocketAddr>,
     /// Coalesce concurrent metadata calls (a real client serving dummies).
     pub coalesce: Option<crate::coalesce::CoalesceConfig>,
+    /// How this process's node serves and its client moves bytes: TCP, or RDMA
+    /// where both ends have it (setup fails on a host without the device asked
+    /// for).
+    pub protocol: Protocol,
 }
 
 impl StoreConfig {
@@ -74,6 +79,7 @@ impl StoreConfig {
             node_id: None,
             listen: None,
             coalesce: None,
+            protocol: Protocol::Tcp,
         }
     }
 }
@@ -121,6 +127,13 @@ impl StoreError {
             Self::Connect(_) | Self::Unreachable { .. } => ErrorCode::RpcFail,
             Self::Node(NodeError::Mount(error)) | Self::Client(error) => {
                 ErrorCode::of_client(error)
+            }
+            // RDMA asked for on a host (or build) without it: a setup argument
+            // this host cannot honour.
+            Self::Node(NodeError::Transfer(error))
+                if error.kind() == hkvm_transfer::ErrorKind::NoDevice =>
+            {
+                ErrorCode::InvalidParams
             }
             Self::Node(NodeError::Transfer(_)) => ErrorCode::InternalError,
             Self::Kv(error) => ErrorCode::of_kv(error),
@@ -212,6 +225,10 @@ impl Store {
     /// reach, or a node that cannot start.
     pub async fn open(config: StoreConfig) -> Result<Self, StoreError> {
         let address = config.address.clone();
+        if let Protocol::Rdma(settings) = &config.protocol {
+            crate::transports::check_rdma(settings)
+                .map_err(|error| StoreError::Node(NodeError::Transfer(error)))?;
+        }
         let nats = connect(&address.servers, "hkvm-store").await?;
         let mut metadata = SubmasterClient::with_policy(
             nats.clone(),
@@ -240,8 +257,6 @@ impl Store {
                 source,
             })?;
         let (host, port) = split_host(&config.local_hostname)?;
-        let transport = Arc::new(TcpTransport::new(TcpConfig::default()));
-        let mut kv = KvClient::new(metadata.clone(), transport);
         let (hostname, node) = if config.global_segment_size > 0 {
             let ip = tokio::net::lookup_host((host.as_str(), 0))
                 .await
@@ -267,13 +282,26 @@ impl Store {
                 .map_err(|e| StoreError::InvalidParams(e.to_string()))?;
             node_config.listen = listen;
             node_config.advertise = Some(endpoint.clone());
-            let node = NodeHandle::start(node_config, metadata).await?;
-            kv = kv.with_local_endpoint(node.endpoint());
+            node_config.protocol = config.protocol.clone();
+            let node = NodeHandle::start(node_config, metadata.clone()).await?;
             (node.endpoint().to_owned(), Some(node))
         } else {
             (config.local_hostname.clone(), None)
         };
-        tracing::info!(%address, hostname, segment_bytes = config.global_segment_size, "store set up");
+        let mut transports = Transports::single(Arc::new(TcpTransport::new(TcpConfig::default())));
+        if let Protocol::Rdma(settings) = &config.protocol {
+            let rdma = match node.as_ref().and_then(NodeHandle::rdma_transport) {
+                Some(shared) => Arc::clone(shared),
+                None => crate::transports::open_rdma(settings)
+                    .map_err(|error| StoreError::Node(NodeError::Transfer(error)))?,
+            };
+            transports = transports.with_rdma(rdma);
+        }
+        let mut kv = KvClient::with_transports(metadata, transports);
+        if let Some(node) = &node {
+            kv = kv.with_local_endpoint(node.endpoint());
+        }
+        tracing::info!(%address, hostname, segment_bytes = config.global_segment_size, protocol = config.protocol.name(), "store set up");
         let global =
             GlobalClient::with_caller(kv.metadata().caller().clone(), address.cluster.clone());
         Ok(Self {
@@ -301,6 +329,27 @@ impl Store {
     /// The KV client (for callers that need more than this API).
     pub fn kv(&self) -> &KvClient {
         &self.kv
+    }
+
+    /// Registers caller memory that zero-copy calls will use, with the transports
+    /// that move registered memory without a copy (RDMA: a memory region).
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` stays mapped until [`Store::unregister_local`] for `ptr`
+    /// returned, and is not freed while a call uses it.
+    ///
+    /// # Errors
+    /// [`StoreError::InvalidParams`] when the transport refuses the range (null,
+    /// empty, overlapping, or the device cannot register it).
+    pub unsafe fn register_local(&self, ptr: *mut u8, len: usize) -> Result<(), StoreError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.kv.transports().register_local(ptr, len) }
+            .map_err(|error| StoreError::InvalidParams(format!("registering a buffer: {error}")))
+    }
+
+    /// Ends a registration of [`Store::register_local`]; whether there was one.
+    pub fn unregister_local(&self, ptr: *mut u8) -> bool {
+        self.kv.transports().unregister_local(ptr)
     }
 
     fn check_open(&self) -> Result<(), StoreError> {

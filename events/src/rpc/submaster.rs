@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::id::{NodeId, SegmentId};
+use crate::transport::RdmaEndpoint;
 
 /// Most items in one batch request a sub-master accepts by default; clients split
 /// longer batches into requests of at most this many items.
@@ -161,6 +162,9 @@ pub struct ReplicaLocation {
     pub endpoint: String,
     /// Byte offset inside the segment.
     pub offset: u64,
+    /// How to reach the segment over RDMA, when its node serves RDMA.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rdma: Option<RdmaEndpoint>,
 }
 
 /// A node mounts a memory segment (or re-announces it after a leader change).
@@ -174,6 +178,9 @@ pub struct MountSegment {
     pub size: u64,
     /// Transfer endpoint (`host:port`).
     pub endpoint: String,
+    /// How peers reach the segment over RDMA (none: TCP only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rdma: Option<RdmaEndpoint>,
 }
 
 /// A node unmounts a segment: every object with a replica there loses it.

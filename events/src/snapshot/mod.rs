@@ -47,6 +47,9 @@ pub struct SegmentRecord {
     /// Where its node serves transfers.
     #[serde(rename = "e")]
     pub endpoint: String,
+    /// How peers reach it over RDMA (none: TCP only).
+    #[serde(rename = "r", default, skip_serializing_if = "Option::is_none")]
+    pub rdma: Option<crate::transport::RdmaEndpoint>,
 }
 
 /// One committed object.

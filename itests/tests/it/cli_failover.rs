@@ -109,6 +109,7 @@ async fn killing_the_leader_process_loses_no_acknowledged_put() {
                 segment: SegmentId::new(format!("{node}-s")).unwrap(),
                 size: 4 << 30,
                 endpoint: format!("{node}:1"),
+                rdma: None,
             })
             .await
             .unwrap();

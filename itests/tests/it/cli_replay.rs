@@ -69,6 +69,7 @@ async fn replay_prints_events_and_survives_a_corrupted_message() {
         segment: SegmentId::new("seg-0").unwrap(),
         size: 1 << 20,
         endpoint: "127.0.0.1:7000".into(),
+        rdma: None,
     });
     write_stream(
         &fixture,

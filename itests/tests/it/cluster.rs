@@ -131,6 +131,7 @@ fn backlog(count: u32) -> Vec<Vec<KvEvent>> {
         segment: segment.clone(),
         size: u64::from(count) * 64,
         endpoint: "backlog-node:1".into(),
+        rdma: None,
     })]];
     let puts: Vec<KvEvent> = (0..count)
         .map(|i| {

@@ -232,6 +232,7 @@ async fn a_stream_purged_up_to_a_submaster_snapshot_is_seeded_from_it() {
             segment: SegmentId::new("seg-0").unwrap(),
             size: 1 << 20,
             endpoint: "127.0.0.1:1".into(),
+            rdma: None,
         })],
         vec![placed("old-1", 0), placed("old-2", 4096)],
         vec![removed(&["old-1"])],

@@ -53,6 +53,7 @@ pub(crate) async fn mount(client: &SubmasterClient, node: &str, size: u64) {
             segment: SegmentId::new(format!("{node}-seg")).unwrap(),
             size,
             endpoint: format!("127.0.0.1:{}", 7000 + node.len()),
+            rdma: None,
         })
         .await
         .unwrap();

@@ -22,6 +22,7 @@ fn locations(state: &State, replicas: &[Replica]) -> Vec<ReplicaLocation> {
                 node: segment.node.clone(),
                 segment: segment.id.clone(),
                 endpoint: segment.endpoint.clone(),
+                rdma: segment.rdma.clone(),
                 offset: replica.offset,
             })
         })

@@ -21,6 +21,15 @@ fn check_mount(
     if mount.endpoint.len() > policy.limits.max_name_len {
         return Err(RpcError::invalid("endpoint is too long"));
     }
+    if let Some(rdma) = &mount.rdma {
+        if rdma.exchange.len() > policy.limits.max_name_len
+            || rdma.device.len() > policy.limits.max_name_len
+        {
+            return Err(RpcError::invalid(
+                "RDMA device name or exchange endpoint is too long",
+            ));
+        }
+    }
     if let Some(segment) = state
         .slot_of(&mount.segment)
         .and_then(|slot| state.segment(slot))
@@ -31,7 +40,7 @@ fn check_mount(
                 mount.segment, segment.node
             )));
         }
-        if segment.endpoint == mount.endpoint {
+        if segment.endpoint == mount.endpoint && segment.rdma == mount.rdma {
             // Already mounted as asked: idempotent, nothing to record.
             return Ok(None);
         }
@@ -41,6 +50,7 @@ fn check_mount(
         segment: mount.segment.clone(),
         size: mount.size,
         endpoint: mount.endpoint.clone(),
+        rdma: mount.rdma.clone(),
     })))
 }
 

@@ -59,6 +59,7 @@ impl Harness {
             segment: SegmentId::new(segment).unwrap(),
             size,
             endpoint: format!("{node}:7000"),
+            rdma: None,
         }));
         assert_eq!(reply, Ok(Reply::Done));
     }
@@ -462,6 +463,7 @@ fn unmount_and_remount() {
         segment: SegmentId::new("s1").unwrap(),
         size: 1 << 20,
         endpoint: "n1:7000".into(),
+        rdma: None,
     };
     h.run(Request::Remount(Remount {
         node: mount.node.clone(),
@@ -471,6 +473,7 @@ fn unmount_and_remount() {
     assert_eq!(h.log.len(), before);
     let moved = MountSegment {
         endpoint: "n1:7001".into(),
+        rdma: None,
         ..mount
     };
     h.run(Request::Remount(Remount {

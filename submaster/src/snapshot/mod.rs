@@ -26,6 +26,7 @@ pub fn to_file(state: &State) -> SnapshotFile {
             segment: segment.id.clone(),
             size: segment.allocator.size(),
             endpoint: segment.endpoint.clone(),
+            rdma: segment.rdma.clone(),
         });
     }
     // Sort small (order, key, object) references, not the records: moving fat
@@ -134,6 +135,7 @@ mod tests {
                     segment: segment(i),
                     size: 1 << 30,
                     endpoint: format!("127.0.0.1:{}", 7000 + u16::from(i)),
+                    rdma: None,
                 })
             })
             .collect();

@@ -172,6 +172,7 @@ impl SnapshotVisitor for Restorer {
                 segment: segment.segment.clone(),
                 size: segment.size,
                 endpoint: segment.endpoint.clone(),
+                rdma: segment.rdma.clone(),
             }));
         }
         self.slots = header

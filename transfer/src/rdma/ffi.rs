@@ -79,12 +79,12 @@ impl DeviceList {
             .collect()
     }
 
-    /// Opens the named device, or the first one.
+    /// Opens the named device, or the first one; with the name of the one opened.
     ///
     /// # Errors
     /// [`TransferError::NoRdmaDevice`] naming what was asked for and what this host
     /// has, when it has no such device.
-    pub(crate) fn open(&self, name: Option<&str>) -> Result<Arc<Context>, TransferError> {
+    pub(crate) fn open(&self, name: Option<&str>) -> Result<(Arc<Context>, String), TransferError> {
         let names = self.names();
         let found = match name {
             None => (!names.is_empty()).then_some(0),
@@ -102,7 +102,7 @@ impl DeviceList {
         if context.is_null() {
             return Err(call_error("ibv_open_device", errno()));
         }
-        Ok(Arc::new(Context(context)))
+        Ok((Arc::new(Context(context)), names[index].clone()))
     }
 }
 

@@ -1,9 +1,11 @@
 //! [`RdmaTransport`]: the RDMA implementation of [`Transport`]. Registered segments
 //! become memory regions that peers read and write one-sidedly; a peer connects by
 //! dialing the node's out-of-band TCP endpoint, where both sides exchange
-//! [`QpInfo`] and bring an RC queue pair up. The client side copies through
-//! registered staging buffers checked out of a bounded pool, one per batch, so up to
-//! `staging_buffers` batches run at once. Every queue pair completes into one
+//! [`QpInfo`] and bring an RC queue pair up. On the client side, bytes in caller
+//! memory registered with [`Transport::register_local`] move without a copy; the
+//! rest is copied through registered staging buffers checked out of a bounded pool,
+//! one per batch that needs one, so up to `staging_buffers` such batches run at
+//! once. Every queue pair completes into one
 //! completion queue; completions are routed to the batch that posted them by the
 //! batch tag in their `wr_id`.
 
@@ -19,13 +21,15 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::batch::{plan, PlanLimits, PlanOp, Round};
+use super::batch::{needs_staging, plan, LocalBytes, PlanLimits, PlanOp, Round};
 use super::completion::{BatchTag, Completion, CompletionRouter, RoundState};
 use super::exchange::{exchange, QpInfo, RemoteRegion};
+use super::local::{LocalRegion, LocalRegions};
 use super::ffi::{Context, Cq, DeviceList, Mr, Pd, PostRequest, Qp};
 use super::qp::{connect, local_info, PortInfo};
 use super::staging::{Lease, Registered, StagingPool};
 use super::status::completion_error;
+use super::PortAddress;
 use crate::error::TransferError;
 use crate::region::{RegionId, Segment};
 use crate::tcp::ServerHandle;
@@ -126,6 +130,8 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 // verbs object holds an `Arc` of its parent, so the context closes last.
 struct Inner {
     config: RdmaConfig,
+    /// The device opened.
+    device: String,
     port: PortInfo,
     pd: Arc<Pd>,
     cq: Arc<Cq>,
@@ -134,6 +140,11 @@ struct Inner {
     /// is released).
     registrations: Mutex<HashMap<RegionId, Registered<Mr>>>,
     staging: StagingPool<Arc<Pd>>,
+    /// Caller memory registered for batches without a copy.
+    local: LocalRegions<Mr>,
+    /// Regions of peers as their segment descriptors advertised them, by endpoint:
+    /// consulted for a region the queue-pair exchange did not list.
+    learned: Mutex<HashMap<String, Vec<RemoteRegion>>>,
     peers: tokio::sync::Mutex<HashMap<String, Arc<Peer>>>,
     _context: Arc<Context>,
 }
@@ -184,7 +195,7 @@ impl RdmaTransport {
             },
             other => other,
         })?;
-        let context = list.open(config.device.as_deref())?;
+        let (context, device) = list.open(config.device.as_deref())?;
         drop(list);
         let port = PortInfo::query(&context, config.port, config.gid_index)?;
         let pd = Pd::new(&context)?;
@@ -199,16 +210,42 @@ impl RdmaTransport {
         Ok(Self {
             inner: Arc::new(Inner {
                 config,
+                device,
                 port,
                 pd,
                 cq,
                 router: Mutex::new(CompletionRouter::new()),
                 registrations: Mutex::new(HashMap::new()),
                 staging,
+                local: LocalRegions::default(),
+                learned: Mutex::new(HashMap::new()),
                 peers: tokio::sync::Mutex::new(HashMap::new()),
                 _context: context,
             }),
         })
+    }
+
+    /// The device this transport opened and its port's address, as a node
+    /// advertises them in its segment descriptors.
+    pub fn port_address(&self) -> PortAddress {
+        PortAddress {
+            device: self.inner.device.clone(),
+            gid: self.inner.port.gid,
+            lid: self.inner.port.lid,
+        }
+    }
+
+    /// Where a served segment is for peers (address, rkey, length), as a node
+    /// advertises it; `None` when no segment of that id is registered.
+    pub fn served_region(&self, id: &RegionId) -> Option<RemoteRegion> {
+        lock(&self.inner.registrations)
+            .get(id)
+            .map(|registered| RemoteRegion {
+                id: id.clone(),
+                addr: registered.memory().base_ptr() as u64,
+                rkey: registered.rkey(),
+                len: registered.memory().len(),
+            })
     }
 
     fn advertised(&self) -> Vec<RemoteRegion> {
@@ -331,7 +368,7 @@ impl RdmaTransport {
         &self,
         endpoint: &str,
         peer: &Arc<Peer>,
-        staging: &StagingLease,
+        staging: Option<&StagingLease>,
         tag: BatchTag,
         round: &Round,
         opcode: u32,
@@ -349,7 +386,7 @@ impl RdmaTransport {
         &self,
         endpoint: &str,
         peer: &Peer,
-        staging: &StagingLease,
+        staging: Option<&StagingLease>,
         tag: BatchTag,
         round: &Round,
         opcode: u32,
@@ -372,16 +409,25 @@ impl RdmaTransport {
             .await
             .map_err(|_| timed_out())?
             .map_err(|_| TransferError::Invalid("the peer's send queue is closed".into()))?;
-        let base = staging.memory().base_ptr() as u64;
-        let lkey = staging.lkey();
         let requests = round
             .requests
             .iter()
             .map(|w| {
+                let (local_addr, lkey) = match (w.local, staging) {
+                    (LocalBytes::Direct(direct), _) => (direct.addr, direct.lkey),
+                    (LocalBytes::Staged { offset }, Some(staging)) => {
+                        (staging.memory().base_ptr() as u64 + offset, staging.lkey())
+                    }
+                    (LocalBytes::Staged { .. }, None) => {
+                        return Err(TransferError::Invalid(
+                            "a staged RDMA request without a staging buffer".into(),
+                        ))
+                    }
+                };
                 Ok(PostRequest {
                     wr_id: tag.wr_id(w.wr_id)?,
                     opcode,
-                    local_addr: base + w.staging_offset,
+                    local_addr,
                     lkey,
                     len: w.len,
                     remote_addr: w.remote_addr,
@@ -421,7 +467,30 @@ impl RdmaTransport {
         }
     }
 
-    /// Connects (or reuses) the peer and plans the batch against its regions.
+    /// The registered caller memory holding each op's local bytes, where one does:
+    /// those ops move without a copy. The returned references keep the
+    /// registrations alive for the batch.
+    fn resolve_direct(
+        &self,
+        ops: &mut [PlanOp<'_>],
+        local: impl Fn(usize) -> (usize, usize),
+    ) -> Vec<Arc<LocalRegion<Mr>>> {
+        let mut held = Vec::new();
+        if self.inner.local.is_empty() {
+            return held;
+        }
+        for (index, op) in ops.iter_mut().enumerate() {
+            let (ptr, len) = local(index);
+            if let Some((region, direct)) = self.inner.local.find(ptr, len) {
+                op.direct = Some(direct);
+                held.push(region);
+            }
+        }
+        held
+    }
+
+    /// Connects (or reuses) the peer and plans the batch against its regions: the
+    /// ones it listed when it connected, then the ones its descriptors advertised.
     async fn prepare(
         &self,
         endpoint: &str,
@@ -429,50 +498,96 @@ impl RdmaTransport {
     ) -> Result<(Arc<Peer>, Vec<Round>), TransferError> {
         self.check_sizes(ops)?;
         let peer = self.peer(endpoint).await?;
-        let rounds = plan(ops, &peer.remote.regions, self.limits())?;
+        let listed = &peer.remote.regions;
+        let missing = ops
+            .iter()
+            .any(|op| !listed.iter().any(|r| r.id.as_str() == op.region));
+        let rounds = if missing {
+            let mut regions = listed.clone();
+            if let Some(learned) = lock(&self.inner.learned).get(endpoint) {
+                regions.extend(
+                    learned
+                        .iter()
+                        .filter(|r| !listed.iter().any(|l| l.id == r.id))
+                        .cloned(),
+                );
+            }
+            plan(ops, &regions, self.limits())?
+        } else {
+            plan(ops, listed, self.limits())?
+        };
         Ok((peer, rounds))
     }
 
+    /// A staging buffer for a batch that copies some of its bytes.
+    async fn staging_for(&self, rounds: &[Round]) -> Result<Option<StagingLease>, TransferError> {
+        if needs_staging(rounds) {
+            Ok(Some(self.inner.staging.checkout().await?))
+        } else {
+            Ok(None)
+        }
+    }
+
     async fn write(&self, endpoint: &str, ops: &[WriteOp<'_>]) -> Result<(), TransferError> {
-        let planned: Vec<PlanOp<'_>> = ops.iter().map(PlanOp::from).collect();
+        let mut planned: Vec<PlanOp<'_>> = ops.iter().map(PlanOp::from).collect();
+        let _held = self.resolve_direct(&mut planned, |i| {
+            (ops[i].data.as_ptr() as usize, ops[i].data.len())
+        });
         let (peer, rounds) = self.prepare(endpoint, &planned).await?;
         // Dropped without `release` on any error: the buffer is discarded, since
         // requests of a failed round may still be in flight.
-        let staging = self.inner.staging.checkout().await?;
+        let staging = self.staging_for(&rounds).await?;
         let batch = OpenBatch::new(&self.inner.router);
         for round in &rounds {
-            for w in &round.requests {
-                let start = w.op_offset as usize;
-                let bytes = &ops[w.op].data[start..start + w.len as usize];
-                staging.memory().write_at(w.staging_offset, bytes)?;
+            if let Some(staging) = &staging {
+                for w in &round.requests {
+                    if let Some(offset) = w.staging_offset() {
+                        let start = w.op_offset as usize;
+                        let bytes = &ops[w.op].data[start..start + w.len as usize];
+                        staging.memory().write_at(offset, bytes)?;
+                    }
+                }
             }
             let opcode = rdma_sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
-            self.run_round(endpoint, &peer, &staging, batch.tag, round, opcode)
+            self.run_round(endpoint, &peer, staging.as_ref(), batch.tag, round, opcode)
                 .await?;
         }
         drop(batch);
-        staging.release();
+        if let Some(staging) = staging {
+            staging.release();
+        }
         Ok(())
     }
 
     async fn read(&self, endpoint: &str, ops: &mut [ReadInto<'_>]) -> Result<(), TransferError> {
-        let planned: Vec<PlanOp<'_>> = ops.iter().map(PlanOp::from).collect();
+        let mut planned: Vec<PlanOp<'_>> = ops.iter().map(PlanOp::from).collect();
+        let locals: Vec<(usize, usize)> = ops
+            .iter_mut()
+            .map(|op| (op.buf.as_mut_ptr() as usize, op.buf.len()))
+            .collect();
+        let _held = self.resolve_direct(&mut planned, |i| locals[i]);
         let (peer, rounds) = self.prepare(endpoint, &planned).await?;
         drop(planned);
-        let staging = self.inner.staging.checkout().await?;
+        let staging = self.staging_for(&rounds).await?;
         let batch = OpenBatch::new(&self.inner.router);
         for round in &rounds {
             let opcode = rdma_sys::ibv_wr_opcode::IBV_WR_RDMA_READ;
-            self.run_round(endpoint, &peer, &staging, batch.tag, round, opcode)
+            self.run_round(endpoint, &peer, staging.as_ref(), batch.tag, round, opcode)
                 .await?;
-            for w in &round.requests {
-                let start = w.op_offset as usize;
-                let out = &mut ops[w.op].buf[start..start + w.len as usize];
-                staging.memory().read_at(w.staging_offset, out)?;
+            if let Some(staging) = &staging {
+                for w in &round.requests {
+                    if let Some(offset) = w.staging_offset() {
+                        let start = w.op_offset as usize;
+                        let out = &mut ops[w.op].buf[start..start + w.len as usize];
+                        staging.memory().read_at(offset, out)?;
+                    }
+                }
             }
         }
         drop(batch);
-        staging.release();
+        if let Some(staging) = staging {
+            staging.release();
+        }
         Ok(())
     }
 
@@ -524,6 +639,28 @@ impl Transport for RdmaTransport {
         })?;
         // Deregistered before it is handed back: no peer reaches the memory after.
         Ok(registered.into_memory())
+    }
+
+    fn learn_region(&self, endpoint: &str, region: RemoteRegion) {
+        let mut learned = lock(&self.inner.learned);
+        let regions = learned.entry(endpoint.to_owned()).or_default();
+        match regions.iter_mut().find(|known| known.id == region.id) {
+            Some(known) => *known = region,
+            None => regions.push(region),
+        }
+    }
+
+    unsafe fn register_local(&self, ptr: *mut u8, len: usize) -> Result<(), TransferError> {
+        self.inner.local.check_new(ptr as usize, len)?;
+        // SAFETY: the caller keeps `[ptr, ptr + len)` mapped until
+        // `unregister_local` (this method's contract); the registration lives in
+        // `local` until then, and in the batches using it until they end.
+        let mr = unsafe { Mr::register(&self.inner.pd, ptr, len)? };
+        self.inner.local.insert(ptr as usize, len, mr)
+    }
+
+    fn unregister_local(&self, ptr: *mut u8) -> bool {
+        self.inner.local.remove(ptr as usize).is_some()
     }
 
     fn write_batch<'a>(

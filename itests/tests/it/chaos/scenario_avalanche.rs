@@ -104,6 +104,7 @@ async fn a_restart_under_a_retry_storm_recovers_with_bounded_memory() {
                 segment: SegmentId::new(format!("{node}-s")).unwrap(),
                 size: 1 << 40,
                 endpoint: format!("{node}:1"),
+                rdma: None,
             })
             .await
             .unwrap();
