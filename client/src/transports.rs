@@ -290,3 +290,215 @@ impl Transports {
             .is_some_and(|rdma| rdma.unregister_local(ptr))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use futures::future::BoxFuture;
+    use hkvm_events::{RdmaEndpoint, SegmentId};
+    use hkvm_transfer::{ReadInto, Segment, WriteOp};
+
+    use super::*;
+
+    /// Moves nothing; records which endpoints it was asked to write to, the
+    /// regions it learned and the memory registered with it.
+    #[derive(Default)]
+    struct Recorder {
+        name: &'static str,
+        writes: Mutex<Vec<String>>,
+        learned: Mutex<Vec<(String, RemoteRegion)>>,
+        registered: Mutex<Vec<(usize, usize)>>,
+    }
+
+    impl Recorder {
+        fn named(name: &'static str) -> Arc<Self> {
+            Arc::new(Self {
+                name,
+                ..Self::default()
+            })
+        }
+    }
+
+    impl Transport for Recorder {
+        fn backend(&self) -> &'static str {
+            self.name
+        }
+        fn max_op_bytes(&self) -> u64 {
+            u64::MAX
+        }
+        fn register(&self, _segment: Arc<Segment>) -> Result<(), TransferError> {
+            Ok(())
+        }
+        fn unregister(&self, id: &RegionId) -> Result<Arc<Segment>, TransferError> {
+            Err(TransferError::UnknownRegion {
+                region: id.to_string(),
+            })
+        }
+        fn learn_region(&self, endpoint: &str, region: RemoteRegion) {
+            self.learned
+                .lock()
+                .unwrap()
+                .push((endpoint.to_owned(), region));
+        }
+        unsafe fn register_local(&self, ptr: *mut u8, len: usize) -> Result<(), TransferError> {
+            self.registered.lock().unwrap().push((ptr as usize, len));
+            Ok(())
+        }
+        fn unregister_local(&self, ptr: *mut u8) -> bool {
+            let mut registered = self.registered.lock().unwrap();
+            let before = registered.len();
+            registered.retain(|(start, _)| *start != ptr as usize);
+            registered.len() != before
+        }
+        fn write_batch<'a>(
+            &'a self,
+            endpoint: &'a str,
+            _ops: &'a [WriteOp<'a>],
+        ) -> BoxFuture<'a, Result<(), TransferError>> {
+            self.writes.lock().unwrap().push(endpoint.to_owned());
+            Box::pin(async { Ok(()) })
+        }
+        fn read_batch_into<'a, 'b: 'a>(
+            &'a self,
+            _endpoint: &'a str,
+            _ops: &'a mut [ReadInto<'b>],
+        ) -> BoxFuture<'a, Result<(), TransferError>> {
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    fn replica(node: &str, rdma: Option<RdmaEndpoint>) -> ReplicaLocation {
+        ReplicaLocation {
+            node: NodeId::new(node).unwrap(),
+            segment: SegmentId::new(format!("{node}-seg")).unwrap(),
+            endpoint: format!("{node}:7000"),
+            offset: 4096,
+            rdma,
+        }
+    }
+
+    fn advert(node: &str) -> RdmaEndpoint {
+        RdmaEndpoint {
+            device: "mlx5_0".into(),
+            gid: [7; 16],
+            lid: 0,
+            exchange: format!("{node}:7071"),
+            rkey: 0xabc,
+            addr: 0x7f00_0000_0000,
+            len: 1 << 30,
+        }
+    }
+
+    async fn send(transports: &Transports, replica: &ReplicaLocation) -> &'static str {
+        let route = transports.route(replica);
+        route.transport.write_batch(route.endpoint, &[]).await.unwrap();
+        route.transport.backend()
+    }
+
+    #[tokio::test]
+    async fn rdma_is_used_where_both_ends_have_it_and_tcp_elsewhere() {
+        let (tcp, rdma) = (Recorder::named("tcp"), Recorder::named("rdma"));
+        let transports = Transports::single(tcp.clone()).with_rdma(rdma.clone());
+        let fast = replica("fast", Some(advert("fast")));
+        let plain = replica("plain", None);
+        assert_eq!(send(&transports, &fast).await, "rdma");
+        assert_eq!(send(&transports, &plain).await, "tcp");
+        assert_eq!(send(&transports, &plain).await, "tcp");
+        // RDMA dials the exchange endpoint, TCP the node's endpoint.
+        assert_eq!(*rdma.writes.lock().unwrap(), ["fast:7071"]);
+        assert_eq!(*tcp.writes.lock().unwrap(), ["plain:7000", "plain:7000"]);
+        // The RDMA transport learned the segment from its descriptor.
+        let learned = rdma.learned.lock().unwrap().clone();
+        assert_eq!(
+            learned,
+            [(
+                "fast:7071".to_owned(),
+                RemoteRegion {
+                    id: RegionId::new("fast-seg").unwrap(),
+                    addr: 0x7f00_0000_0000,
+                    rkey: 0xabc,
+                    len: 1 << 30,
+                }
+            )]
+        );
+        // The fallback is reported once per node, not once per operation.
+        let fell_back = transports.fell_back.lock().unwrap().clone();
+        assert_eq!(fell_back, HashSet::from([NodeId::new("plain").unwrap()]));
+    }
+
+    #[tokio::test]
+    async fn a_tcp_client_ignores_rdma_descriptors() {
+        let tcp = Recorder::named("tcp");
+        let transports = Transports::single(tcp.clone());
+        assert!(!transports.has_rdma());
+        assert_eq!(send(&transports, &replica("fast", Some(advert("fast")))).await, "tcp");
+        assert_eq!(*tcp.writes.lock().unwrap(), ["fast:7000"]);
+        assert!(tcp.learned.lock().unwrap().is_empty());
+        assert!(transports.fell_back.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn caller_memory_is_registered_with_rdma_only() {
+        let (tcp, rdma) = (Recorder::named("tcp"), Recorder::named("rdma"));
+        let mut buffer = vec![0u8; 4096];
+        let ptr = buffer.as_mut_ptr();
+        let tcp_only = Transports::single(tcp.clone());
+        // SAFETY: the recorders never touch the memory.
+        unsafe { tcp_only.register_local(ptr, buffer.len()) }.unwrap();
+        assert!(!tcp_only.unregister_local(ptr));
+        assert!(tcp.registered.lock().unwrap().is_empty());
+        let both = Transports::single(tcp.clone()).with_rdma(rdma.clone());
+        // SAFETY: as above.
+        unsafe { both.register_local(ptr, buffer.len()) }.unwrap();
+        assert_eq!(*rdma.registered.lock().unwrap(), [(ptr as usize, 4096)]);
+        assert!(both.unregister_local(ptr));
+        assert!(!both.unregister_local(ptr));
+        assert!(tcp.registered.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn protocols_parse_like_mooncakes_setup_arguments() {
+        assert_eq!(Protocol::parse("tcp", "ignored"), Ok(Protocol::Tcp));
+        assert_eq!(
+            Protocol::parse("RDMA", "mlx5_0, mlx5_1,"),
+            Ok(Protocol::Rdma(RdmaSettings {
+                devices: vec!["mlx5_0".into(), "mlx5_1".into()],
+                ..RdmaSettings::default()
+            }))
+        );
+        assert_eq!(
+            Protocol::parse("rdma", ""),
+            Ok(Protocol::Rdma(RdmaSettings::default()))
+        );
+        assert_eq!(
+            Protocol::parse("nvlink", ""),
+            Err(UnknownProtocol("nvlink".into()))
+        );
+    }
+
+    /// Through the real `ibv_get_device_list` where the build has RDMA, through
+    /// the no-RDMA stub otherwise: either way a typed, immediate failure naming
+    /// what was asked for.
+    #[test]
+    fn a_missing_device_is_a_typed_error_before_anything_opens() {
+        let settings = RdmaSettings {
+            devices: vec!["no-such-device-0".into()],
+            ..RdmaSettings::default()
+        };
+        for error in [
+            check_rdma(&settings).unwrap_err(),
+            open_rdma(&settings).err().unwrap(),
+        ] {
+            let TransferError::NoRdmaDevice { wanted, found, .. } = &error else {
+                panic!("expected NoRdmaDevice, got {error}");
+            };
+            assert_eq!(wanted.as_deref(), Some("no-such-device-0"), "{error}");
+            assert!(!found.contains(&"no-such-device-0".to_owned()));
+            assert!(
+                error.to_string().contains("\"no-such-device-0\""),
+                "{error}"
+            );
+        }
+    }
+}

@@ -2,9 +2,11 @@
 //! process on the device named by `HKVM_RDMA_DEVICE` (`ibv_devices` lists them; with
 //! soft-RoCE, `rdma link add rxe0 type rxe netdev eth0` and `HKVM_RDMA_DEVICE=rxe0`).
 //! RoCE v2 needs the index of an IPv4-mapped GID in `HKVM_RDMA_GID_INDEX`
-//! (`ibv_devinfo -v`; default 0). Without `HKVM_RDMA_DEVICE` every test prints a
-//! `SKIPPED` line and returns without claiming anything: device-free coverage of the
-//! backend is in the unit tests of `transfer/src/rdma/`.
+//! (`ibv_devinfo -v`; default 0). The tests are `#[ignore]`d, so a run without a
+//! device reports them as skipped; `scripts/test` runs them (`--run-ignored only`)
+//! when `HKVM_RDMA_DEVICE` is set, and one run by hand without it fails rather than
+//! pass. Device-free coverage of the backend is in the unit tests of
+//! `transfer/src/rdma/`.
 
 #![cfg(feature = "rdma")]
 #![allow(clippy::unwrap_used)]
@@ -16,27 +18,25 @@ use hkvm_transfer::rdma::{RdmaConfig, RdmaTransport};
 use hkvm_transfer::{ErrorKind, ReadOp, RegionId, Segment, ServerHandle, Transport, WriteOp};
 use tokio::net::TcpListener;
 
-/// The device's config, or `None` after printing why the test is skipped.
-fn device(test: &str) -> Option<RdmaConfig> {
-    match std::env::var("HKVM_RDMA_DEVICE") {
-        Ok(name) if !name.is_empty() => {
-            let gid_index = std::env::var("HKVM_RDMA_GID_INDEX")
-                .ok()
-                .and_then(|index| index.parse().ok())
-                .unwrap_or(0);
-            Some(RdmaConfig {
-                device: Some(name),
-                gid_index,
-                ..RdmaConfig::default()
-            })
-        }
-        _ => {
-            println!(
-                "SKIPPED {test}: needs an RDMA device \
-                 (set HKVM_RDMA_DEVICE=<device, e.g. mlx5_0 or rxe0>)"
-            );
-            None
-        }
+/// The device's config from the environment; a test asked to run without one
+/// fails (they are ignored unless a device is named).
+fn device(test: &str) -> RdmaConfig {
+    let name = std::env::var("HKVM_RDMA_DEVICE")
+        .ok()
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| {
+            panic!(
+                "{test} needs an RDMA device: set HKVM_RDMA_DEVICE=<device, e.g. mlx5_0 or rxe0>"
+            )
+        });
+    let gid_index = std::env::var("HKVM_RDMA_GID_INDEX")
+        .ok()
+        .and_then(|index| index.parse().ok())
+        .unwrap_or(0);
+    RdmaConfig {
+        device: Some(name),
+        gid_index,
+        ..RdmaConfig::default()
     }
 }
 
@@ -75,10 +75,9 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: set HKVM_RDMA_DEVICE"]
 async fn device_writes_and_reads_round_trip_across_rounds() {
-    let Some(config) = device("device_writes_and_reads_round_trip_across_rounds") else {
-        return;
-    };
+    let config = device("device_writes_and_reads_round_trip_across_rounds");
     let (_node, _server, endpoint) = node(&config, &["seg"], 16 << 20).await;
     let client = client(&config, 2);
     let sizes = [1usize, 4096, 100_000, 1 << 20];
@@ -121,10 +120,9 @@ async fn device_writes_and_reads_round_trip_across_rounds() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: set HKVM_RDMA_DEVICE"]
 async fn device_concurrent_batches_each_get_their_own_bytes() {
-    let Some(config) = device("device_concurrent_batches_each_get_their_own_bytes") else {
-        return;
-    };
+    let config = device("device_concurrent_batches_each_get_their_own_bytes");
     let (_node, _server, endpoint) = node(&config, &["seg"], 16 << 20).await;
     // Sixteen batches over four staging buffers.
     let client = Arc::new(client(&config, 4));
@@ -163,10 +161,9 @@ async fn device_concurrent_batches_each_get_their_own_bytes() {
 /// starts right after polls the same completion queue and must not take A's
 /// flushes for its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: set HKVM_RDMA_DEVICE"]
 async fn device_a_failed_batch_fails_alone() {
-    let Some(config) = device("device_a_failed_batch_fails_alone") else {
-        return;
-    };
+    let config = device("device_a_failed_batch_fails_alone");
     let (node_a, _server_a, endpoint_a) = node(&config, &["a"], 8 << 20).await;
     let (_node_b, _server_b, endpoint_b) = node(&config, &["b"], 8 << 20).await;
     let client = client(&config, 2);
@@ -202,5 +199,84 @@ async fn device_a_failed_batch_fails_alone() {
         len: value.len() as u64,
     }];
     let got = client.read_batch(&endpoint_b, &read_b).await.unwrap();
+    assert_eq!(&got[0][..], &value[..]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: set HKVM_RDMA_DEVICE"]
+async fn device_registered_caller_memory_moves_without_staging() {
+    let config = device("device_registered_caller_memory_moves_without_staging");
+    let (_node, _server, endpoint) = node(&config, &["seg"], 4 << 20).await;
+    let client = client(&config, 1);
+    let mut source = pattern(5, 1 << 20);
+    let mut sink = vec![0u8; 1 << 20];
+    // SAFETY: both vectors outlive their registrations (unregistered below).
+    unsafe {
+        client
+            .register_local(source.as_mut_ptr(), source.len())
+            .unwrap();
+        client.register_local(sink.as_mut_ptr(), sink.len()).unwrap();
+    }
+    let before = client.staging_stats();
+    let write = [WriteOp {
+        region: "seg",
+        offset: 4096,
+        data: &source,
+    }];
+    client.write_batch(&endpoint, &write).await.unwrap();
+    let mut read = [hkvm_transfer::ReadInto {
+        region: "seg",
+        offset: 4096,
+        buf: &mut sink,
+    }];
+    client.read_batch_into(&endpoint, &mut read).await.unwrap();
+    assert_eq!(sink, source);
+    assert_eq!(
+        client.staging_stats(),
+        before,
+        "no staging buffer was checked out or created"
+    );
+    assert!(client.unregister_local(source.as_mut_ptr()));
+    assert!(client.unregister_local(sink.as_mut_ptr()));
+    assert!(!client.unregister_local(sink.as_mut_ptr()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: set HKVM_RDMA_DEVICE"]
+async fn device_a_region_registered_after_connecting_is_reached_through_its_descriptor() {
+    let config = device("device_a_region_registered_after_connecting_is_reached_through_its_descriptor");
+    let (node, _server, endpoint) = node(&config, &["first"], 1 << 20).await;
+    let client = client(&config, 1);
+    let value = pattern(9, 10_000);
+    let first = [WriteOp {
+        region: "first",
+        offset: 0,
+        data: &value,
+    }];
+    client.write_batch(&endpoint, &first).await.unwrap();
+    let late = Segment::allocate(RegionId::new("late").unwrap(), 1 << 20).unwrap();
+    node.register(late).unwrap();
+    let late_write = [WriteOp {
+        region: "late",
+        offset: 100,
+        data: &value,
+    }];
+    let error = client.write_batch(&endpoint, &late_write).await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::UnknownRegion, "{error}");
+    // What the node's segment descriptor advertises for it.
+    let advert = node.served_region(&RegionId::new("late").unwrap()).unwrap();
+    client.learn_region(&endpoint, advert);
+    client.write_batch(&endpoint, &late_write).await.unwrap();
+    let got = client
+        .read_batch(
+            &endpoint,
+            &[ReadOp {
+                region: "late",
+                offset: 100,
+                len: value.len() as u64,
+            }],
+        )
+        .await
+        .unwrap();
     assert_eq!(&got[0][..], &value[..]);
 }

@@ -13,7 +13,10 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use futures::StreamExt as _;
-use hkvm_client::{GlobalClient, KvClient, NodeConfig, NodeHandle, RetryPolicy, SubmasterClient};
+use hkvm_client::{
+    GlobalClient, KvClient, NodeConfig, NodeHandle, Protocol, RetryPolicy, SubmasterClient,
+    Transports,
+};
 use hkvm_events::commit::{CommitConfig, GroupCommitter};
 use hkvm_events::log::{EventLog, JetStreamLog, LogErrorKind, ReadOptions};
 use hkvm_events::registry::{ensure_registry_bucket, register, SubmasterInfo};
@@ -386,6 +389,18 @@ pub async fn status(global: &GlobalClient) -> GlobalStatusReply {
         .unwrap()
 }
 
+/// A client-side RDMA transport on the device `settings` names.
+#[cfg(feature = "rdma")]
+fn rdma_client(settings: &hkvm_client::RdmaSettings) -> Arc<dyn hkvm_transfer::Transport> {
+    hkvm_client::transports::open_rdma(settings).unwrap()
+}
+
+/// Without RDMA support no pool asks for it.
+#[cfg(not(feature = "rdma"))]
+fn rdma_client(_settings: &hkvm_client::RdmaSettings) -> Arc<dyn hkvm_transfer::Transport> {
+    panic!("this test build has no RDMA support (the itests rdma feature is off)")
+}
+
 /// What [`Pool::start`] starts.
 #[derive(Debug, Clone)]
 pub struct PoolSpec {
@@ -394,6 +409,7 @@ pub struct PoolSpec {
     nodes: usize,
     segment_size: u64,
     tcp: TcpConfig,
+    protocol: Protocol,
     tweak: fn(&mut SubmasterConfig),
     global: Option<GlobalMasterConfig>,
 }
@@ -408,6 +424,7 @@ impl PoolSpec {
             nodes: 2,
             segment_size: 8 << 20,
             tcp: TcpConfig::default(),
+            protocol: Protocol::Tcp,
             tweak: |_| {},
             global: None,
         }
@@ -434,6 +451,12 @@ impl PoolSpec {
     /// The KV clients' transport settings.
     pub fn tcp(mut self, tcp: TcpConfig) -> Self {
         self.tcp = tcp;
+        self
+    }
+
+    /// How nodes serve and KV clients move bytes (TCP by default).
+    pub fn protocol(mut self, protocol: Protocol) -> Self {
+        self.protocol = protocol;
         self
     }
 
@@ -496,14 +519,22 @@ impl Pool {
                 SubclusterId::new(name).unwrap(),
             );
             for n in 0..spec.nodes {
-                let config = NodeConfig::new(
+                let mut config = NodeConfig::new(
                     NodeId::new(format!("{name}-n{n}")).unwrap(),
                     spec.segment_size,
                 )
                 .unwrap();
+                config.protocol = spec.protocol.clone();
                 nodes.push(NodeHandle::start(config, metadata.clone()).await.unwrap());
             }
-            kv.insert(name.clone(), KvClient::new(metadata, transport.clone()));
+            let mut transports = Transports::single(transport.clone());
+            if let Protocol::Rdma(settings) = &spec.protocol {
+                transports = transports.with_rdma(rdma_client(settings));
+            }
+            kv.insert(
+                name.clone(),
+                KvClient::with_transports(metadata, transports),
+            );
         }
         let global = match spec.global {
             Some(config) => Some(

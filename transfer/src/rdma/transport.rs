@@ -235,6 +235,12 @@ impl RdmaTransport {
         }
     }
 
+    /// What the client side's staging pool holds right now (a batch whose bytes
+    /// all lie in registered caller memory checks no buffer out).
+    pub fn staging_stats(&self) -> super::staging::PoolStats {
+        self.inner.staging.stats()
+    }
+
     /// Where a served segment is for peers (address, rkey, length), as a node
     /// advertises it; `None` when no segment of that id is registered.
     pub fn served_region(&self, id: &RegionId) -> Option<RemoteRegion> {
