@@ -258,10 +258,7 @@ pub async fn put(args: PutArgs) -> anyhow::Result<()> {
 /// # Errors
 /// When the key is missing, no replica is intact, or writing fails.
 pub async fn get(args: GetArgs) -> anyhow::Result<()> {
-    let fetched = kv(&args.at, &args.transport)
-        .await?
-        .get(&args.key)
-        .await?;
+    let fetched = kv(&args.at, &args.transport).await?.get(&args.key).await?;
     match &args.output {
         Some(path) => std::fs::write(path, &fetched.value)
             .with_context(|| format!("writing {}", path.display()))?,

@@ -105,11 +105,7 @@ fn advertised_endpoint(advertise: Option<&str>, listening: SocketAddr) -> String
     }
 }
 
-fn mount_request(
-    config: &NodeConfig,
-    endpoint: &str,
-    rdma: Option<&RdmaEndpoint>,
-) -> MountSegment {
+fn mount_request(config: &NodeConfig, endpoint: &str, rdma: Option<&RdmaEndpoint>) -> MountSegment {
     MountSegment {
         node: config.node.clone(),
         segment: config.segment.clone(),
@@ -228,11 +224,7 @@ impl NodeHandle {
                             tracing::warn!(node = %config.node, epoch = reply.epoch, "the leader does not know this node: remounting");
                             let remount = Remount {
                                 node: config.node.clone(),
-                                segments: vec![mount_request(
-                                    &config,
-                                    &endpoint,
-                                    advert.as_ref(),
-                                )],
+                                segments: vec![mount_request(&config, &endpoint, advert.as_ref())],
                             };
                             if let Err(error) = client.remount(remount).await {
                                 tracing::warn!(%error, "remount failed; will retry");

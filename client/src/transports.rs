@@ -392,7 +392,11 @@ mod tests {
 
     async fn send(transports: &Transports, replica: &ReplicaLocation) -> &'static str {
         let route = transports.route(replica);
-        route.transport.write_batch(route.endpoint, &[]).await.unwrap();
+        route
+            .transport
+            .write_batch(route.endpoint, &[])
+            .await
+            .unwrap();
         route.transport.backend()
     }
 
@@ -432,7 +436,10 @@ mod tests {
         let tcp = Recorder::named("tcp");
         let transports = Transports::single(tcp.clone());
         assert!(!transports.has_rdma());
-        assert_eq!(send(&transports, &replica("fast", Some(advert("fast")))).await, "tcp");
+        assert_eq!(
+            send(&transports, &replica("fast", Some(advert("fast")))).await,
+            "tcp"
+        );
         assert_eq!(*tcp.writes.lock().unwrap(), ["fast:7000"]);
         assert!(tcp.learned.lock().unwrap().is_empty());
         assert!(transports.fell_back.lock().unwrap().is_empty());

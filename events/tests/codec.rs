@@ -5,8 +5,8 @@
 use hkvm_events::codec::{decode_message, encode_message, Header, ENVELOPE_VERSION};
 use hkvm_events::{
     DecodeError, EventErrorKind, EventKind, Evicted, KvEvent, Limits, NodeId, NodeLost, Placement,
-    ProducerId, PutCommitted, PutFlags, RdmaEndpoint, Removed, SegmentId, SegmentMounted, SegmentUnmounted,
-    SnapshotTaken, ValidationError,
+    ProducerId, PutCommitted, PutFlags, RdmaEndpoint, Removed, SegmentId, SegmentMounted,
+    SegmentUnmounted, SnapshotTaken, ValidationError,
 };
 use proptest::prelude::*;
 
@@ -329,15 +329,17 @@ fn arb_rdma() -> impl Strategy<Value = RdmaEndpoint> {
         any::<u64>(),
         any::<u64>(),
     )
-        .prop_map(|(device, gid, lid, exchange, rkey, addr, len)| RdmaEndpoint {
-            device,
-            gid,
-            lid,
-            exchange,
-            rkey,
-            addr,
-            len,
-        })
+        .prop_map(
+            |(device, gid, lid, exchange, rkey, addr, len)| RdmaEndpoint {
+                device,
+                gid,
+                lid,
+                exchange,
+                rkey,
+                addr,
+                len,
+            },
+        )
 }
 
 fn arb_event() -> impl Strategy<Value = KvEvent> {

@@ -228,6 +228,21 @@ def test_a_closed_store_answers_with_codes(cluster, key):
     s.close()
 
 
+def test_rdma_on_a_host_without_the_device_fails_at_once_and_says_why(cluster, caplog):
+    s = MooncakeDistributedStore()
+    with caplog.at_level("ERROR", logger="hkvm.store"):
+        code = s.setup("localhost", "", "8MB", "1MB", "rdma", "no-such-device-0", address(cluster, "sc-0"))
+    assert code == ErrorCode.INVALID_PARAMS
+    assert 'no RDMA device "no-such-device-0"' in caplog.text, caplog.text
+    assert s.health_check() == 1, "nothing was set up"
+    assert s.setup("localhost", "", "8MB", "1MB", "infiniband-please", "", address(cluster, "sc-0")) == ErrorCode.INVALID_PARAMS
+    # The same store over TCP works: the failed setup left nothing behind.
+    assert s.setup("localhost", "", "8MB", "1MB", "tcp", "", address(cluster, "sc-0")) == 0
+    assert s.put("rdma-then-tcp", b"value") == 0
+    assert s.get("rdma-then-tcp") == b"value"
+    s.close()
+
+
 def test_setup_forms_and_bad_setups(cluster):
     s = MooncakeDistributedStore()
     config = {

@@ -215,7 +215,9 @@ async fn device_registered_caller_memory_moves_without_staging() {
         client
             .register_local(source.as_mut_ptr(), source.len())
             .unwrap();
-        client.register_local(sink.as_mut_ptr(), sink.len()).unwrap();
+        client
+            .register_local(sink.as_mut_ptr(), sink.len())
+            .unwrap();
     }
     let before = client.staging_stats();
     let write = [WriteOp {
@@ -244,7 +246,8 @@ async fn device_registered_caller_memory_moves_without_staging() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: set HKVM_RDMA_DEVICE"]
 async fn device_a_region_registered_after_connecting_is_reached_through_its_descriptor() {
-    let config = device("device_a_region_registered_after_connecting_is_reached_through_its_descriptor");
+    let config =
+        device("device_a_region_registered_after_connecting_is_reached_through_its_descriptor");
     let (node, _server, endpoint) = node(&config, &["first"], 1 << 20).await;
     let client = client(&config, 1);
     let value = pattern(9, 10_000);
@@ -261,7 +264,10 @@ async fn device_a_region_registered_after_connecting_is_reached_through_its_desc
         offset: 100,
         data: &value,
     }];
-    let error = client.write_batch(&endpoint, &late_write).await.unwrap_err();
+    let error = client
+        .write_batch(&endpoint, &late_write)
+        .await
+        .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::UnknownRegion, "{error}");
     // What the node's segment descriptor advertises for it.
     let advert = node.served_region(&RegionId::new("late").unwrap()).unwrap();

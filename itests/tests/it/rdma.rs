@@ -71,7 +71,10 @@ async fn an_rdma_descriptor_reaches_every_replica_location_and_survives_a_restar
     let config = fixture.submaster_config("sc", "sc-sm");
     let master = fixture.spawn_submaster(config.clone()).await;
     let client = fixture.submaster_client("sc", RetryPolicy::default()).await;
-    client.mount_segment(mount("fast", Some(advert(0x11)))).await.unwrap();
+    client
+        .mount_segment(mount("fast", Some(advert(0x11))))
+        .await
+        .unwrap();
     client.mount_segment(mount("plain", None)).await.unwrap();
 
     let started = client

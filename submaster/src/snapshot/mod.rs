@@ -135,7 +135,17 @@ mod tests {
                     segment: segment(i),
                     size: 1 << 30,
                     endpoint: format!("127.0.0.1:{}", 7000 + u16::from(i)),
-                    rdma: None,
+                    // Segment 1's node serves RDMA too: its descriptor must
+                    // survive the snapshot.
+                    rdma: (i == 1).then(|| hkvm_events::RdmaEndpoint {
+                        device: "mlx5_0".into(),
+                        gid: [i; 16],
+                        lid: 3,
+                        exchange: "127.0.0.1:7101".into(),
+                        rkey: 0x51,
+                        addr: 0x7f00_0000_0000,
+                        len: 1 << 30,
+                    }),
                 })
             })
             .collect();
