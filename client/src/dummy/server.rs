@@ -38,8 +38,54 @@ pub struct DummyServerStats {
     pub attached: AtomicU64,
 }
 
+/// A dummy's region as this process maps it, registered with the store's
+/// transports for as long as it is mapped, so that RDMA moves the dummy's bytes
+/// without a copy (TCP registers nothing).
+struct ServedRegion {
+    store: Arc<Store>,
+    registered: bool,
+    region: SharedRegion,
+}
+
+impl ServedRegion {
+    fn new(region: SharedRegion, store: &Arc<Store>) -> Self {
+        let len = usize::try_from(region.len()).unwrap_or(usize::MAX);
+        // SAFETY: the mapping lives as long as `region`, and `Drop` ends the
+        // registration before `region` unmaps it; requests hold the region (an
+        // `Arc` of it) while they use its bytes.
+        let registered = match unsafe { store.register_local(region.base() as *mut u8, len) } {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::warn!(%error, "a dummy's region is not registered with the transport: its bytes are copied");
+                false
+            }
+        };
+        Self {
+            store: Arc::clone(store),
+            registered,
+            region,
+        }
+    }
+}
+
+impl std::ops::Deref for ServedRegion {
+    type Target = SharedRegion;
+
+    fn deref(&self) -> &SharedRegion {
+        &self.region
+    }
+}
+
+impl Drop for ServedRegion {
+    fn drop(&mut self) {
+        if self.registered {
+            self.store.unregister_local(self.region.base() as *mut u8);
+        }
+    }
+}
+
 /// The regions one dummy shares, by number (0: the one shared at connection).
-type Regions = HashMap<u32, Arc<SharedRegion>>;
+type Regions = HashMap<u32, Arc<ServedRegion>>;
 
 /// One connected dummy.
 struct Session {
@@ -190,7 +236,7 @@ fn attach(
     sessions: &Sessions,
     attach: Attach,
     pid: Option<i32>,
-    region: SharedRegion,
+    region: ServedRegion,
 ) -> Result<u32, String> {
     let session = lock(&sessions.open)
         .get(&attach.session)
@@ -218,6 +264,7 @@ async fn serve(
 ) -> std::io::Result<()> {
     let pid = stream.peer_cred().ok().and_then(|cred| cred.pid());
     let (hello, region) = handshake(&stream).await?;
+    let region = ServedRegion::new(region, &store);
     let (reader, mut writer) = stream.into_split();
     let mut opened = None;
     let welcome = if hello.version != DUMMY_PROTOCOL_VERSION {
