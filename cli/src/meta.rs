@@ -156,7 +156,13 @@ pub async fn stat(args: StatArgs) -> anyhow::Result<()> {
                 let replicas: Vec<String> = list
                     .replicas
                     .iter()
-                    .map(|r| format!("{}/{}@{}({})", r.node, r.segment, r.offset, r.endpoint))
+                    .map(|r| match &r.rdma {
+                        None => format!("{}/{}@{}({})", r.node, r.segment, r.offset, r.endpoint),
+                        Some(rdma) => format!(
+                            "{}/{}@{}({}, rdma {})",
+                            r.node, r.segment, r.offset, r.endpoint, rdma.exchange
+                        ),
+                    })
                     .collect();
                 println!(
                     "{key}\tsize={} checksum={:016x} replicas={}",
