@@ -12,6 +12,7 @@ use futures::stream::FuturesOrdered;
 use futures::StreamExt as _;
 use hkvm_events::codec::{decode_message, Header, MessageBuilder};
 use hkvm_events::commit::{CommitConfig, GroupCommitter};
+use hkvm_events::key_ops::decode_key_ops;
 use hkvm_events::log::{EventLog, JetStreamLog, ReadOptions};
 use hkvm_events::stream::{ensure_stream, StreamSettings};
 use hkvm_events::subject::{event_subject, stream_name};
@@ -113,6 +114,20 @@ fn codec(puts: &[PutCommitted], printer: &mut Printer) -> anyhow::Result<Vec<Vec
     let decode_rate = per_second(decoded, started);
     let decode_allocs = (allocations() - allocs_before) as f64 / decoded as f64;
 
+    // The projector's decoder: keys borrowed, one allocation per message.
+    let allocs_before = allocations();
+    let started = Instant::now();
+    let mut key_ops = 0usize;
+    for (seq, message) in messages.iter().enumerate() {
+        key_ops += decode_key_ops(seq as u64 + 1, 0, message, &limits)?.events;
+    }
+    let key_ops_rate = per_second(key_ops, started);
+    let key_ops_allocs = (allocations() - allocs_before) as f64 / key_ops as f64;
+    anyhow::ensure!(
+        key_ops == decoded,
+        "the key-op decoder read {key_ops} of {decoded} events"
+    );
+
     let started = Instant::now();
     let mut plain_decoded = 0usize;
     for bytes in &plain {
@@ -139,6 +154,22 @@ fn codec(puts: &[PutCommitted], printer: &mut Printer) -> anyhow::Result<Vec<Vec
             "events/s",
             baseline,
             plain_decode_rate,
+        ),
+        BenchResult::new(
+            WORKLOAD,
+            "decode + validate into key operations (the projector's decoder)",
+            key_ops_rate,
+            "events/s",
+            "decode + validate (above)",
+            decode_rate,
+        ),
+        BenchResult::new(
+            WORKLOAD,
+            "key-operation decode allocations per event",
+            key_ops_allocs,
+            "allocs",
+            "decode allocations per event (below)",
+            decode_allocs,
         ),
         BenchResult::new(
             WORKLOAD,

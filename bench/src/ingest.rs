@@ -1,14 +1,17 @@
 //! The `ingest` workload: how fast the projector folds sub-cluster streams read
-//! from JetStream, against a raw JetStream replay of the same streams (no decoding)
-//! in the same run; index bytes per key; and a global master's restart-to-serving
+//! from JetStream (every stream at once, decoded in parallel into key operations,
+//! folded by one writer), against a raw JetStream replay of the same streams, also
+//! all at once and without decoding, in the same run; index bytes per key; and a global master's restart-to-serving
 //! time from a checkpoint against the same restart replaying every stream.
 
 use std::time::Instant;
 
 use async_nats::jetstream;
 use futures::StreamExt as _;
+use hkvm_events::key_ops::{decode_key_ops, KeyOps};
 use hkvm_events::log::{EventLog, JetStreamLog, ReadOptions};
 use hkvm_events::subject::{event_subject, stream_name};
+use hkvm_events::Limits;
 use hkvm_globalmaster::GlobalMaster;
 use hkvm_projector::Projection;
 
@@ -18,39 +21,77 @@ use super::BenchNats;
 
 const WORKLOAD: &str = "ingest";
 
-/// Reads every message of every stream with a raw pull consumer; returns seconds.
+/// Reads every message of every stream with raw pull consumers, all streams at
+/// once (as the projector reads them); returns seconds.
 async fn raw_replay(js: &jetstream::Context, cluster: &BenchCluster) -> anyhow::Result<f64> {
-    let mut seconds = 0.0;
+    let mut readers = tokio::task::JoinSet::new();
+    let started = Instant::now();
     for id in &cluster.subclusters {
-        let name = stream_name(&cluster.cluster, id);
-        let total = js.get_stream(&name).await?.info().await?.state.messages;
-        seconds += super::raw::replay_seconds(js, &name, total, 64).await?;
+        let (js, name) = (js.clone(), stream_name(&cluster.cluster, id));
+        readers.spawn(async move {
+            let total = js.get_stream(&name).await?.info().await?.state.messages;
+            super::raw::replay_seconds(&js, &name, total, 64).await
+        });
     }
-    Ok(seconds)
+    while let Some(read) = readers.join_next().await {
+        read??;
+    }
+    Ok(started.elapsed().as_secs_f64())
 }
 
-/// Folds every stream into a fresh projection through the event log; returns
-/// seconds and the projection.
+/// Folds every stream into a fresh projection as a global master does: one task
+/// per stream reads it and decodes its messages into key operations (in
+/// parallel, keys borrowed), and one folder applies them in order per stream.
+/// Returns seconds and the projection.
 async fn projector_replay(
     js: &jetstream::Context,
     cluster: &BenchCluster,
 ) -> anyhow::Result<(f64, Projection)> {
     let mut projection = Projection::new();
+    let (decoded, mut incoming) = tokio::sync::mpsc::channel::<(usize, Vec<KeyOps>)>(64);
+    let mut readers = tokio::task::JoinSet::new();
     let started = Instant::now();
     for id in &cluster.subclusters {
         let stream = stream_name(&cluster.cluster, id);
         let source = projection.source_index(id, &stream);
         let log = JetStreamLog::new(js.clone(), stream, event_subject(&cluster.cluster, id));
-        let mut entries = log
-            .read(ReadOptions {
-                batch_messages: 64,
-                ..ReadOptions::from(1)
-            })
-            .await?;
-        while let Some(entry) = entries.next().await {
-            let entry = entry?;
-            projection.apply_message(source, entry.seq, entry.unix_ms, &entry.payload)?;
+        let decoded = decoded.clone();
+        let limits = Limits::default();
+        readers.spawn(async move {
+            let mut entries = log
+                .read(ReadOptions {
+                    batch_messages: 64,
+                    ..ReadOptions::from(1)
+                })
+                .await?;
+            let mut chunk = Vec::with_capacity(64);
+            while let Some(entry) = entries.next().await {
+                let entry = entry?;
+                chunk.push(decode_key_ops(
+                    entry.seq,
+                    entry.unix_ms,
+                    &entry.payload,
+                    &limits,
+                )?);
+                if chunk.len() == 64 {
+                    let full = std::mem::replace(&mut chunk, Vec::with_capacity(64));
+                    decoded.send((source, full)).await?;
+                }
+            }
+            if !chunk.is_empty() {
+                decoded.send((source, chunk)).await?;
+            }
+            anyhow::Ok(())
+        });
+    }
+    drop(decoded);
+    while let Some((source, chunk)) = incoming.recv().await {
+        for message in chunk {
+            projection.apply_key_ops(source, message)?;
         }
+    }
+    while let Some(read) = readers.join_next().await {
+        read??;
     }
     Ok((started.elapsed().as_secs_f64(), projection))
 }
@@ -98,13 +139,25 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     // As a replica does once caught up: growth by doubling leaves capacity unused.
     projection.shrink_to_fit();
     let raw_rate = events / raw_seconds;
+    let fold_rate = events / projector_seconds;
     printer.print(&BenchResult::new(
         WORKLOAD,
         format!("projector fold from JetStream, {subclusters} streams"),
-        events / projector_seconds,
+        fold_rate,
         "events/s",
-        format!("raw JetStream pull replay, same {} msgs", cluster.messages),
+        format!(
+            "raw JetStream pull replay, same {} msgs (target >= 0.5)",
+            cluster.messages
+        ),
         raw_rate,
+    ));
+    printer.print(&BenchResult::new(
+        WORKLOAD,
+        format!("projector fold from JetStream, {subclusters} streams, against 5 M events/s"),
+        fold_rate,
+        "events/s",
+        "target (at least)",
+        5e6,
     ));
     printer.print(&BenchResult::new(
         WORKLOAD,

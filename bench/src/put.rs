@@ -33,14 +33,15 @@ fn item(key: String) -> PutStartItem {
 }
 
 /// Runs `clients` tasks doing puts of `batch` objects each for `duration`;
-/// returns objects per second.
+/// returns objects per second and every round's latency (put_start + put_end),
+/// sorted.
 async fn run_clients(
     client: &SubmasterClient,
     clients: usize,
     batch: usize,
     duration: Duration,
     tag: &str,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<(f64, Vec<Duration>)> {
     let done = Arc::new(AtomicU64::new(0));
     let deadline = Instant::now() + duration;
     let started = Instant::now();
@@ -49,11 +50,13 @@ async fn run_clients(
             let (client, done, tag) = (client.clone(), Arc::clone(&done), tag.to_owned());
             tokio::spawn(async move {
                 let mut round = 0u64;
+                let mut latencies = Vec::new();
                 while Instant::now() < deadline {
                     let keys: Vec<String> = (0..batch)
                         .map(|i| format!("{tag}/{c}/{round}/{i}"))
                         .collect();
                     round += 1;
+                    let round_started = Instant::now();
                     let started = client
                         .put_start(keys.iter().cloned().map(item).collect())
                         .await?;
@@ -72,16 +75,29 @@ async fn run_clients(
                         .iter()
                         .filter(|r| matches!(r, ItemResult::Ok(())))
                         .count();
+                    latencies.push(round_started.elapsed());
                     done.fetch_add(ok as u64, Ordering::Relaxed);
                 }
-                anyhow::Ok(())
+                anyhow::Ok(latencies)
             })
         })
         .collect();
+    let mut latencies = Vec::new();
     for task in tasks {
-        task.await??;
+        latencies.extend(task.await??);
     }
-    Ok(done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64())
+    latencies.sort_unstable();
+    let rate = done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
+    Ok((rate, latencies))
+}
+
+/// The `p` quantile of sorted latencies, in microseconds.
+fn quantile_us(sorted: &[Duration], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let index = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[index].as_secs_f64() * 1e6
 }
 
 /// Raw JetStream: `publishers` tasks each publishing one ~140-byte message and
@@ -176,7 +192,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     .await?;
 
     let raw_1 = raw_publish(&js, "bench.raw.put", 1, duration).await?;
-    let one = run_clients(&client, 1, 1, duration, "one").await?;
+    let (one, one_latencies) = run_clients(&client, 1, 1, duration, "one").await?;
     printer.print(&BenchResult::new(
         WORKLOAD,
         "put_start+put_end, 1 client",
@@ -185,9 +201,17 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
         "raw JetStream publish+ack, 1 publisher",
         raw_1,
     ));
+    printer.print(&BenchResult::new(
+        WORKLOAD,
+        "put_start+put_end p50, 1 client",
+        quantile_us(&one_latencies, 0.5),
+        "us",
+        "target (at most)",
+        250.0,
+    ));
 
     let raw_64 = raw_publish(&js, "bench.raw.put", 64, duration).await?;
-    let many = run_clients(&client, 64, 1, duration, "many").await?;
+    let (many, _) = run_clients(&client, 64, 1, duration, "many").await?;
     printer.print(&BenchResult::new(
         WORKLOAD,
         "put_start+put_end, 64 clients",
@@ -197,7 +221,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
         raw_64,
     ));
 
-    let batched = run_clients(&client, 8, 256, duration, "batch").await?;
+    let (batched, _) = run_clients(&client, 8, 256, duration, "batch").await?;
     printer.print(&BenchResult::new(
         WORKLOAD,
         "batch put, 8 clients x 256 objects",
@@ -207,7 +231,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
         raw_64,
     ));
 
-    let metadata_16 = run_clients(&client, 16, 1, duration, "meta16").await?;
+    let (metadata_16, _) = run_clients(&client, 16, 1, duration, "meta16").await?;
     let _ = js.delete_stream("BENCH_RAW_PUT").await;
     pinger.abort();
     master.shutdown().await?;
@@ -216,10 +240,65 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
 
 /// Values of the end-to-end case: a typical KV block.
 const BLOCK: usize = 64 * 1024;
+/// Clients of the end-to-end case.
+const CLIENTS: usize = 16;
+/// Keys each end-to-end client puts, then gets, per round.
+const ROUND: usize = 32;
+
+/// Which timed phase of the end-to-end case is running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Put,
+    Get,
+}
+
+/// Time spent in each phase of the end-to-end case, and whether to go on.
+#[derive(Debug)]
+struct PhaseClock {
+    put: Duration,
+    get: Duration,
+    running: Option<(Phase, Instant)>,
+    go_on: bool,
+}
+
+impl Default for PhaseClock {
+    fn default() -> Self {
+        Self {
+            put: Duration::ZERO,
+            get: Duration::ZERO,
+            running: None,
+            go_on: true,
+        }
+    }
+}
+
+impl PhaseClock {
+    /// Ends the running phase (if any) and starts `phase`.
+    fn start(&mut self, phase: Phase) {
+        self.stop();
+        self.running = Some((phase, Instant::now()));
+    }
+
+    /// Ends the running phase, adding its time to its total.
+    fn stop(&mut self) {
+        if let Some((phase, since)) = self.running.take() {
+            let spent = since.elapsed();
+            match phase {
+                Phase::Put => self.put += spent,
+                Phase::Get => self.get += spent,
+            }
+        }
+    }
+}
+
+fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// End to end with real nodes: `put` (put_start → write 2 replicas over TCP →
 /// put_end) and `get` (replica list → read → verify) of 64 KiB blocks by 16
-/// clients, against the metadata-only put at the same concurrency in the same run.
+/// clients, each phase timed on its own; puts against the metadata-only put at the
+/// same concurrency in the same run, gets against those puts.
 async fn end_to_end(
     nats: &BenchNats,
     duration: Duration,
@@ -243,40 +322,71 @@ async fn end_to_end(
     let kv = KvClient::new(metadata, Arc::new(TcpTransport::default()));
     let value: Arc<Vec<u8>> = Arc::new((0..BLOCK).map(|i| i as u8).collect());
     let (puts, gets) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    // The clients move in lockstep, phase by phase: each puts ROUND keys, then
+    // reads them back, then removes them (so the segments never fill). The put and
+    // get phases are timed separately, from the release of the barrier that starts
+    // them to the last client's arrival at the next one.
+    let barrier = Arc::new(tokio::sync::Barrier::new(CLIENTS));
+    let phases = Arc::new(std::sync::Mutex::new(PhaseClock::default()));
     let deadline = Instant::now() + duration;
-    let started = Instant::now();
-    let tasks: Vec<_> = (0..16)
+    let tasks: Vec<_> = (0..CLIENTS)
         .map(|c| {
-            let (kv, value, puts, gets) = (
+            let (kv, value, puts, gets, barrier, phases) = (
                 kv.clone(),
                 Arc::clone(&value),
                 Arc::clone(&puts),
                 Arc::clone(&gets),
+                Arc::clone(&barrier),
+                Arc::clone(&phases),
             );
             tokio::spawn(async move {
-                let mut i = 0u64;
-                while Instant::now() < deadline {
-                    let key = format!("e2e/{c}/{i}");
-                    i += 1;
-                    kv.put(&key, &value, 2).await?;
-                    puts.fetch_add(1, Ordering::Relaxed);
-                    let fetched = kv.get(&key).await?;
-                    anyhow::ensure!(fetched.value.len() == BLOCK, "short read");
-                    gets.fetch_add(1, Ordering::Relaxed);
-                    // Keep the segments from filling up: the block is not needed again.
-                    kv.metadata().remove(vec![key], true).await?;
+                let mut round = 0u64;
+                loop {
+                    // Every client sees the same decision: the leader makes it.
+                    if barrier.wait().await.is_leader() {
+                        let mut clock = lock(&phases);
+                        clock.go_on = Instant::now() < deadline;
+                        clock.start(Phase::Put);
+                    }
+                    barrier.wait().await;
+                    if !lock(&phases).go_on {
+                        return anyhow::Ok(());
+                    }
+                    let keys: Vec<String> =
+                        (0..ROUND).map(|i| format!("e2e/{c}/{round}/{i}")).collect();
+                    round += 1;
+                    for key in &keys {
+                        kv.put(key, &value, 2).await?;
+                        puts.fetch_add(1, Ordering::Relaxed);
+                    }
+                    if barrier.wait().await.is_leader() {
+                        lock(&phases).start(Phase::Get);
+                    }
+                    barrier.wait().await;
+                    for key in &keys {
+                        let fetched = kv.get(key).await?;
+                        anyhow::ensure!(fetched.value.len() == BLOCK, "short read");
+                        gets.fetch_add(1, Ordering::Relaxed);
+                    }
+                    if barrier.wait().await.is_leader() {
+                        lock(&phases).stop();
+                    }
+                    // Untimed: the blocks are not needed again.
+                    kv.metadata().remove(keys, true).await?;
                 }
-                anyhow::Ok(())
             })
         })
         .collect();
     for task in tasks {
         task.await??;
     }
-    let seconds = started.elapsed().as_secs_f64();
+    let (put_time, get_time) = {
+        let clock = lock(&phases);
+        (clock.put, clock.get)
+    };
     let baseline = "metadata-only put, 16 clients";
-    let put_rate = puts.load(Ordering::Relaxed) as f64 / seconds;
-    let get_rate = gets.load(Ordering::Relaxed) as f64 / seconds;
+    let put_rate = puts.load(Ordering::Relaxed) as f64 / put_time.as_secs_f64();
+    let get_rate = gets.load(Ordering::Relaxed) as f64 / get_time.as_secs_f64();
     printer.print(&BenchResult::new(
         WORKLOAD,
         "end-to-end put 64 KiB x2 replicas, 16 clients",
@@ -290,8 +400,8 @@ async fn end_to_end(
         "end-to-end get 64 KiB (verified), 16 clients",
         get_rate,
         "ops/s",
-        baseline,
-        metadata_16,
+        "end-to-end put (above)",
+        put_rate,
     ));
     for node in nodes {
         let _ = node.shutdown().await;

@@ -313,13 +313,49 @@ pub struct Events<'a> {
     limits: Limits,
 }
 
-impl Events<'_> {
+impl<'a> Events<'a> {
     /// Events not yet iterated, as the envelope announced them.
     pub fn remaining(&self) -> usize {
         self.remaining
     }
 
-    fn frame(&mut self) -> Result<(u16, &[u8]), String> {
+    /// The limits the events are checked against.
+    pub(crate) fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// The next event's position, kind and body bytes, undecoded: an unknown kind
+    /// is a skippable error, a broken frame a final one that ends the iteration.
+    pub(crate) fn next_frame(
+        &mut self,
+    ) -> Option<Result<(usize, EventKind, &'a [u8]), EventError>> {
+        if self.remaining == 0 {
+            return None;
+        }
+        self.remaining -= 1;
+        let index = self.index;
+        self.index += 1;
+        let (code, body) = match self.frame() {
+            Ok(frame) => frame,
+            Err(reason) => {
+                // The frame is broken: nothing after it can be trusted.
+                self.remaining = 0;
+                return Some(Err(EventError {
+                    index,
+                    kind: EventErrorKind::Framing(reason),
+                }));
+            }
+        };
+        match EventKind::from_code(code) {
+            Some(kind) => Some(Ok((index, kind, body))),
+            None => Some(Err(EventError {
+                index,
+                kind: EventErrorKind::UnknownKind(code),
+            })),
+        }
+    }
+
+    fn frame(&mut self) -> Result<(u16, &'a [u8]), String> {
         let parts = rmp::decode::read_array_len(&mut self.rest).map_err(|e| e.to_string())?;
         if parts < 2 {
             return Err(format!("event frame has {parts} parts, expected 2"));
@@ -338,7 +374,11 @@ impl Events<'_> {
     }
 }
 
-fn decode_body(kind: EventKind, body: &[u8]) -> Result<KvEvent, rmp_serde::decode::Error> {
+/// Decodes one event body of `kind` into its owned form.
+pub(crate) fn decode_body(
+    kind: EventKind,
+    body: &[u8],
+) -> Result<KvEvent, rmp_serde::decode::Error> {
     Ok(match kind {
         EventKind::SegmentMounted => {
             KvEvent::SegmentMounted(rmp_serde::from_slice::<SegmentMounted>(body)?)
@@ -360,28 +400,9 @@ impl Iterator for Events<'_> {
     type Item = Result<KvEvent, EventError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        if self.remaining == 0 {
-            return None;
-        }
-        self.remaining -= 1;
-        let index = self.index;
-        self.index += 1;
-        let (code, body) = match self.frame() {
+        let (index, kind, body) = match self.next_frame()? {
             Ok(frame) => frame,
-            Err(reason) => {
-                // The frame is broken: nothing after it can be trusted.
-                self.remaining = 0;
-                return Some(Err(EventError {
-                    index,
-                    kind: EventErrorKind::Framing(reason),
-                }));
-            }
-        };
-        let Some(kind) = EventKind::from_code(code) else {
-            return Some(Err(EventError {
-                index,
-                kind: EventErrorKind::UnknownKind(code),
-            }));
+            Err(error) => return Some(Err(error)),
         };
         let event = match decode_body(kind, body) {
             Ok(event) => event,

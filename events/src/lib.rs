@@ -10,6 +10,7 @@ pub mod error;
 pub mod event;
 pub mod follow;
 pub mod id;
+pub mod key_ops;
 pub mod limits;
 pub mod log;
 pub mod positions;

@@ -128,14 +128,41 @@ impl Limits {
         Self::check_size(what, name.len() as u64, self.max_name_len as u64)
     }
 
-    fn check_keys(&self, keys: &[String]) -> Result<(), ValidationError> {
+    pub(crate) fn check_keys<K: AsRef<str>>(&self, keys: &[K]) -> Result<(), ValidationError> {
         if keys.len() > self.max_keys_per_event {
             return Err(ValidationError::TooManyKeys {
                 count: keys.len(),
                 max: self.max_keys_per_event,
             });
         }
-        keys.iter().try_for_each(|key| self.check_key(key))
+        keys.iter().try_for_each(|key| self.check_key(key.as_ref()))
+    }
+
+    /// Checks a committed put's key, carried key hash, replica count and size.
+    pub(crate) fn check_put(
+        &self,
+        key: &str,
+        carried_hash: u64,
+        placements: usize,
+        size: u64,
+    ) -> Result<(), ValidationError> {
+        self.check_key(key)?;
+        if carried_hash != key_hash(key) {
+            return Err(ValidationError::KeyHashMismatch {
+                key: short(key),
+                carried: carried_hash,
+            });
+        }
+        if placements == 0 {
+            return Err(ValidationError::NoPlacement { key: short(key) });
+        }
+        if placements > self.max_replicas {
+            return Err(ValidationError::TooManyReplicas {
+                count: placements,
+                max: self.max_replicas,
+            });
+        }
+        Self::check_size("object", size, self.max_object_size)
     }
 
     /// Checks one event against these limits and its own consistency (key hash).
@@ -157,25 +184,7 @@ impl Limits {
             }
             KvEvent::SegmentUnmounted(_) | KvEvent::NodeLost(_) => Ok(()),
             KvEvent::PutCommitted(put) => {
-                self.check_key(&put.key)?;
-                if put.key_hash != key_hash(&put.key) {
-                    return Err(ValidationError::KeyHashMismatch {
-                        key: short(&put.key),
-                        carried: put.key_hash,
-                    });
-                }
-                if put.placements.is_empty() {
-                    return Err(ValidationError::NoPlacement {
-                        key: short(&put.key),
-                    });
-                }
-                if put.placements.len() > self.max_replicas {
-                    return Err(ValidationError::TooManyReplicas {
-                        count: put.placements.len(),
-                        max: self.max_replicas,
-                    });
-                }
-                Self::check_size("object", put.size, self.max_object_size)
+                self.check_put(&put.key, put.key_hash, put.placements.len(), put.size)
             }
             KvEvent::Evicted(evicted) => self.check_keys(&evicted.keys),
             KvEvent::Removed(removed) => self.check_keys(&removed.keys),

@@ -2,7 +2,8 @@
 //! bad input of every shape (which must give typed errors, never panics).
 #![allow(clippy::unwrap_used)]
 
-use hkvm_events::codec::{decode_message, encode_message, Header, ENVELOPE_VERSION};
+use hkvm_events::codec::{decode_message, decode_stored, encode_message, Header, ENVELOPE_VERSION};
+use hkvm_events::key_ops::{decode_key_ops, KeyOp, KeyOps};
 use hkvm_events::{
     DecodeError, EventErrorKind, EventKind, Evicted, KvEvent, Limits, NodeId, NodeLost, Placement,
     ProducerId, PutCommitted, PutFlags, RdmaEndpoint, Removed, SegmentId, SegmentMounted,
@@ -429,5 +430,118 @@ proptest! {
                 let _ = event;
             }
         }
+    }
+}
+
+/// What the key-operation decoder and the owned decoder make of the same bytes:
+/// both refuse the message, or both accept it with the same key operations.
+fn both_decoders(bytes: &[u8], limits: &Limits) -> Result<(), TestCaseError> {
+    let owned = decode_stored(7, 1000, bytes, limits).map(|d| KeyOps::of(&d));
+    let borrowed = decode_key_ops(7, 1000, bytes, limits);
+    match (owned, borrowed) {
+        (Ok(owned), Ok(borrowed)) => prop_assert_eq!(borrowed, owned),
+        (Err(owned), Err(borrowed)) => prop_assert_eq!(
+            std::mem::discriminant(&borrowed.cause),
+            std::mem::discriminant(&owned.cause)
+        ),
+        (owned, borrowed) => {
+            return Err(TestCaseError::fail(format!(
+                "owned {owned:?} but key ops {borrowed:?}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn key_ops_hash_put_keys_and_dropped_keys_and_keep_other_events() {
+    let events = vec![
+        KvEvent::PutCommitted(PutCommitted::new(
+            "a",
+            3,
+            9,
+            vec![Placement {
+                segment: SegmentId::new("s").unwrap(),
+                offset: 0,
+            }],
+        )),
+        KvEvent::Evicted(Evicted {
+            keys: vec!["b".into(), "c".into()],
+        }),
+        KvEvent::NodeLost(NodeLost {
+            node: NodeId::new("n").unwrap(),
+        }),
+    ];
+    let bytes = encode_message(&header(), &events, &Limits::default()).unwrap();
+    let ops = decode_key_ops(5, 6, &bytes, &Limits::default()).unwrap();
+    assert_eq!(
+        ops.ops,
+        [
+            KeyOp::Put(hkvm_events::key_hash("a")),
+            KeyOp::Drop(hkvm_events::key_hash("b")),
+            KeyOp::Drop(hkvm_events::key_hash("c")),
+            KeyOp::Event(events[2].clone()),
+        ]
+    );
+    assert_eq!(
+        (ops.seq, ops.unix_ms, ops.events, ops.skipped),
+        (5, 6, 3, 0)
+    );
+    // A put whose key does not match its carried hash is skipped by both.
+    let mut bad = PutCommitted::new(
+        "d",
+        1,
+        1,
+        vec![Placement {
+            segment: SegmentId::new("s").unwrap(),
+            offset: 0,
+        }],
+    );
+    bad.key_hash ^= 1;
+    let mut builder = hkvm_events::MessageBuilder::new(&header(), Vec::new()).unwrap();
+    builder.push(&KvEvent::PutCommitted(bad)).unwrap();
+    builder.push(&events[0]).unwrap();
+    let bytes = builder.finish();
+    let ops = decode_key_ops(1, 1, &bytes, &Limits::default()).unwrap();
+    assert_eq!(ops.ops, [KeyOp::Put(hkvm_events::key_hash("a"))]);
+    assert_eq!((ops.events, ops.skipped), (1, 1));
+}
+
+proptest! {
+    /// The borrowed key-operation decoder agrees with the owned decoder on every
+    /// valid message...
+    #[test]
+    fn key_ops_agree_with_the_owned_decoder(events in proptest::collection::vec(arb_event(), 0..20)) {
+        let bytes = encode_message(&header(), &events, &Limits::default()).unwrap();
+        both_decoders(&bytes, &Limits::default())?;
+        // ...and under limits tight enough to refuse some of the events.
+        let tight = Limits {
+            max_key_len: 8,
+            max_keys_per_event: 3,
+            max_replicas: 2,
+            max_object_size: 1 << 20,
+            ..Limits::default()
+        };
+        both_decoders(&bytes, &tight)?;
+    }
+
+    /// ...on valid messages with bytes flipped...
+    #[test]
+    fn key_ops_agree_on_mutated_messages(
+        events in proptest::collection::vec(arb_event(), 1..6),
+        flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
+    ) {
+        let mut bytes = encode_message(&header(), &events, &Limits::default()).unwrap();
+        for (at, value) in flips {
+            let at = at.index(bytes.len());
+            bytes[at] = value;
+        }
+        both_decoders(&bytes, &Limits::default())?;
+    }
+
+    /// ...and on arbitrary bytes, without panicking.
+    #[test]
+    fn key_ops_agree_on_arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        both_decoders(&bytes, &Limits::default())?;
     }
 }

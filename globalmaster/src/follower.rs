@@ -7,8 +7,8 @@
 use std::sync::Arc;
 
 use async_nats::jetstream;
-use hkvm_events::codec::Decoded;
 use hkvm_events::follow::{FoldTarget, FollowConfig, Follower, OutOfOrder, ResyncReason, Seed};
+use hkvm_events::key_ops::{decode_key_ops, KeyOps};
 use hkvm_events::{key_hash, SubclusterId};
 use hkvm_projector::ProjectorErrorKind;
 
@@ -55,6 +55,19 @@ impl ProjectionSource {
 }
 
 impl FoldTarget for ProjectionSource {
+    /// Key operations: an index needs the hashes of the keys put and dropped,
+    /// decoded with the keys borrowed from the message.
+    type Message = KeyOps;
+
+    fn decode(
+        seq: u64,
+        unix_ms: u64,
+        payload: &[u8],
+        limits: &hkvm_events::Limits,
+    ) -> Result<KeyOps, hkvm_events::codec::UndecodableMessage> {
+        decode_key_ops(seq, unix_ms, payload, limits)
+    }
+
     fn applied_seq(&self) -> u64 {
         self.shared
             .read()
@@ -97,14 +110,14 @@ impl FoldTarget for ProjectionSource {
         self.shared.notify_applied();
     }
 
-    fn apply(&mut self, messages: Vec<Decoded>) -> Result<(), OutOfOrder> {
+    fn apply(&mut self, messages: Vec<KeyOps>) -> Result<(), OutOfOrder> {
         let labels = source_label(self.subcluster.as_str());
         let (mut events, mut folded) = (0u64, 0u64);
         let mut result = Ok(());
         for message in messages {
             // The lock is taken per message, so queries wait at most one message's
             // fold, not a whole chunk's.
-            let applied = self.shared.write().apply_decoded(self.source, message);
+            let applied = self.shared.write().apply_key_ops(self.source, message);
             match applied {
                 Ok(applied) => {
                     events += applied.events as u64;
@@ -116,7 +129,7 @@ impl FoldTarget for ProjectionSource {
                             expected: *expected,
                             found: *found,
                         },
-                        // `apply_decoded` fails only out of order; anything else is
+                        // `apply_key_ops` fails only out of order; anything else is
                         // still a reason to re-read.
                         _ => OutOfOrder {
                             expected: self.applied_seq() + 1,

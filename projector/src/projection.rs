@@ -1,10 +1,12 @@
 //! The projection: every source sub-cluster's position in its stream, its segments,
 //! and the shared [`KeyIndex`]. [`Projection::apply`] is the pure fold of one event;
-//! [`Projection::apply_message`] decodes one stream message and folds its events.
+//! [`Projection::apply_message`] decodes one stream message into key operations
+//! (keys borrowed, no allocation per put) and folds them.
 
 use std::collections::BTreeMap;
 
-use hkvm_events::codec::{decode_stored, Decoded};
+use hkvm_events::codec::Decoded;
+use hkvm_events::key_ops::{decode_key_ops, KeyOp, KeyOps};
 use hkvm_events::rpc::global::BloomFilter;
 use hkvm_events::{key_hash, KvEvent, Limits, NodeId, SegmentId, SubclusterId};
 
@@ -115,6 +117,24 @@ impl Projection {
 
     /// Folds one event of `source` into the projection. Pure: no I/O, no clock.
     pub fn apply(&mut self, source: usize, event: &KvEvent) {
+        self.fold_event(source, event);
+        self.source_mut(source).events_applied += 1;
+    }
+
+    /// Folds one key operation of `source`.
+    fn apply_op(&mut self, source: usize, op: &KeyOp) {
+        match op {
+            KeyOp::Put(hash) => {
+                self.index.insert(source, *hash);
+            }
+            KeyOp::Drop(hash) => {
+                self.index.remove(source, *hash);
+            }
+            KeyOp::Event(event) => self.fold_event(source, event),
+        }
+    }
+
+    fn fold_event(&mut self, source: usize, event: &KvEvent) {
         match event {
             KvEvent::PutCommitted(put) => {
                 self.index.insert(source, put.key_hash);
@@ -144,14 +164,14 @@ impl Projection {
                     Some((snapshot.covers_seq, snapshot.object.clone()));
             }
         }
-        self.source_mut(source).events_applied += 1;
     }
 
-    /// Decodes the message stored at `seq` of `source`'s stream and folds its
-    /// events: [`decode_stored`] then [`Projection::apply_decoded`].
+    /// Decodes the message stored at `seq` of `source`'s stream into key
+    /// operations and folds them: [`decode_key_ops`] then
+    /// [`Projection::apply_key_ops`].
     ///
     /// # Errors
-    /// [`ProjectorErrorKind::Undecodable`], or as for [`Projection::apply_decoded`].
+    /// [`ProjectorErrorKind::Undecodable`], or as for [`Projection::apply_key_ops`].
     pub fn apply_message(
         &mut self,
         source: usize,
@@ -159,42 +179,56 @@ impl Projection {
         unix_ms: u64,
         payload: &[u8],
     ) -> Result<Applied, ProjectorError> {
-        let decoded = decode_stored(seq, unix_ms, payload, &self.limits)
+        let message = decode_key_ops(seq, unix_ms, payload, &self.limits)
             .map_err(|e| ProjectorError::new(ProjectorErrorKind::Undecodable(e)))?;
-        self.apply_decoded(source, decoded)
+        self.apply_key_ops(source, message)
     }
 
-    /// Folds a decoded message of `source`. Messages at or below the applied
-    /// sequence are ignored (replayed after a checkpoint restore).
+    /// Folds a decoded message of `source` (every event owned): the same as
+    /// folding its [`KeyOps`].
     ///
     /// # Errors
-    /// [`ProjectorErrorKind::OutOfOrder`] when the message skips ahead of the next
-    /// expected sequence (the caller resynchronizes).
+    /// As [`Projection::apply_key_ops`].
     pub fn apply_decoded(
         &mut self,
         source: usize,
         decoded: Decoded,
     ) -> Result<Applied, ProjectorError> {
+        self.apply_key_ops(source, KeyOps::of(&decoded))
+    }
+
+    /// Folds a message of `source` as key operations. Messages at or below the
+    /// applied sequence are ignored (replayed after a checkpoint restore).
+    ///
+    /// # Errors
+    /// [`ProjectorErrorKind::OutOfOrder`] when the message skips ahead of the next
+    /// expected sequence (the caller resynchronizes).
+    pub fn apply_key_ops(
+        &mut self,
+        source: usize,
+        message: KeyOps,
+    ) -> Result<Applied, ProjectorError> {
         let applied_seq = self.source_mut(source).applied_seq;
-        if decoded.seq <= applied_seq {
+        if message.seq <= applied_seq {
             return Ok(Applied::default());
         }
-        if decoded.seq != applied_seq + 1 && applied_seq != 0 {
+        if message.seq != applied_seq + 1 && applied_seq != 0 {
             return Err(ProjectorError::new(ProjectorErrorKind::OutOfOrder {
                 expected: applied_seq + 1,
-                found: decoded.seq,
+                found: message.seq,
             }));
         }
-        for event in &decoded.events {
-            self.apply(source, event);
+        for op in &message.ops {
+            self.apply_op(source, op);
         }
         let state = self.source_mut(source);
-        state.applied_seq = decoded.seq;
-        state.applied_unix_ms = decoded.unix_ms;
-        state.events_skipped += decoded.skipped as u64;
+        state.events_applied += message.events as u64;
+        state.applied_seq = message.seq;
+        state.applied_unix_ms = message.unix_ms;
+        state.events_skipped += message.skipped as u64;
         Ok(Applied {
-            events: decoded.events.len(),
-            skipped: decoded.skipped,
+            events: message.events,
+            skipped: message.skipped,
         })
     }
 

@@ -154,7 +154,7 @@ impl Master {
 }
 
 /// CPU seconds (user + system, all threads) of a process, from `/proc/<pid>/stat`.
-fn cpu_seconds(pid: Option<u32>) -> f64 {
+pub(crate) fn cpu_seconds(pid: Option<u32>) -> f64 {
     let Some(pid) = pid else { return 0.0 };
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
         return 0.0;
@@ -472,8 +472,28 @@ pub async fn run(
             offered * sweep.window.as_secs_f64(),
         ));
     }
+    print_targets(printer, &sweep, &base);
     print_split(printer, &sweep, &split, &base);
     Ok(())
+}
+
+/// The centralized point (N = 1) against what one sub-master must do: at most 20 µs
+/// of CPU per request, and the whole client load at a p99 of at most 10 ms.
+fn print_targets(printer: &mut Printer, sweep: &Sweep, one: &Point) {
+    let tag = format!("one sub-master (N=1), {} clients", sweep.clients);
+    for (label, unit, value, target) in [
+        ("CPU per request", "us", one.sub_cpu_per_k * 1e3, 20.0),
+        ("op latency p99", "us", one.p99_us, 10_000.0),
+    ] {
+        printer.print(&BenchResult::new(
+            WORKLOAD,
+            format!("{tag}: {label}, against its target"),
+            value,
+            unit,
+            "target (at most)",
+            target,
+        ));
+    }
 }
 
 /// The split's rows: dummies behind real clients against full clients, N = 1.

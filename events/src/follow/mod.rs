@@ -20,7 +20,6 @@ use std::time::Duration;
 use async_nats::jetstream;
 use futures::StreamExt as _;
 
-use crate::codec::{decode_stored, Decoded};
 use crate::id::{ClusterId, SubclusterId};
 use crate::limits::Limits;
 use crate::log::{
@@ -329,7 +328,7 @@ impl<T: FoldTarget> Follower<T> {
         target: u64,
     ) -> Option<Outcome> {
         let mut end = None;
-        let mut decoded: Vec<Decoded> = Vec::with_capacity(chunk.len());
+        let mut decoded: Vec<T::Message> = Vec::with_capacity(chunk.len());
         let mut last_seen = 0;
         for item in chunk {
             let entry = match item {
@@ -340,7 +339,7 @@ impl<T: FoldTarget> Follower<T> {
                 }
             };
             last_seen = entry.seq;
-            match decode_stored(
+            match T::decode(
                 entry.seq,
                 entry.unix_ms,
                 &entry.payload,
@@ -387,7 +386,7 @@ impl<T: FoldTarget> Follower<T> {
         end
     }
 
-    fn apply(&mut self, decoded: Vec<Decoded>) -> Option<Outcome> {
+    fn apply(&mut self, decoded: Vec<T::Message>) -> Option<Outcome> {
         if decoded.is_empty() {
             return None;
         }

@@ -1,7 +1,8 @@
 //! What a [`Follower`](super::Follower) folds into: the projection of the global
 //! master, the diff of the inter-DC master, or a test's model.
 
-use crate::codec::Decoded;
+use crate::codec::UndecodableMessage;
+use crate::limits::Limits;
 use crate::snapshot::SnapshotFile;
 
 /// Why a follower forgot what it had folded and re-reads the stream.
@@ -60,6 +61,22 @@ pub struct Seed<'a> {
 /// A fold of one stream. The follower calls it from one task; implementations
 /// lock whatever state they share with readers.
 pub trait FoldTarget: Send + 'static {
+    /// A stored message as this target folds it: [`Decoded`](crate::codec::Decoded) (every event,
+    /// owned), or a lighter form such as [`KeyOps`](crate::key_ops::KeyOps).
+    type Message: Send + 'static;
+
+    /// Decodes the message stored at `seq` (on the follower's task, outside
+    /// whatever lock [`FoldTarget::apply`] takes).
+    ///
+    /// # Errors
+    /// [`UndecodableMessage`] when it does not decode.
+    fn decode(
+        seq: u64,
+        unix_ms: u64,
+        payload: &[u8],
+        limits: &Limits,
+    ) -> Result<Self::Message, UndecodableMessage>;
+
     /// The last stream sequence folded (0 when nothing was).
     fn applied_seq(&self) -> u64;
 
@@ -87,7 +104,7 @@ pub trait FoldTarget: Send + 'static {
     /// # Errors
     /// [`OutOfOrder`] when a message skips ahead of the next expected sequence
     /// (the follower resynchronizes).
-    fn apply(&mut self, messages: Vec<Decoded>) -> Result<(), OutOfOrder>;
+    fn apply(&mut self, messages: Vec<Self::Message>) -> Result<(), OutOfOrder>;
 
     /// Moves the position past a message that cannot be decoded even after a
     /// re-read, without folding anything.
