@@ -313,6 +313,17 @@ pub struct Events<'a> {
     limits: Limits,
 }
 
+/// One event's frame: its position in the message, its kind and its body bytes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Frame<'a> {
+    /// Its position in the message.
+    pub(crate) index: usize,
+    /// Its kind.
+    pub(crate) kind: EventKind,
+    /// Its body, undecoded.
+    pub(crate) body: &'a [u8],
+}
+
 impl<'a> Events<'a> {
     /// Events not yet iterated, as the envelope announced them.
     pub fn remaining(&self) -> usize {
@@ -326,9 +337,7 @@ impl<'a> Events<'a> {
 
     /// The next event's position, kind and body bytes, undecoded: an unknown kind
     /// is a skippable error, a broken frame a final one that ends the iteration.
-    pub(crate) fn next_frame(
-        &mut self,
-    ) -> Option<Result<(usize, EventKind, &'a [u8]), EventError>> {
+    pub(crate) fn next_frame(&mut self) -> Option<Result<Frame<'a>, EventError>> {
         if self.remaining == 0 {
             return None;
         }
@@ -347,7 +356,7 @@ impl<'a> Events<'a> {
             }
         };
         match EventKind::from_code(code) {
-            Some(kind) => Some(Ok((index, kind, body))),
+            Some(kind) => Some(Ok(Frame { index, kind, body })),
             None => Some(Err(EventError {
                 index,
                 kind: EventErrorKind::UnknownKind(code),
@@ -400,7 +409,7 @@ impl Iterator for Events<'_> {
     type Item = Result<KvEvent, EventError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        let (index, kind, body) = match self.next_frame()? {
+        let Frame { index, kind, body } = match self.next_frame()? {
             Ok(frame) => frame,
             Err(error) => return Some(Err(error)),
         };

@@ -8,7 +8,7 @@
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
 
-use crate::codec::{decode_body, decode_message, Decoded, UndecodableMessage};
+use crate::codec::{decode_body, decode_message, Decoded, Frame, UndecodableMessage};
 use crate::error::{EventError, EventErrorKind};
 use crate::event::{key_hash, EventKind, KvEvent};
 use crate::id::validate_id;
@@ -133,13 +133,8 @@ impl<'de> Deserialize<'de> for PlacementCount {
 }
 
 /// Decodes one event body into `ops`; on failure `ops` is as it was.
-fn push_body(
-    ops: &mut Vec<KeyOp>,
-    kind: EventKind,
-    body: &[u8],
-    limits: &Limits,
-    index: usize,
-) -> Result<(), EventError> {
+fn push_body(ops: &mut Vec<KeyOp>, frame: Frame<'_>, limits: &Limits) -> Result<(), EventError> {
+    let Frame { index, kind, body } = frame;
     let body_error = |reason: String| EventError {
         index,
         kind: EventErrorKind::Body { kind, reason },
@@ -196,9 +191,7 @@ pub fn decode_key_ops(
     };
     let limits = *events.limits();
     while let Some(frame) = events.next_frame() {
-        let pushed = frame.and_then(|(index, kind, body)| {
-            push_body(&mut decoded.ops, kind, body, &limits, index)
-        });
+        let pushed = frame.and_then(|frame| push_body(&mut decoded.ops, frame, &limits));
         match pushed {
             Ok(()) => decoded.events += 1,
             Err(error) if error.is_skippable() => {
