@@ -21,13 +21,28 @@ use super::BenchNats;
 
 const WORKLOAD: &str = "ingest";
 
+/// One JetStream context per stream: eight readers pulling 16 MB batches on one
+/// connection would exceed nats-server's per-connection pending limit (64 MB) and
+/// be cut off as a slow consumer.
+async fn contexts(
+    nats: &BenchNats,
+    cluster: &BenchCluster,
+) -> anyhow::Result<Vec<jetstream::Context>> {
+    let mut contexts = Vec::new();
+    for _ in &cluster.subclusters {
+        contexts.push(jetstream::new(nats.connect().await?));
+    }
+    Ok(contexts)
+}
+
 /// Reads every message of every stream with raw pull consumers, all streams at
 /// once (as the projector reads them); returns seconds.
-async fn raw_replay(js: &jetstream::Context, cluster: &BenchCluster) -> anyhow::Result<f64> {
+async fn raw_replay(nats: &BenchNats, cluster: &BenchCluster) -> anyhow::Result<f64> {
+    let contexts = contexts(nats, cluster).await?;
     let mut readers = tokio::task::JoinSet::new();
     let started = Instant::now();
-    for id in &cluster.subclusters {
-        let (js, name) = (js.clone(), stream_name(&cluster.cluster, id));
+    for (id, js) in cluster.subclusters.iter().zip(contexts) {
+        let name = stream_name(&cluster.cluster, id);
         readers.spawn(async move {
             let total = js.get_stream(&name).await?.info().await?.state.messages;
             super::raw::replay_seconds(&js, &name, total, 64).await
@@ -44,17 +59,18 @@ async fn raw_replay(js: &jetstream::Context, cluster: &BenchCluster) -> anyhow::
 /// parallel, keys borrowed), and one folder applies them in order per stream.
 /// Returns seconds and the projection.
 async fn projector_replay(
-    js: &jetstream::Context,
+    nats: &BenchNats,
     cluster: &BenchCluster,
 ) -> anyhow::Result<(f64, Projection)> {
+    let contexts = contexts(nats, cluster).await?;
     let mut projection = Projection::new();
     let (decoded, mut incoming) = tokio::sync::mpsc::channel::<(usize, Vec<KeyOps>)>(64);
     let mut readers = tokio::task::JoinSet::new();
     let started = Instant::now();
-    for id in &cluster.subclusters {
+    for (id, js) in cluster.subclusters.iter().zip(contexts) {
         let stream = stream_name(&cluster.cluster, id);
         let source = projection.source_index(id, &stream);
-        let log = JetStreamLog::new(js.clone(), stream, event_subject(&cluster.cluster, id));
+        let log = JetStreamLog::new(js, stream, event_subject(&cluster.cluster, id));
         let decoded = decoded.clone();
         let limits = Limits::default();
         readers.spawn(async move {
@@ -134,8 +150,8 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     let events = cluster.events as f64;
 
     eprintln!("bench ingest: raw replay and projector replay");
-    let raw_seconds = raw_replay(&js, &cluster).await?;
-    let (projector_seconds, mut projection) = projector_replay(&js, &cluster).await?;
+    let raw_seconds = raw_replay(nats, &cluster).await?;
+    let (projector_seconds, mut projection) = projector_replay(nats, &cluster).await?;
     // As a replica does once caught up: growth by doubling leaves capacity unused.
     projection.shrink_to_fit();
     let raw_rate = events / raw_seconds;
