@@ -420,17 +420,23 @@ proptest! {
         events in proptest::collection::vec(arb_event(), 1..6),
         flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
     ) {
-        let mut bytes = encode_message(&header(), &events, &Limits::default()).unwrap();
-        for (at, value) in flips {
-            let at = at.index(bytes.len());
-            bytes[at] = value;
-        }
+        let bytes = flipped(&events, &flips);
         if let Ok(message) = decode_message(&bytes, &Limits::default()) {
             for event in message.events {
                 let _ = event;
             }
         }
     }
+}
+
+/// `events` encoded as one message, then bytes overwritten at `flips`.
+fn flipped(events: &[KvEvent], flips: &[(prop::sample::Index, u8)]) -> Vec<u8> {
+    let mut bytes = encode_message(&header(), events, &Limits::default()).unwrap();
+    for (at, value) in flips {
+        let at = at.index(bytes.len());
+        bytes[at] = *value;
+    }
+    bytes
 }
 
 /// What the key-operation decoder and the owned decoder make of the same bytes:
@@ -531,11 +537,7 @@ proptest! {
         events in proptest::collection::vec(arb_event(), 1..6),
         flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
     ) {
-        let mut bytes = encode_message(&header(), &events, &Limits::default()).unwrap();
-        for (at, value) in flips {
-            let at = at.index(bytes.len());
-            bytes[at] = value;
-        }
+        let bytes = flipped(&events, &flips);
         both_decoders(&bytes, &Limits::default())?;
     }
 

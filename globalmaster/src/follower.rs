@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use async_nats::jetstream;
 use hkvm_events::follow::{FoldTarget, FollowConfig, Follower, OutOfOrder, ResyncReason, Seed};
-use hkvm_events::key_ops::{decode_key_ops, KeyOps};
+use hkvm_events::key_ops::KeyOps;
 use hkvm_events::{key_hash, SubclusterId};
 use hkvm_projector::ProjectorErrorKind;
 
@@ -58,15 +58,6 @@ impl FoldTarget for ProjectionSource {
     /// Key operations: an index needs the hashes of the keys put and dropped,
     /// decoded with the keys borrowed from the message.
     type Message = KeyOps;
-
-    fn decode(
-        seq: u64,
-        unix_ms: u64,
-        payload: &[u8],
-        limits: &hkvm_events::Limits,
-    ) -> Result<KeyOps, hkvm_events::codec::UndecodableMessage> {
-        decode_key_ops(seq, unix_ms, payload, limits)
-    }
 
     fn applied_seq(&self) -> u64 {
         self.shared

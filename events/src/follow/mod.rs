@@ -28,7 +28,7 @@ use crate::log::{
 use crate::snapshot::SnapshotStore;
 use crate::subject::{event_subject, stream_name};
 
-pub use target::{FoldTarget, OutOfOrder, ResyncReason, Seed};
+pub use target::{FoldTarget, OutOfOrder, ResyncReason, Seed, StoredMessage};
 
 /// How a follower reads. Fill what you need and take the rest from `Default`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -339,7 +339,7 @@ impl<T: FoldTarget> Follower<T> {
                 }
             };
             last_seen = entry.seq;
-            match T::decode(
+            match <T::Message as StoredMessage>::decode(
                 entry.seq,
                 entry.unix_ms,
                 &entry.payload,

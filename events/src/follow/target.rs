@@ -1,8 +1,47 @@
 //! What a [`Follower`](super::Follower) folds into: the projection of the global
 //! master, the diff of the inter-DC master, or a test's model.
 
-use crate::codec::UndecodableMessage;
+use crate::codec::{decode_stored, Decoded, UndecodableMessage};
+use crate::key_ops::{decode_key_ops, KeyOps};
 use crate::limits::Limits;
+
+/// A form a stored message decodes into for a [`FoldTarget`].
+pub trait StoredMessage: Send + Sized + 'static {
+    /// Decodes the message stored at `seq`.
+    ///
+    /// # Errors
+    /// [`UndecodableMessage`] when it does not decode.
+    fn decode(
+        seq: u64,
+        unix_ms: u64,
+        payload: &[u8],
+        limits: &Limits,
+    ) -> Result<Self, UndecodableMessage>;
+}
+
+/// Every event, owned ([`decode_stored`]).
+impl StoredMessage for Decoded {
+    fn decode(
+        seq: u64,
+        unix_ms: u64,
+        payload: &[u8],
+        limits: &Limits,
+    ) -> Result<Self, UndecodableMessage> {
+        decode_stored(seq, unix_ms, payload, limits)
+    }
+}
+
+/// Key operations, keys borrowed while decoding ([`decode_key_ops`]).
+impl StoredMessage for KeyOps {
+    fn decode(
+        seq: u64,
+        unix_ms: u64,
+        payload: &[u8],
+        limits: &Limits,
+    ) -> Result<Self, UndecodableMessage> {
+        decode_key_ops(seq, unix_ms, payload, limits)
+    }
+}
 use crate::snapshot::SnapshotFile;
 
 /// Why a follower forgot what it had folded and re-reads the stream.
@@ -61,21 +100,10 @@ pub struct Seed<'a> {
 /// A fold of one stream. The follower calls it from one task; implementations
 /// lock whatever state they share with readers.
 pub trait FoldTarget: Send + 'static {
-    /// A stored message as this target folds it: [`Decoded`](crate::codec::Decoded) (every event,
-    /// owned), or a lighter form such as [`KeyOps`](crate::key_ops::KeyOps).
-    type Message: Send + 'static;
-
-    /// Decodes the message stored at `seq` (on the follower's task, outside
-    /// whatever lock [`FoldTarget::apply`] takes).
-    ///
-    /// # Errors
-    /// [`UndecodableMessage`] when it does not decode.
-    fn decode(
-        seq: u64,
-        unix_ms: u64,
-        payload: &[u8],
-        limits: &Limits,
-    ) -> Result<Self::Message, UndecodableMessage>;
+    /// A stored message as this target folds it: [`Decoded`] (every event, owned),
+    /// or a lighter form such as [`KeyOps`]. The follower decodes it on its own
+    /// task, outside whatever lock [`FoldTarget::apply`] takes.
+    type Message: StoredMessage;
 
     /// The last stream sequence folded (0 when nothing was).
     fn applied_seq(&self) -> u64;

@@ -48,15 +48,6 @@ impl Model {
 impl FoldTarget for Model {
     type Message = Decoded;
 
-    fn decode(
-        seq: u64,
-        unix_ms: u64,
-        payload: &[u8],
-        limits: &hkvm_events::Limits,
-    ) -> Result<Decoded, hkvm_events::codec::UndecodableMessage> {
-        hkvm_events::codec::decode_stored(seq, unix_ms, payload, limits)
-    }
-
     fn applied_seq(&self) -> u64 {
         self.seen().applied_seq
     }
