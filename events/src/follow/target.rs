@@ -4,6 +4,7 @@
 use crate::codec::{decode_stored, Decoded, UndecodableMessage};
 use crate::key_ops::{decode_key_ops, KeyOps};
 use crate::limits::Limits;
+use crate::snapshot::SnapshotFile;
 
 /// A form a stored message decodes into for a [`FoldTarget`].
 pub trait StoredMessage: Send + Sized + 'static {
@@ -42,7 +43,6 @@ impl StoredMessage for KeyOps {
         decode_key_ops(seq, unix_ms, payload, limits)
     }
 }
-use crate::snapshot::SnapshotFile;
 
 /// Why a follower forgot what it had folded and re-reads the stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -132,7 +132,8 @@ impl Restorer {
         state
     }
 
-    /// Hands the current batch to the sink, in the order of its home buckets.
+    /// Hands the current batch to the sink (which inserts it in the order of
+    /// its keys' home buckets).
     fn flush(&mut self) {
         if self.batch.is_empty() {
             return;
