@@ -9,7 +9,6 @@
 //! TTL).
 
 use std::collections::HashMap;
-use std::hash::BuildHasher as _;
 use std::sync::Arc;
 
 use hkvm_events::{
@@ -18,6 +17,10 @@ use hkvm_events::{
 
 use crate::allocator::SegmentAllocator;
 use crate::keyhash::KeyHashBuilder;
+
+mod bulk;
+
+pub use bulk::{BulkRestore, HomeBuckets, RestoredAllocators, UsedRanges};
 
 /// Index of a mounted segment in the state's segment table; objects refer to
 /// segments by slot so a replica costs 16 bytes, not a copy of the segment name.
@@ -460,155 +463,6 @@ impl State {
             && segments(self) == segments(other)
             && objects(self) == objects(other)
     }
-}
-
-/// The bulk form of folding a snapshot's objects, oldest first, into a state
-/// that holds its segments and nothing else: each object takes the next commit
-/// order, and each segment's allocator is built once from all its replicas'
-/// ranges ([`UsedRanges`], [`SegmentAllocator::with_used`]) instead of one
-/// reservation per replica. The two halves can run on two threads: the ranges
-/// where the snapshot is decoded, the inserts into the object table (the part
-/// that misses the cache) on another.
-#[derive(Debug)]
-pub struct BulkRestore {
-    state: State,
-}
-
-impl BulkRestore {
-    /// Starts restoring into `state` (its segments mounted), expecting about
-    /// `objects` objects.
-    pub fn new(mut state: State, objects: usize) -> Self {
-        state.objects.reserve(objects);
-        Self { state }
-    }
-
-    /// Inserts an object admitted by [`UsedRanges::admit`], its commit order
-    /// already given (its place in the snapshot: oldest first). Objects may
-    /// come in any order but for two records of one key, where the later
-    /// (newer) one wins.
-    pub fn insert(&mut self, key: Arc<str>, object: Object) {
-        self.state.next_order = self.state.next_order.max(object.order + 1);
-        if self.state.objects.insert(key, object).is_some() {
-            tracing::warn!("a snapshot holds a key twice; the newer record wins");
-        }
-    }
-
-    /// Where keys land in the object table as it is sized now.
-    pub fn homes(&self) -> HomeBuckets {
-        let capacity = self.state.objects.capacity() as u64;
-        // The table's bucket count is a power of two holding `capacity` at a
-        // load of 7/8; a wrong guess only costs locality, never correctness.
-        let buckets = (capacity / 7 * 8).max(1).next_power_of_two();
-        HomeBuckets {
-            hasher: *self.state.objects.hasher(),
-            mask: buckets - 1,
-        }
-    }
-
-    /// The restored state, with the allocators built from every object's ranges.
-    pub fn finish(mut self, allocators: RestoredAllocators) -> State {
-        for (slot, allocator) in allocators.per_slot.into_iter().enumerate() {
-            if let (Some(Some(segment)), Some(allocator)) =
-                (self.state.slots.get_mut(slot), allocator)
-            {
-                segment.allocator = allocator;
-            }
-        }
-        self.state.anomalies.unknown_segment += allocators.unknown_segment;
-        self.state.anomalies.overlapping_range += allocators.overlapping_range;
-        self.state
-    }
-}
-
-/// The home bucket of a key in a bulk restore's object table (where a probe
-/// for it starts). Inserting a batch in the order of its home buckets sweeps
-/// the table once instead of jumping across a table larger than any cache or
-/// TLB reach, as inserting it in commit order does.
-#[derive(Debug, Clone, Copy)]
-pub struct HomeBuckets {
-    hasher: KeyHashBuilder,
-    mask: u64,
-}
-
-impl HomeBuckets {
-    /// The bucket where a probe for `key` starts.
-    pub fn of(&self, key: &str) -> u64 {
-        self.hasher.hash_one(key) & self.mask
-    }
-}
-
-/// The ranges a snapshot's objects use, per segment, collected as the objects
-/// are decoded. A replica on a slot without a segment is dropped and a range
-/// over used space is not reserved, each counted as in a fold.
-#[derive(Debug)]
-pub struct UsedRanges {
-    /// Usable size of the segment in each slot (none: no segment).
-    sizes: Vec<Option<u64>>,
-    /// (offset, size) of every replica, per slot.
-    ranges: Vec<Vec<(u64, u64)>>,
-    unknown_segment: u64,
-}
-
-impl UsedRanges {
-    /// No ranges yet, over the segments `state` mounts.
-    pub fn new(state: &State) -> Self {
-        let sizes: Vec<Option<u64>> = state
-            .slots
-            .iter()
-            .map(|slot| slot.as_ref().map(|segment| segment.allocator.size()))
-            .collect();
-        Self {
-            ranges: vec![Vec::new(); sizes.len()],
-            sizes,
-            unknown_segment: 0,
-        }
-    }
-
-    /// Keeps `object`'s replicas on mounted segments and records their ranges;
-    /// false when none is left (the object is then dropped).
-    pub fn admit(&mut self, object: &mut Object) -> bool {
-        let sizes = &self.sizes;
-        let known = |r: &Replica| sizes.get(r.slot as usize).is_some_and(Option::is_some);
-        if !object.replicas.iter().all(known) {
-            let unknown = object.replicas.iter().filter(|r| !known(r)).count();
-            self.unknown_segment += unknown as u64;
-            object.replicas = object.replicas.iter().copied().filter(known).collect();
-        }
-        for replica in object.replicas.iter() {
-            self.ranges[replica.slot as usize].push((replica.offset, object.size));
-        }
-        !object.replicas.is_empty()
-    }
-
-    /// Every mounted segment's allocator, built from its ranges.
-    pub fn into_allocators(self) -> RestoredAllocators {
-        let mut overlapping_range = 0;
-        let per_slot = self
-            .sizes
-            .into_iter()
-            .zip(self.ranges)
-            .map(|(size, mut ranges)| {
-                let size = size?;
-                ranges.sort_unstable();
-                let (allocator, refused) = SegmentAllocator::with_used(size, &ranges);
-                overlapping_range += refused;
-                Some(allocator)
-            })
-            .collect();
-        RestoredAllocators {
-            per_slot,
-            unknown_segment: self.unknown_segment,
-            overlapping_range,
-        }
-    }
-}
-
-/// Allocators built by [`UsedRanges::into_allocators`], for [`BulkRestore::finish`].
-#[derive(Debug)]
-pub struct RestoredAllocators {
-    per_slot: Vec<Option<SegmentAllocator>>,
-    unknown_segment: u64,
-    overlapping_range: u64,
 }
 
 #[cfg(test)]
