@@ -68,6 +68,9 @@ pub async fn state(container: &Container) -> State {
     }
 }
 
+/// How long one `docker inspect` of [`wait_output`]'s poll may take.
+const INSPECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Waits until the container's process exits; returns its exit code, stdout and
 /// stderr.
 ///
@@ -75,11 +78,16 @@ pub async fn state(container: &Container) -> State {
 /// `docker wait` was seen never to return for a load generator that had printed
 /// its last line, and a poll both cannot miss the exit and leaves the state to
 /// report (see [`where_stuck`]) when the caller's deadline passes.
+///
+/// One `docker inspect` that does not answer within [`INSPECT_TIMEOUT`] is left
+/// behind and the poll asks again, so a single stuck CLI call cannot use up the
+/// caller's whole deadline.
 pub async fn wait_output(container: &Container) -> (i64, String, String) {
     let code = loop {
-        let state = state(container).await;
-        if matches!(state.status.as_str(), "exited" | "dead") {
-            break state.exit_code;
+        if let Ok(state) = tokio::time::timeout(INSPECT_TIMEOUT, state(container)).await {
+            if matches!(state.status.as_str(), "exited" | "dead") {
+                break state.exit_code;
+            }
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     };
