@@ -1,8 +1,8 @@
 //! Restoring a state while its snapshot is decoded: the decoding thread turns
 //! each record into an object, records the ranges its replicas use
 //! ([`UsedRanges`]) and hands batches of objects to an inserting thread, which
-//! puts each batch in the order of its keys' home buckets ([`HomeOrder`]) and
-//! builds the object table ([`BulkRestore`]). In commit order every insert
+//! builds the object table ([`BulkRestore`]), each batch in the order of its
+//! keys' home buckets. In commit order every insert
 //! lands somewhere else in a table larger than any cache or TLB reach; in
 //! home-bucket order a batch sweeps the table once. On two cores the restore
 //! takes the longer of the two halves instead of their sum; at the end the
@@ -17,17 +17,15 @@ use std::time::{Duration, Instant};
 use hkvm_events::snapshot::{ObjectView, SnapshotHeader, SnapshotVisitor};
 use hkvm_events::{KvEvent, PutFlags, SegmentMounted};
 
-use crate::state::{BulkRestore, HomeBuckets, Object, Replica, Replicas, Slot, State, UsedRanges};
+use crate::state::{BulkRestore, Object, Replica, Replicas, Slot, State, UsedRanges, MAX_BATCH};
 
 /// Objects per batch handed to the inserting thread. A batch is inserted in
-/// the order of its keys' home buckets ([`HomeBuckets`]): the larger it is, the
+/// the order of its keys' home buckets: the larger it is, the
 /// closer its inserts land to each other (at 10 M objects, a batch of 2^18 puts
 /// consecutive inserts about 64 buckets, under 7 KB, apart). About 30 MB each.
 const BATCH: usize = 1 << 18;
 /// Batches decoded ahead of the inserting thread (bounds the memory in flight).
 const BATCHES_AHEAD: usize = 2;
-/// Bits of a batch position in an insertion sort key (below the home bucket).
-const POSITION_BITS: u32 = 24;
 
 type Batch = Vec<(Arc<str>, Object)>;
 
@@ -57,7 +55,7 @@ enum Sink {
     #[default]
     Idle,
     /// Inserted in line (no second thread).
-    Inline(Box<BulkRestore>, HomeOrder),
+    Inline(Box<BulkRestore>),
     /// Handed to the inserting thread.
     Thread(Inserter),
 }
@@ -84,7 +82,7 @@ impl Restorer {
             slots: Vec::new(),
             ranges: None,
             next_order: 0,
-            batch_size: batch_size.clamp(1, 1 << POSITION_BITS),
+            batch_size: batch_size.clamp(1, MAX_BATCH),
             batch: Vec::new(),
             sink: Sink::Idle,
             waited: Duration::ZERO,
@@ -98,7 +96,7 @@ impl Restorer {
         self.flush();
         let (inline, inserting) = match std::mem::take(&mut self.sink) {
             Sink::Idle => (None, None),
-            Sink::Inline(restore, _) => (Some(*restore), None),
+            Sink::Inline(restore) => (Some(*restore), None),
             // Closing the channel lets the thread end after the last batch.
             Sink::Thread(Inserter {
                 batches, thread, ..
@@ -140,12 +138,7 @@ impl Restorer {
         }
         match &mut self.sink {
             Sink::Idle => self.batch.clear(),
-            Sink::Inline(restore, order) => {
-                order.arrange(&mut self.batch);
-                for (key, object) in self.batch.drain(..) {
-                    restore.insert(key, object);
-                }
-            }
+            Sink::Inline(restore) => restore.insert_batch(&mut self.batch),
             Sink::Thread(inserter) => {
                 let next = inserter
                     .emptied
@@ -158,49 +151,6 @@ impl Restorer {
                 self.waited += started.elapsed();
             }
         }
-    }
-}
-
-/// Puts batches in the order of their keys' home buckets in the table being
-/// built; records of one key keep their order (the later, newer one wins).
-#[derive(Debug)]
-struct HomeOrder {
-    homes: HomeBuckets,
-    /// A batch's sort keys: home bucket, then position (kept to reuse memory).
-    sort_keys: Vec<u64>,
-    /// A batch while it is put in order (kept to reuse its memory).
-    taken: Vec<Option<(Arc<str>, Object)>>,
-}
-
-impl HomeOrder {
-    fn new(homes: HomeBuckets) -> Self {
-        Self {
-            homes,
-            sort_keys: Vec::new(),
-            taken: Vec::new(),
-        }
-    }
-
-    /// Puts `batch` (at most 2^[`POSITION_BITS`] objects) in home-bucket order.
-    fn arrange(&mut self, batch: &mut Batch) {
-        let homes = self.homes;
-        self.sort_keys.clear();
-        self.sort_keys.extend(
-            batch
-                .iter()
-                .enumerate()
-                .map(|(position, (key, _))| homes.of(key) << POSITION_BITS | position as u64),
-        );
-        self.sort_keys.sort_unstable();
-        let taken = &mut self.taken;
-        taken.clear();
-        taken.extend(batch.drain(..).map(Some));
-        let position_mask = (1u64 << POSITION_BITS) - 1;
-        batch.extend(
-            self.sort_keys
-                .iter()
-                .filter_map(|sort_key| taken[(sort_key & position_mask) as usize].take()),
-        );
     }
 }
 
@@ -241,12 +191,8 @@ fn insert_all(
     let Ok(mut restore) = started.recv() else {
         return BulkRestore::new(State::new(), 0);
     };
-    let mut order = HomeOrder::new(restore.homes());
     for mut batch in incoming {
-        order.arrange(&mut batch);
-        for (key, object) in batch.drain(..) {
-            restore.insert(key, object);
-        }
+        restore.insert_batch(&mut batch);
         let _ = give_back.send(batch);
     }
     *restore
@@ -273,16 +219,12 @@ impl SnapshotVisitor for Restorer {
         let restore = Box::new(BulkRestore::new(state, objects));
         self.batch = Vec::with_capacity(self.batch_size.min(objects.max(1)));
         // A small snapshot is not worth a thread.
-        let inline = |restore: Box<BulkRestore>| {
-            let order = HomeOrder::new(restore.homes());
-            Sink::Inline(restore, order)
-        };
         self.sink = if objects <= self.batch_size {
-            inline(restore)
+            Sink::Inline(restore)
         } else {
             match spawn_inserter(restore) {
                 Ok(inserter) => Sink::Thread(inserter),
-                Err(restore) => inline(restore),
+                Err(restore) => Sink::Inline(restore),
             }
         };
     }

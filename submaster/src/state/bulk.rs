@@ -1,6 +1,6 @@
 //! Restoring a state in bulk from a snapshot's objects: the inserts into the
-//! object table ([`BulkRestore`], in the order of the keys' home buckets,
-//! [`HomeBuckets`]) apart from the used ranges that become each segment's
+//! object table ([`BulkRestore`], a batch at a time in the order of the keys'
+//! home buckets) apart from the used ranges that become each segment's
 //! allocator ([`UsedRanges`]), so that the two can run on two threads.
 
 use std::hash::BuildHasher as _;
@@ -12,45 +12,75 @@ use crate::keyhash::KeyHashBuilder;
 
 /// The bulk form of folding a snapshot's objects into a state that holds its
 /// segments and nothing else: each object keeps the commit order it is given
-/// (its place in the snapshot), and each segment's allocator is built once from all its replicas'
-/// ranges ([`UsedRanges`], [`SegmentAllocator::with_used`]) instead of one
+/// (its place in the snapshot), and each segment's allocator is built once
+/// from all its replicas' ranges ([`UsedRanges`], [`SegmentAllocator::with_used`]) instead of one
 /// reservation per replica. The two halves can run on two threads: the ranges
 /// where the snapshot is decoded, the inserts into the object table (the part
 /// that misses the cache) on another.
 #[derive(Debug)]
 pub struct BulkRestore {
     state: State,
+    homes: HomeBuckets,
+    /// A batch's sort keys: home bucket, then position (kept to reuse memory).
+    sort_keys: Vec<u64>,
+    /// A batch while it is put in order (kept to reuse its memory).
+    taken: Vec<Option<(Arc<str>, Object)>>,
 }
+
+/// Most objects in one [`BulkRestore::insert_batch`] (2^24: a position fits below the home bucket in one sort key).
+pub const MAX_BATCH: usize = 1 << POSITION_BITS;
+/// Bits of a batch position in an insertion sort key (below the home bucket).
+const POSITION_BITS: u32 = 24;
 
 impl BulkRestore {
     /// Starts restoring into `state` (its segments mounted), expecting about
     /// `objects` objects.
     pub fn new(mut state: State, objects: usize) -> Self {
         state.objects.reserve(objects);
-        Self { state }
-    }
-
-    /// Inserts an object admitted by [`UsedRanges::admit`], its commit order
-    /// already given (its place in the snapshot: oldest first). Objects may
-    /// come in any order but for two records of one key, where the later
-    /// (newer) one wins.
-    pub fn insert(&mut self, key: Arc<str>, object: Object) {
-        self.state.next_order = self.state.next_order.max(object.order + 1);
-        if self.state.objects.insert(key, object).is_some() {
-            tracing::warn!("a snapshot holds a key twice; the newer record wins");
+        let homes = HomeBuckets::of_table(&state);
+        Self {
+            state,
+            homes,
+            sort_keys: Vec::new(),
+            taken: Vec::new(),
         }
     }
 
-    /// Where keys land in the object table as it is sized now.
-    pub fn homes(&self) -> HomeBuckets {
-        let capacity = self.state.objects.capacity() as u64;
-        // The table's bucket count is a power of two holding `capacity` at a
-        // load of 7/8; a wrong guess only costs locality, never correctness.
-        let buckets = (capacity / 7 * 8).max(1).next_power_of_two();
-        HomeBuckets {
-            hasher: *self.state.objects.hasher(),
-            mask: buckets - 1,
+    /// Inserts a batch (at most [`MAX_BATCH`]) of objects admitted by
+    /// [`UsedRanges::admit`], their commit order already given (their place in
+    /// the snapshot: oldest first), and leaves `batch` empty. The batch goes in
+    /// the order of its keys' home buckets; batches may come in any order, and
+    /// of two records of one key the later (newer) one wins.
+    pub fn insert_batch(&mut self, batch: &mut Vec<(Arc<str>, Object)>) {
+        self.arrange(batch);
+        for (key, object) in batch.drain(..) {
+            self.state.next_order = self.state.next_order.max(object.order + 1);
+            if self.state.objects.insert(key, object).is_some() {
+                tracing::warn!("a snapshot holds a key twice; the newer record wins");
+            }
         }
+    }
+
+    /// Puts `batch` in home-bucket order; records of one key keep their order.
+    fn arrange(&mut self, batch: &mut Vec<(Arc<str>, Object)>) {
+        let homes = self.homes;
+        self.sort_keys.clear();
+        self.sort_keys.extend(
+            batch
+                .iter()
+                .enumerate()
+                .map(|(position, (key, _))| homes.of(key) << POSITION_BITS | position as u64),
+        );
+        self.sort_keys.sort_unstable();
+        let taken = &mut self.taken;
+        taken.clear();
+        taken.extend(batch.drain(..).map(Some));
+        let position_mask = (1u64 << POSITION_BITS) - 1;
+        batch.extend(
+            self.sort_keys
+                .iter()
+                .filter_map(|sort_key| taken[(sort_key & position_mask) as usize].take()),
+        );
     }
 
     /// The restored state, with the allocators built from every object's ranges.
@@ -73,14 +103,26 @@ impl BulkRestore {
 /// the table once instead of jumping across a table larger than any cache or
 /// TLB reach, as inserting it in commit order does.
 #[derive(Debug, Clone, Copy)]
-pub struct HomeBuckets {
+struct HomeBuckets {
     hasher: KeyHashBuilder,
     mask: u64,
 }
 
 impl HomeBuckets {
+    /// Where keys land in `state`'s object table as it is sized now.
+    fn of_table(state: &State) -> Self {
+        let capacity = state.objects.capacity() as u64;
+        // The table's bucket count is a power of two holding `capacity` at a
+        // load of 7/8; a wrong guess only costs locality, never correctness.
+        let buckets = (capacity / 7 * 8).max(1).next_power_of_two();
+        Self {
+            hasher: *state.objects.hasher(),
+            mask: buckets - 1,
+        }
+    }
+
     /// The bucket where a probe for `key` starts.
-    pub fn of(&self, key: &str) -> u64 {
+    fn of(&self, key: &str) -> u64 {
         self.hasher.hash_one(key) & self.mask
     }
 }

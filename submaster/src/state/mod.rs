@@ -20,7 +20,7 @@ use crate::keyhash::KeyHashBuilder;
 
 mod bulk;
 
-pub use bulk::{BulkRestore, HomeBuckets, RestoredAllocators, UsedRanges};
+pub use bulk::{BulkRestore, RestoredAllocators, UsedRanges, MAX_BATCH};
 
 /// Index of a mounted segment in the state's segment table; objects refer to
 /// segments by slot so a replica costs 16 bytes, not a copy of the segment name.
