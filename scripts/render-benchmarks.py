@@ -65,9 +65,12 @@ HOW_TO_READ = {
     "against its start: stream bytes and restore time stay flat (bounded history), "
     "messages held against messages ever appended show what purging removed, put p99 "
     "stays flat. Then put p99 while a large state's snapshot is written as a hot "
-    "standby writes it (copy, encode, store, read back; here in the benchmark's "
-    "process, so it shares this machine's two cores with the leader and nats-server) "
-    "against the same load without (target: at most 2x).",
+    "standby writes it (copy, encode, store, read back; the standby is a process of "
+    "its own at the lowest CPU priority, but on this machine's two cores with the "
+    "leader, the clients and nats-server, where a standby would have a host of its "
+    "own) against the same load without (target: at most 2x), and p50 beside it: "
+    "a p99 that moves while the p50 does not is the snapshot's tail, not a slower "
+    "leader.",
     "recover": "Sub-master time from start to its first served request (an `exist` "
     "answered by the leader): by full replay against a raw JetStream replay of the "
     "same stream (the floor: reading the bytes), and from a snapshot plus a tail "

@@ -85,6 +85,16 @@ enum Command {
     /// Drive puts, gets or global queries for a while and print one JSON line per
     /// result (for integration and chaos tests).
     Loadgen(Box<loadgen::LoadgenArgs>),
+    /// The soak workload's standby process (started by `soak`, not by hand).
+    #[command(hide = true)]
+    SoakStandby {
+        /// The workload's NATS server.
+        #[arg(long)]
+        nats: String,
+        /// The bench cluster whose stream it folds.
+        #[arg(long)]
+        cluster: String,
+    },
 }
 
 /// Options every workload takes.
@@ -170,6 +180,9 @@ fn main() {
 async fn run(command: Command) -> anyhow::Result<()> {
     let (args, workloads) = match command {
         Command::Loadgen(args) => return loadgen::run(*args).await,
+        Command::SoakStandby { nats, cluster } => {
+            return soak::standby_snapshot(&nats, &cluster).await
+        }
         Command::Events(args) => (args, vec![Workload::Events]),
         Command::Transfer(args) => (args, vec![Workload::Transfer]),
         Command::Ingest(args) => (args, vec![Workload::Ingest]),

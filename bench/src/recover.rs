@@ -56,18 +56,8 @@ pub(super) struct Bench {
 
 impl Bench {
     pub(super) async fn new(js: &jetstream::Context, cluster: &str) -> anyhow::Result<Self> {
-        let cluster = ClusterId::new(cluster)?;
-        let subcluster = SubclusterId::new("sc-0")?;
-        let mut config = SubmasterConfig::new(
-            cluster.clone(),
-            subcluster.clone(),
-            ProducerId::new("bench-w")?,
-        );
-        // The stream's nodes never ping: nothing may declare them lost, and the
-        // measured instances must not snapshot on their own.
-        config.policy.node_timeout_ms = 24 * 3_600_000;
-        config.snapshot_every_events = u64::MAX;
-        config.snapshot_interval = Duration::from_secs(24 * 3600);
+        let config = Self::config(cluster)?;
+        let (cluster, subcluster) = (config.cluster.clone(), config.subcluster.clone());
         let _ = js.delete_stream(stream_name(&cluster, &subcluster)).await;
         for purpose in ["snapshots", "leader", "positions"] {
             let _ = js.delete_object_store(bucket_name(&cluster, purpose)).await;
@@ -89,6 +79,22 @@ impl Bench {
             written: 0,
             messages: 0,
         })
+    }
+
+    /// The configuration of the bench cluster `cluster`'s sub-master (what
+    /// [`Bench::new`] writes to and hosts), without touching NATS.
+    pub(super) fn config(cluster: &str) -> anyhow::Result<SubmasterConfig> {
+        let mut config = SubmasterConfig::new(
+            ClusterId::new(cluster)?,
+            SubclusterId::new("sc-0")?,
+            ProducerId::new("bench-w")?,
+        );
+        // The stream's nodes never ping: nothing may declare them lost, and the
+        // measured instances must not snapshot on their own.
+        config.policy.node_timeout_ms = 24 * 3_600_000;
+        config.snapshot_every_events = u64::MAX;
+        config.snapshot_interval = Duration::from_secs(24 * 3600);
+        Ok(config)
     }
 
     /// The snapshot store of the stream under test.

@@ -3,16 +3,18 @@
 //! small enough that the leader evicts, removes, and one leader kill half-way —
 //! with snapshots and purges running; rows compare the end of the run with its
 //! start (stream bytes, restore time, put p99). Then put p99 while a large
-//! snapshot is written, as a hot standby writes it (copy, encode, store, read
-//! back), against the same load without.
+//! snapshot is written, as a hot standby writes it in a process of its own (copy,
+//! encode, store, read back), against the same load without.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use anyhow::Context as _;
 use async_nats::jetstream;
 use hkvm_client::SubmasterClient;
 use hkvm_events::rpc::submaster::{ItemError, ItemResult, MountSegment, PutEndItem, PutStartItem};
+use hkvm_events::snapshot::SnapshotStore;
 use hkvm_events::{NodeId, SegmentId};
 use hkvm_submaster::server::load_state;
 use hkvm_submaster::{snapshot, SubmasterConfig};
@@ -207,10 +209,15 @@ async fn put(
 }
 
 fn p99_ms(sorted: &[Duration]) -> f64 {
+    percentile_ms(sorted, 0.99)
+}
+
+/// The `quantile` (0..=1) of `sorted` latencies, in milliseconds (0 when empty).
+fn percentile_ms(sorted: &[Duration], quantile: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
     }
-    let index = ((sorted.len() - 1) as f64 * 0.99).round() as usize;
+    let index = ((sorted.len() - 1) as f64 * quantile).round() as usize;
     sorted[index].as_secs_f64() * 1e3
 }
 
@@ -378,8 +385,11 @@ async fn churn(nats: &BenchNats, sizes: &Sizes, printer: &mut Printer) -> anyhow
     Ok(())
 }
 
-/// Put p99 while a large state's snapshot is written as a hot standby writes it,
-/// against the same load without.
+/// The cluster name of the large state whose snapshot is written under load.
+const BIG_CLUSTER: &str = "bsoaksnap";
+
+/// Put p99 while a large state's snapshot is written as a hot standby writes it
+/// (in a process of its own, [`standby_snapshot`]), against the same load without.
 async fn snapshot_under_load(
     nats: &BenchNats,
     sizes: &Sizes,
@@ -387,7 +397,7 @@ async fn snapshot_under_load(
 ) -> anyhow::Result<()> {
     let connection = nats.connect().await?;
     let js = jetstream::new(connection.clone());
-    let mut bench = Bench::new(&js, "bsoaksnap").await?;
+    let mut bench = Bench::new(&js, BIG_CLUSTER).await?;
     let objects = sizes.big_state;
     eprintln!("bench soak: writing a stream of {objects} objects");
     bench.write(objects + 2).await?;
@@ -398,29 +408,17 @@ async fn snapshot_under_load(
         bench.config.subcluster.clone(),
     );
     put_until_served(&client, "soak/warm".to_owned()).await?;
-    // The standby's fold of the same stream.
-    let state = Arc::new(load_state(&js, &bench.config, false).await?.state);
-    let store = bench.snapshot_store(&js).await?;
+    let mut standby = StandbyProcess::start(&nats.url).await?;
 
     let load = Load::start(&client, "soak-big", 1);
     tokio::time::sleep(sizes.window).await;
     let without = load.take();
     let started = Instant::now();
-    let written = {
-        let (state, covers_seq) = (Arc::clone(&state), state.applied_seq);
-        tokio::spawn(async move {
-            // A standby's copy (off this runtime's workers, as in another
-            // process), then its encoding, store and read-back on the writer
-            // thread a standby uses.
-            let file = tokio::task::spawn_blocking(move || snapshot::to_file(&state)).await?;
-            snapshot::store_verified(&store, file, covers_seq).await?;
-            anyhow::Ok(())
-        })
-    };
-    written.await??;
+    standby.write_snapshot().await?;
     let snapshot_seconds = started.elapsed().as_secs_f64();
     let during = load.take();
     let (failed, _) = load.stop().await;
+    standby.finish().await?;
     anyhow::ensure!(failed == 0, "{failed} puts failed during the snapshot");
     eprintln!(
         "bench soak: {} puts without a snapshot, {} while one was written ({snapshot_seconds:.1} s)",
@@ -431,12 +429,20 @@ async fn snapshot_under_load(
         BenchResult::new(
             WORKLOAD,
             format!(
-                "put p99 while a {objects}-object snapshot is written (as a standby writes it: copy, encode, store, read back)"
+                "put p99 while a {objects}-object snapshot is written (as a standby process writes it: copy, encode, store, read back)"
             ),
             p99_ms(&during),
             "ms",
             "put p99, same load, no snapshot (target ratio <= 2)",
             p99_ms(&without),
+        ),
+        BenchResult::new(
+            WORKLOAD,
+            "put p50 while that snapshot is written",
+            percentile_ms(&during, 0.5),
+            "ms",
+            "put p50, same load, no snapshot",
+            percentile_ms(&without, 0.5),
         ),
         BenchResult::new(
             WORKLOAD,
@@ -451,5 +457,95 @@ async fn snapshot_under_load(
     }
     leader.shutdown().await?;
     let _ = js.delete_stream(bench.log.stream_name()).await;
+    Ok(())
+}
+
+/// A hot standby's snapshot writer in a child process (this binary's hidden
+/// `soak-standby` command): a standby runs in a process of its own, so neither
+/// its memory traffic nor its allocator's page returns land in the leader's.
+struct StandbyProcess {
+    child: tokio::process::Child,
+    stdin: tokio::process::ChildStdin,
+    lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+}
+
+impl StandbyProcess {
+    /// Starts the child and waits until it has folded the stream.
+    async fn start(nats_url: &str) -> anyhow::Result<Self> {
+        use tokio::io::AsyncBufReadExt as _;
+        let mut child = tokio::process::Command::new(std::env::current_exe()?)
+            .args(["soak-standby", "--nats", nats_url, "--cluster", BIG_CLUSTER])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()?;
+        let stdin = child.stdin.take().context("the standby's stdin")?;
+        let stdout = child.stdout.take().context("the standby's stdout")?;
+        let mut standby = Self {
+            child,
+            stdin,
+            lines: tokio::io::BufReader::new(stdout).lines(),
+        };
+        standby.expect(STANDBY_READY).await?;
+        Ok(standby)
+    }
+
+    /// Asks for the snapshot and waits until it is stored and verified.
+    async fn write_snapshot(&mut self) -> anyhow::Result<()> {
+        use tokio::io::AsyncWriteExt as _;
+        self.stdin.write_all(b"go\n").await?;
+        self.stdin.flush().await?;
+        self.expect(STANDBY_WRITTEN).await
+    }
+
+    /// Waits for the child to exit (it frees its state first: not part of the
+    /// snapshot).
+    async fn finish(mut self) -> anyhow::Result<()> {
+        let status = self.child.wait().await?;
+        anyhow::ensure!(status.success(), "the standby process ended with {status}");
+        Ok(())
+    }
+
+    async fn expect(&mut self, line: &str) -> anyhow::Result<()> {
+        match self.lines.next_line().await? {
+            Some(got) if got == line => Ok(()),
+            got => anyhow::bail!("the standby process said {got:?}, not {line:?}"),
+        }
+    }
+}
+
+/// What the standby process prints once it has folded the stream.
+const STANDBY_READY: &str = "ready";
+/// What it prints once the snapshot is stored and verified.
+const STANDBY_WRITTEN: &str = "written";
+
+/// The standby process of the soak workload: folds the bench cluster
+/// `cluster`'s stream, says [`STANDBY_READY`], and on a line on stdin writes its
+/// snapshot as a hot standby does (the copy at low priority, then encode, store
+/// and read back on the writer thread), then says [`STANDBY_WRITTEN`].
+///
+/// # Errors
+/// When NATS fails or stdin closes early.
+pub async fn standby_snapshot(nats_url: &str, cluster: &str) -> anyhow::Result<()> {
+    use tokio::io::AsyncBufReadExt as _;
+    let js = jetstream::new(async_nats::connect(nats_url).await?);
+    let config = Bench::config(cluster)?;
+    let state = load_state(&js, &config, false).await?.state;
+    let store = SnapshotStore::open(
+        &js,
+        &config.cluster,
+        &config.subcluster,
+        config.stream.replicas,
+    )
+    .await?;
+    println!("{STANDBY_READY}");
+    let mut stdin = tokio::io::BufReader::new(tokio::io::stdin()).lines();
+    stdin
+        .next_line()
+        .await?
+        .context("stdin closed before the snapshot was asked for")?;
+    let file = snapshot::to_file_at_low_priority(&state);
+    snapshot::store_verified(&store, file, state.applied_seq).await?;
+    println!("{STANDBY_WRITTEN}");
     Ok(())
 }

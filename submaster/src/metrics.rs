@@ -47,6 +47,9 @@ pub struct SubmasterMetrics {
     pub standby_lag: Gauge,
     /// Snapshots written.
     pub snapshots: Counter,
+    /// Snapshots a leader without a standby rebuilt from the newest snapshot
+    /// plus the stream (its request loop copies nothing).
+    pub snapshots_rebuilt: Counter,
     /// Stream messages purged after verified snapshots.
     pub purged_messages: Counter,
     /// The stream's first sequence after the last purge.
@@ -81,6 +84,7 @@ impl SubmasterMetrics {
             applied_seq: Gauge::default(),
             standby_lag: Gauge::default(),
             snapshots: Counter::default(),
+            snapshots_rebuilt: Counter::default(),
             purged_messages: Counter::default(),
             history_first_seq: Gauge::default(),
             standby_snapshots: Gauge::default(),
@@ -134,6 +138,11 @@ impl SubmasterMetrics {
             metrics.standby_lag.clone(),
         );
         sub.register("snapshots", "Snapshots written", metrics.snapshots.clone());
+        sub.register(
+            "snapshots_rebuilt",
+            "Snapshots a leader without a standby rebuilt from the newest snapshot plus the stream",
+            metrics.snapshots_rebuilt.clone(),
+        );
         sub.register(
             "purged_messages",
             "Stream messages purged after verified snapshots",

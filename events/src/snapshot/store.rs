@@ -12,6 +12,81 @@ use super::{
 use crate::id::{ClusterId, SubclusterId};
 use crate::subject::{bucket_name, snapshot_object_name, snapshot_object_prefix, Bucket};
 
+/// Bytes read at a time when a stored snapshot is verified.
+const VERIFY_READ: usize = 1 << 20;
+
+/// Checks a stored snapshot's bytes as they arrive, in pieces of any size: the
+/// xxh3-64 of all of them (what the writer computed) and of the body after the
+/// first 8 bytes (what those 8 bytes carry). A 10 M-object snapshot is about
+/// 860 MB; checking it this way never holds it whole.
+pub struct StoredCheck {
+    whole: xxhash_rust::xxh3::Xxh3,
+    body: xxhash_rust::xxh3::Xxh3,
+    carried: [u8; 8],
+    len: usize,
+}
+
+impl Default for StoredCheck {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl StoredCheck {
+    /// A check that has seen no bytes.
+    pub fn new() -> Self {
+        Self {
+            whole: xxhash_rust::xxh3::Xxh3::new(),
+            body: xxhash_rust::xxh3::Xxh3::new(),
+            carried: [0; 8],
+            len: 0,
+        }
+    }
+
+    /// Takes the next `bytes`.
+    pub fn update(&mut self, bytes: &[u8]) {
+        self.whole.update(bytes);
+        let (head, body) =
+            bytes.split_at(self.carried.len().saturating_sub(self.len).min(bytes.len()));
+        if !head.is_empty() {
+            self.carried[self.len..self.len + head.len()].copy_from_slice(head);
+        }
+        self.body.update(body);
+        self.len += bytes.len();
+    }
+
+    /// Whether the bytes seen hash to `checksum` and their body to the
+    /// checksum they carry.
+    ///
+    /// # Errors
+    /// [`SnapshotError::ChecksumMismatch`] or [`SnapshotError::Truncated`].
+    pub fn finish(self, checksum: u64) -> Result<(), SnapshotError> {
+        let computed = self.whole.digest();
+        if computed != checksum {
+            return Err(SnapshotError::ChecksumMismatch {
+                stored: checksum,
+                computed,
+            });
+        }
+        if self.len < self.carried.len() {
+            return Err(SnapshotError::Truncated { len: self.len });
+        }
+        let (stored, computed) = (u64::from_be_bytes(self.carried), self.body.digest());
+        if stored != computed {
+            return Err(SnapshotError::ChecksumMismatch { stored, computed });
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for StoredCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoredCheck")
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
 /// The snapshot store of one sub-cluster.
 #[derive(Clone)]
 pub struct SnapshotStore {
@@ -126,22 +201,23 @@ impl SnapshotStore {
     /// [`SnapshotError::ChecksumMismatch`] or [`SnapshotError::Truncated`] when the
     /// stored bytes differ.
     pub async fn verify(&self, name: &str, checksum: u64) -> Result<(), SnapshotError> {
-        let bytes = self.read(name).await?;
-        let computed = xxhash_rust::xxh3::xxh3_64(&bytes);
-        if computed != checksum {
-            return Err(SnapshotError::ChecksumMismatch {
-                stored: checksum,
-                computed,
-            });
+        let failed = |e: std::io::Error| SnapshotError::store(format!("reading {name}"), e);
+        let mut object = self
+            .store
+            .get(name)
+            .await
+            .map_err(|e| SnapshotError::store(format!("reading {name}"), e))?;
+        // Checked as it streams in: the object is never held whole.
+        let mut check = StoredCheck::new();
+        let mut buffer = vec![0; VERIFY_READ];
+        loop {
+            let read = object.read(&mut buffer).await.map_err(failed)?;
+            if read == 0 {
+                break;
+            }
+            check.update(&buffer[..read]);
         }
-        let (sum, body) = bytes
-            .split_first_chunk::<8>()
-            .ok_or(SnapshotError::Truncated { len: bytes.len() })?;
-        let (stored, computed) = (u64::from_be_bytes(*sum), xxhash_rust::xxh3::xxh3_64(body));
-        if stored != computed {
-            return Err(SnapshotError::ChecksumMismatch { stored, computed });
-        }
-        Ok(())
+        check.finish(checksum)
     }
 
     /// The sequence the newest stored snapshot covers, read from its name (its
@@ -224,12 +300,14 @@ impl SnapshotStore {
 
     /// The stored bytes of the object `name`.
     async fn read(&self, name: &str) -> Result<Vec<u8>, SnapshotError> {
-        let mut bytes = Vec::new();
         let mut object = self
             .store
             .get(name)
             .await
             .map_err(|e| SnapshotError::store(format!("reading {name}"), e))?;
+        // Sized once (the stored size; growing by doubling would copy most of
+        // it again), plus one byte so the end is seen without growing.
+        let mut bytes = Vec::with_capacity(object.info.size.saturating_add(1));
         object
             .read_to_end(&mut bytes)
             .await

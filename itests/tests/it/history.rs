@@ -341,3 +341,60 @@ async fn with_a_hot_standby_the_standby_writes_the_snapshots_not_the_leader() {
     })
     .await;
 }
+
+/// The value of the counter `name` in a metrics body, 0 when absent.
+fn counter(body: &str, name: &str) -> u64 {
+    body.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn a_leader_alone_rebuilds_its_snapshots_from_durable_history_and_copies_nothing() {
+    let fixture = Fixture::new("t").await;
+    let metrics = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap()
+    };
+    let mut cfg = config(&fixture, "sm-a");
+    cfg.snapshot_every_events = 20;
+    cfg.metrics_addr = Some(metrics);
+    // The full replay below needs the whole history.
+    cfg.history.purge = false;
+    let leader = fixture.spawn_submaster(cfg.clone()).await;
+    let client = client(&fixture).await;
+    mount(&client, "n1", 16 << 20).await;
+    mount(&client, "n2", 16 << 20).await;
+    for i in 0..150 {
+        put(&client, &format!("k{i}")).await.unwrap();
+        if i % 9 == 0 {
+            client.remove(vec![format!("k{i}")], true).await.unwrap();
+        }
+    }
+    // Two at least: the second is rebuilt from the first plus the stream.
+    let log = fixture.log(&sc());
+    poll_until(
+        "two rebuilt snapshots, with their markers",
+        WAIT,
+        || async {
+            let body = scrape(metrics).await?;
+            let rebuilt = counter(&body, "hkvm_submaster_snapshots_rebuilt_total");
+            (rebuilt >= 2 && markers(&log).await >= 2).then_some(())
+        },
+    )
+    .await;
+    leader.shutdown().await.unwrap();
+
+    let from_snapshot = hkvm_submaster::server::load_state(&fixture.js, &cfg, true)
+        .await
+        .unwrap();
+    let full_replay = hkvm_submaster::server::load_state(&fixture.js, &cfg, false)
+        .await
+        .unwrap();
+    assert!(
+        from_snapshot.snapshot_seq > 0,
+        "a rebuilt snapshot was used"
+    );
+    assert!(from_snapshot.state.same_durable_state(&full_replay.state));
+    assert_eq!(full_replay.state.object_count(), 150 - 17);
+}

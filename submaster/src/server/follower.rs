@@ -57,8 +57,22 @@ pub(crate) async fn catch_up(
     state: &mut State,
     metrics: &SubmasterMetrics,
 ) -> Result<u64, SubmasterError> {
-    let started = Instant::now();
     let end = log.bounds().await?.last_seq;
+    fold_until(log, state, end, metrics).await
+}
+
+/// Applies everything after `state.applied_seq` up to and including `end`;
+/// returns how many messages it applied.
+///
+/// # Errors
+/// When the log cannot be read (vanished, truncated past the state, gap).
+pub(crate) async fn fold_until(
+    log: &JetStreamLog,
+    state: &mut State,
+    end: u64,
+    metrics: &SubmasterMetrics,
+) -> Result<u64, SubmasterError> {
+    let started = Instant::now();
     let from = state.applied_seq + 1;
     if from > end {
         return Ok(0);

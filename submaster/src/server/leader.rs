@@ -292,13 +292,13 @@ impl Leadership<'_> {
     }
 
     /// Starts a snapshot of the state as of everything submitted so far; it is
-    /// written in the background ([`Snapshotter`]).
-    async fn snapshot(&mut self, state: &State) -> Result<(), CommitError> {
-        // A hot standby writes them from its own fold: the request loop then
-        // does not even copy the state.
+    /// built and written in the background ([`Snapshotter`]), and the request
+    /// loop never copies the state.
+    async fn snapshot(&mut self) -> Result<(), CommitError> {
+        // A hot standby writes them from its own fold.
         if !self.standby.standby_snapshots() {
             self.snapshotter
-                .start_leading(&self.committer, &self.ctx.snapshot_sink(), state)
+                .start_leading(&self.committer, &self.ctx.snapshot_sink(), &self.ctx.log)
                 .await?;
         }
         self.events_since_snapshot = 0;
@@ -542,7 +542,7 @@ pub(crate) async fn lead(
             break LeadEnd::SteppedDown(error.to_string());
         }
         if leadership.snapshot_due() {
-            if let Err(error) = leadership.snapshot(state).await {
+            if let Err(error) = leadership.snapshot().await {
                 break LeadEnd::SteppedDown(error.to_string());
             }
         }

@@ -1,14 +1,14 @@
 //! Snapshots that never hold up the leader's requests. Where a hot standby runs,
 //! it writes them from its own fold (whose position is always a message boundary
-//! of the durable stream), and the leader writes none: its request loop does not
-//! even copy its state. A leader alone asks its committer for a message boundary
-//! and copies its state right after, in its request loop (no await in between), so
-//! the copy is exactly the fold of the stream up to the boundary's message.
-//! Everything else — waiting for that message to be durable, encoding, storing
-//! the object and reading it back to verify it (on a low-priority thread of their
-//! own, [`crate::snapshot::store_verified`]), appending
-//! the marker event (the leader only: one writer per stream), purging the history
-//! it covers ([`Purger`]) — runs on a task of its own. A stream or object store
+//! of the durable stream), and the leader writes none. A leader alone asks its
+//! committer for a message boundary and nothing more: once that message is
+//! durable, the state as of it is rebuilt from durable history (the newest
+//! snapshot plus the stream up to the boundary, [`rebuild`]), so its request
+//! loop never copies its state. Everything else — the rebuild, encoding,
+//! storing the object and reading it back to verify it (on a low-priority thread
+//! of their own, [`crate::snapshot::store_verified`]), appending the marker
+//! event (the leader only: one writer per stream), purging the history it
+//! covers ([`Purger`]) — runs off the request loop. A stream or object store
 //! that does not answer (a NATS node lost, a JetStream election) then delays the
 //! snapshot, not the requests.
 
@@ -17,16 +17,21 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hkvm_events::commit::{CommitError, GroupCommitter};
+use hkvm_events::log::JetStreamLog;
 use hkvm_events::positions::{Positions, ReaderKind};
 use hkvm_events::registry::now_unix_ms;
 use hkvm_events::snapshot::{SnapshotFile, SnapshotStore};
 use hkvm_events::{KvEvent, ProducerId, SnapshotTaken, SubclusterId};
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use tokio::task::JoinHandle;
+use tracing::Instrument as _;
 
 use super::purger::Purger;
-use super::Context;
+use super::{follower, Context};
+use crate::error::{SubmasterError, SubmasterErrorKind};
 use crate::metrics::SubmasterMetrics;
+use crate::snapshot::{encode_store_verify, on_writer_thread};
 use crate::state::State;
 
 /// Where a snapshot goes and what follows it.
@@ -54,8 +59,10 @@ impl Snapshotter {
             .is_some_and(|task| !task.is_finished())
     }
 
-    /// The leader's snapshot: copies `state` as of everything submitted to
-    /// `committer` so far and writes it in the background, with a marker event.
+    /// The leader's snapshot, when no hot standby writes them: covers
+    /// everything submitted to `committer` so far, and is rebuilt from durable
+    /// history ([`rebuild`]), so the request loop copies nothing. Written in the
+    /// background, with a marker event.
     ///
     /// # Errors
     /// When the committer has stopped.
@@ -63,31 +70,67 @@ impl Snapshotter {
         &mut self,
         committer: &GroupCommitter,
         sink: &SnapshotSink,
-        state: &State,
+        log: &JetStreamLog,
     ) -> Result<(), CommitError> {
         let boundary = committer.submit_boundary().await?;
-        // Everything applied to `state` was submitted before the boundary.
-        let file = crate::snapshot::to_file(state);
-        let (committer, sink) = (committer.clone(), sink.clone());
+        let (committer, sink, log) = (committer.clone(), sink.clone(), log.clone());
         self.running = Some(tokio::spawn(async move {
             let covers_seq = match boundary.await {
                 Ok(committed) => committed.seq,
                 // The leader learns of the failure through its own writes.
                 Err(error) => return tracing::debug!(%error, "snapshot abandoned"),
             };
-            write(file, covers_seq, &sink, Some(&committer)).await;
+            let store = sink.store.clone();
+            // The writer thread's logs say whose work they are.
+            let span = tracing::info_span!("snapshot_rebuild", covers_seq);
+            let written = on_writer_thread(move || {
+                async move {
+                    let Some(file) = rebuild(&log, &store, covers_seq).await? else {
+                        return Ok(None);
+                    };
+                    let objects = file.objects.len();
+                    let (object, checksum) = encode_store_verify(&store, file, covers_seq).await?;
+                    Ok(Some(Written {
+                        object,
+                        checksum,
+                        objects,
+                    }))
+                }
+                .instrument(span)
+            })
+            .await;
+            match written {
+                Ok(Some(written)) => {
+                    sink.metrics.snapshots_rebuilt.inc();
+                    finish(written, covers_seq, &sink, Some(&committer)).await;
+                }
+                Ok(None) => tracing::debug!(covers_seq, "a snapshot at least as new exists"),
+                Err(error) => tracing::warn!(%error, "snapshot failed; will retry"),
+            }
         }));
         Ok(())
     }
 
     /// A standby's snapshot: everything `state` holds was read from the stream, so
-    /// it covers exactly `state.applied_seq`. No marker is appended (the leader is
-    /// the stream's one writer).
+    /// it covers exactly `state.applied_seq`. The standby's fold waits for the
+    /// copy, made at a low priority; the rest is written in the background. No
+    /// marker is appended (the leader is the stream's one writer).
     pub(super) fn start_standing_by(&mut self, sink: &SnapshotSink, state: &State) {
-        let file = crate::snapshot::to_file(state);
+        let file = crate::snapshot::to_file_at_low_priority(state);
         let (covers_seq, sink) = (state.applied_seq, sink.clone());
         self.running = Some(tokio::spawn(async move {
-            write(file, covers_seq, &sink, None).await;
+            let objects = file.objects.len();
+            match crate::snapshot::store_verified(&sink.store, file, covers_seq).await {
+                Ok((object, checksum)) => {
+                    let written = Written {
+                        object,
+                        checksum,
+                        objects,
+                    };
+                    finish(written, covers_seq, &sink, None).await;
+                }
+                Err(error) => tracing::warn!(%error, "snapshot failed; will retry"),
+            }
         }));
     }
 }
@@ -103,22 +146,66 @@ impl Drop for Snapshotter {
     }
 }
 
-/// Encodes, stores and verifies `file` as covering `covers_seq` (on the
-/// low-priority writer thread, [`crate::snapshot::store_verified`]), appends the
-/// marker through `committer` (if any), then purges. Failures are logged; the next
+/// A snapshot stored and verified.
+struct Written {
+    /// The object's name in the store.
+    object: String,
+    /// The checksum of its bytes.
+    checksum: u64,
+    /// Objects it holds.
+    objects: usize,
+}
+
+/// The state as of `covers_seq`, rebuilt from durable history alone: the newest
+/// verified snapshot plus the stream up to `covers_seq`, folded as a restarting
+/// sub-master folds them. `None` when a snapshot at least as new exists. Runs on
+/// the writer thread: its memory (a second state, while it lasts) and CPU are
+/// the price of a leader without a standby never copying its state in its
+/// request loop.
+///
+/// # Errors
+/// When the store or the stream cannot be read, or the stream ends before
+/// `covers_seq`.
+async fn rebuild(
+    log: &JetStreamLog,
+    store: &SnapshotStore,
+    covers_seq: u64,
+) -> Result<Option<SnapshotFile>, SubmasterError> {
+    let mut state = crate::snapshot::load_newest(store)
+        .await?
+        .unwrap_or_default();
+    if state.applied_seq >= covers_seq {
+        return Ok(None);
+    }
+    // A throwaway registry: the rebuild's gauges are not the leader's.
+    let metrics = SubmasterMetrics::register(&mut Registry::default());
+    follower::fold_until(log, &mut state, covers_seq, &metrics).await?;
+    if state.applied_seq != covers_seq {
+        return Err(SubmasterError::new(
+            SubmasterErrorKind::Snapshot,
+            format!(
+                "the stream ends at {} before the snapshot's {covers_seq}",
+                state.applied_seq
+            ),
+        ));
+    }
+    Ok(Some(crate::snapshot::to_file(&state)))
+}
+
+/// After a snapshot is stored and verified: counts it, appends the marker
+/// through `committer` (if any), then purges. Failures are logged; the next
 /// snapshot tries again.
-async fn write(
-    file: SnapshotFile,
+async fn finish(
+    written: Written,
     covers_seq: u64,
     sink: &SnapshotSink,
     committer: Option<&GroupCommitter>,
 ) {
-    let objects = file.objects.len();
-    let (object, checksum) =
-        match crate::snapshot::store_verified(&sink.store, file, covers_seq).await {
-            Ok(written) => written,
-            Err(error) => return tracing::warn!(%error, "snapshot failed; will retry"),
-        };
+    let Written {
+        object,
+        checksum,
+        objects,
+    } = written;
     sink.metrics.snapshots.inc();
     tracing::info!(object, covers_seq, objects, "snapshot written and verified");
     if let Some(committer) = committer {

@@ -13,7 +13,8 @@ mod restorer;
 mod writer;
 
 pub use restorer::Restorer;
-pub use writer::{store_verified, WRITER_NICE};
+pub(crate) use writer::{encode_store_verify, on_writer_thread};
+pub use writer::{store_verified, to_file_at_low_priority, WRITER_NICE};
 
 /// The snapshot of the durable part of `state`, objects oldest first.
 pub fn to_file(state: &State) -> SnapshotFile {

@@ -1,13 +1,17 @@
-//! Writing a snapshot without taking the CPU from serving: encoding it,
-//! storing it and reading it back to verify it run on a thread of their own,
-//! with a runtime of their own, at a lower CPU priority than the process's
-//! other threads. A large snapshot (a 10 M-object one is about 860 MB and
+//! Writing a snapshot without taking the CPU from serving: copying the state,
+//! encoding it, storing it and reading it back to verify it run on threads of
+//! their own (the store on a runtime of its own), at a lower CPU priority than
+//! the process's other threads. A large snapshot (a 10 M-object one is about 860 MB and
 //! seconds of hashing and encoding) then slows down when the machine is busy
 //! instead of slowing down the requests beside it.
 
+use std::future::Future;
+
 use hkvm_events::snapshot::{SnapshotFile, SnapshotStore};
 
+use super::to_file;
 use crate::error::SubmasterError;
+use crate::state::State;
 use crate::SubmasterErrorKind::Snapshot;
 
 /// How much lower than the process's other threads the writer runs (a nice
@@ -26,11 +30,50 @@ pub async fn store_verified(
     file: SnapshotFile,
     covers_seq: u64,
 ) -> Result<(String, u64), SubmasterError> {
+    let store = store.clone();
+    on_writer_thread(move || async move { encode_store_verify(&store, file, covers_seq).await })
+        .await
+}
+
+/// Copies the durable part of `state` ([`to_file`]) on a thread at
+/// [`WRITER_NICE`], the caller waiting: a hot standby pauses its fold for the
+/// copy either way, and the copy's CPU then goes to whoever serves first.
+/// Without a thread the copy runs on the caller's.
+pub fn to_file_at_low_priority(state: &State) -> SnapshotFile {
+    std::thread::scope(|scope| {
+        let copied = std::thread::Builder::new()
+            .name("hkvm-snapshot-copy".into())
+            .spawn_scoped(scope, || {
+                lower_priority();
+                to_file(state)
+            });
+        match copied.map(|thread| thread.join()) {
+            Ok(Ok(file)) => file,
+            Ok(Err(panic)) => std::panic::resume_unwind(panic),
+            Err(error) => {
+                tracing::debug!(%error, "copying the snapshot at normal priority");
+                to_file(state)
+            }
+        }
+    })
+}
+
+/// Runs the job `work` builds on a thread of its own, with a current-thread
+/// runtime of its own, at [`WRITER_NICE`], and returns its result. Dropping
+/// the returned future abandons the job: it stops at its next await.
+///
+/// # Errors
+/// When the thread or its runtime cannot be started, or the job's own error.
+pub(crate) async fn on_writer_thread<T, F, Fut>(work: F) -> Result<T, SubmasterError>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = Result<T, SubmasterError>>,
+{
     let (done, result) = tokio::sync::oneshot::channel();
     // Dropped with this future (a leader that stops abandons its snapshot): the
     // writer then stops at its next wait on the object store.
     let (_abandon, abandoned) = tokio::sync::oneshot::channel::<()>();
-    let store = store.clone();
     std::thread::Builder::new()
         .name("hkvm-snapshot".into())
         .spawn(move || {
@@ -51,8 +94,8 @@ pub async fn store_verified(
             };
             runtime.block_on(async move {
                 tokio::select! {
-                    written = encode_store_verify(&store, file, covers_seq) => {
-                        let _ = done.send(written);
+                    finished = work() => {
+                        let _ = done.send(finished);
                     }
                     _ = abandoned => tracing::debug!("snapshot abandoned"),
                 }
@@ -64,7 +107,12 @@ pub async fn store_verified(
         .map_err(|_| SubmasterError::new(Snapshot, "the snapshot writer ended without a result"))?
 }
 
-async fn encode_store_verify(
+/// Encodes `file` as covering `covers_seq`, stores it and reads it back;
+/// returns the object's name and checksum.
+///
+/// # Errors
+/// When encoding or the object store fails, or the object does not read back intact.
+pub(crate) async fn encode_store_verify(
     store: &SnapshotStore,
     mut file: SnapshotFile,
     covers_seq: u64,
@@ -77,27 +125,36 @@ async fn encode_store_verify(
     Ok((name, checksum))
 }
 
-/// Lowers the calling thread's CPU priority by [`WRITER_NICE`] (on Linux a
-/// thread's nice value is its own). A refusal is logged; the snapshot is then
-/// written at normal priority.
+/// Lowers the calling thread's CPU priority (on Linux a thread's scheduling
+/// policy and nice value are its own): the `SCHED_IDLE` policy, under which the
+/// scheduler switches to any other thread that wakes up at once instead of
+/// letting this one finish its time slice first, and a nice value
+/// [`WRITER_NICE`] higher, which is what is left where the policy is refused. A
+/// refusal is logged; the snapshot is then written at normal priority.
 fn lower_priority() {
     #[cfg(target_os = "linux")]
     {
-        // SAFETY: gettid and setpriority take no pointers; setpriority on this
-        // thread's id changes only this thread's nice value.
-        let refused = unsafe {
+        // SAFETY: gettid, getpriority and setpriority take no pointers;
+        // sched_setscheduler reads one valid, initialized sched_param. Both
+        // change only the calling thread (id 0 and its own tid).
+        let (idle_refused, nice_refused) = unsafe {
             let tid = libc::gettid();
             let current = libc::getpriority(libc::PRIO_PROCESS, tid as libc::id_t);
-            libc::setpriority(
+            let nice_refused = libc::setpriority(
                 libc::PRIO_PROCESS,
                 tid as libc::id_t,
                 current.saturating_add(WRITER_NICE),
-            ) != 0
+            ) != 0;
+            let param = libc::sched_param { sched_priority: 0 };
+            let idle_refused = libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) != 0;
+            (idle_refused, nice_refused)
         };
-        if refused {
+        if idle_refused || nice_refused {
             tracing::debug!(
+                idle_refused,
+                nice_refused,
                 error = %std::io::Error::last_os_error(),
-                "the snapshot writer runs at normal priority"
+                "the snapshot writer's priority was not lowered all the way"
             );
         }
     }
@@ -112,21 +169,37 @@ mod tests {
         unsafe { libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t) }
     }
 
+    fn own_policy() -> i32 {
+        // SAFETY: no pointers; reads the calling thread's policy.
+        unsafe { libc::sched_getscheduler(0) }
+    }
+
     #[test]
     fn the_writer_thread_runs_at_a_lower_priority_than_the_rest() {
-        let caller = own_nice();
-        let (before, after) = std::thread::spawn(|| {
+        let (caller_nice, caller_policy) = (own_nice(), own_policy());
+        let (before, after, policy) = std::thread::spawn(|| {
             let before = own_nice();
             lower_priority();
-            (before, own_nice())
+            (before, own_nice(), own_policy())
         })
         .join()
         .unwrap_or_else(|_| unreachable!("the thread does not panic"));
         assert_eq!(after, (before + WRITER_NICE).min(19));
+        assert_eq!(policy, libc::SCHED_IDLE);
         assert_eq!(
-            own_nice(),
-            caller,
+            (own_nice(), own_policy()),
+            (caller_nice, caller_policy),
             "only the writer's own thread is lowered"
         );
+    }
+
+    #[test]
+    fn the_copy_runs_on_a_lowered_thread_and_leaves_the_caller_alone() {
+        let mut state = State::new();
+        state.applied_seq = 7;
+        let (nice, policy) = (own_nice(), own_policy());
+        let file = to_file_at_low_priority(&state);
+        assert_eq!(file.covers_seq, 7);
+        assert_eq!((own_nice(), own_policy()), (nice, policy));
     }
 }
