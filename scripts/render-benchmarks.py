@@ -20,7 +20,10 @@ HOW_TO_READ = {
     "publish/replay of the same message bytes. A ratio above 1 is faster than the baseline.",
     "put": "Durable puts (put_start + put_end, acknowledged only after JetStream stored "
     "the event) against raw JetStream publish+ack at the same concurrency. Group "
-    "commit is what lets many clients share one append. The end-to-end rows time their "
+    "commit is what lets many clients share one append. One client's put is taken "
+    "apart: put_start and a ping against a NATS request to a responder that answers "
+    "at once (the floor of any RPC here), put_end against a raw publish+ack, so what "
+    "is left over is the sub-master's own time. The end-to-end rows time their "
     "put and get phases separately (16 clients in lockstep: each puts 32 blocks, then "
     "reads them back; removes are not timed).",
     "transfer": "Data-plane GB/s against plain TCP and memcpy on the same machine. "

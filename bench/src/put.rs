@@ -32,16 +32,26 @@ fn item(key: String) -> PutStartItem {
     }
 }
 
-/// Runs `clients` tasks doing puts of `batch` objects each for `duration`;
-/// returns objects per second and every round's latency (put_start + put_end),
-/// sorted.
+/// What a run of put clients measured.
+struct PutRun {
+    /// Objects per second.
+    rate: f64,
+    /// Every round's latency (put_start + put_end), sorted.
+    rounds: Vec<Duration>,
+    /// Every put_start's latency, sorted.
+    starts: Vec<Duration>,
+    /// Every put_end's latency, sorted.
+    ends: Vec<Duration>,
+}
+
+/// Runs `clients` tasks doing puts of `batch` objects each for `duration`.
 async fn run_clients(
     client: &SubmasterClient,
     clients: usize,
     batch: usize,
     duration: Duration,
     tag: &str,
-) -> anyhow::Result<(f64, Vec<Duration>)> {
+) -> anyhow::Result<PutRun> {
     let done = Arc::new(AtomicU64::new(0));
     let deadline = Instant::now() + duration;
     let started = Instant::now();
@@ -50,7 +60,8 @@ async fn run_clients(
             let (client, done, tag) = (client.clone(), Arc::clone(&done), tag.to_owned());
             tokio::spawn(async move {
                 let mut round = 0u64;
-                let mut latencies = Vec::new();
+                let (mut latencies, mut starts, mut ends_taken) =
+                    (Vec::new(), Vec::new(), Vec::new());
                 while Instant::now() < deadline {
                     let keys: Vec<String> = (0..batch)
                         .map(|i| format!("{tag}/{c}/{round}/{i}"))
@@ -60,6 +71,8 @@ async fn run_clients(
                     let started = client
                         .put_start(keys.iter().cloned().map(item).collect())
                         .await?;
+                    starts.push(round_started.elapsed());
+                    let end_started = Instant::now();
                     let ends: Vec<PutEndItem> = keys
                         .into_iter()
                         .zip(started)
@@ -71,6 +84,7 @@ async fn run_clients(
                         })
                         .collect();
                     let ended = client.put_end(ends).await?;
+                    ends_taken.push(end_started.elapsed());
                     let ok = ended
                         .iter()
                         .filter(|r| matches!(r, ItemResult::Ok(())))
@@ -78,17 +92,77 @@ async fn run_clients(
                     latencies.push(round_started.elapsed());
                     done.fetch_add(ok as u64, Ordering::Relaxed);
                 }
-                anyhow::Ok(latencies)
+                anyhow::Ok((latencies, starts, ends_taken))
             })
         })
         .collect();
-    let mut latencies = Vec::new();
+    let (mut rounds, mut starts, mut ends) = (Vec::new(), Vec::new(), Vec::new());
     for task in tasks {
-        latencies.extend(task.await??);
+        let (r, s, e) = task.await??;
+        rounds.extend(r);
+        starts.extend(s);
+        ends.extend(e);
+    }
+    for latencies in [&mut rounds, &mut starts, &mut ends] {
+        latencies.sort_unstable();
+    }
+    let rate = done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
+    Ok(PutRun {
+        rate,
+        rounds,
+        starts,
+        ends,
+    })
+}
+
+/// Requests to a responder that answers at once (in this process, as the
+/// sub-master is), one at a time for `duration`: the floor of any RPC here.
+/// Returns every round trip, sorted.
+async fn echo_round_trips(
+    client: &async_nats::Client,
+    duration: Duration,
+) -> anyhow::Result<Vec<Duration>> {
+    use futures::StreamExt as _;
+    let mut requests = client.subscribe("bench.echo").await?;
+    let responder_client = client.clone();
+    let responder = tokio::spawn(async move {
+        while let Some(request) = requests.next().await {
+            if let Some(reply) = request.reply {
+                let _ = responder_client.publish(reply, request.payload).await;
+            }
+        }
+    });
+    client.flush().await?;
+    let payload = Bytes::from(vec![0x5a; 140]);
+    let deadline = Instant::now() + duration;
+    let mut latencies = Vec::new();
+    while Instant::now() < deadline {
+        let started = Instant::now();
+        client.request("bench.echo", payload.clone()).await?;
+        latencies.push(started.elapsed());
+    }
+    responder.abort();
+    latencies.sort_unstable();
+    Ok(latencies)
+}
+
+/// Pings of one node through the sub-master, one at a time for `duration`
+/// (a request through its RPC front and request loop that appends nothing).
+/// Returns every round trip, sorted.
+async fn ping_round_trips(
+    client: &SubmasterClient,
+    duration: Duration,
+) -> anyhow::Result<Vec<Duration>> {
+    let node = NodeId::new("node-0")?;
+    let deadline = Instant::now() + duration;
+    let mut latencies = Vec::new();
+    while Instant::now() < deadline {
+        let started = Instant::now();
+        client.ping(Ping { node: node.clone() }).await?;
+        latencies.push(started.elapsed());
     }
     latencies.sort_unstable();
-    let rate = done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
-    Ok((rate, latencies))
+    Ok(latencies)
 }
 
 /// The `p` quantile of sorted latencies, in microseconds.
@@ -101,13 +175,14 @@ fn quantile_us(sorted: &[Duration], p: f64) -> f64 {
 }
 
 /// Raw JetStream: `publishers` tasks each publishing one ~140-byte message and
-/// awaiting its ack, for `duration`; returns messages per second.
+/// awaiting its ack, for `duration`; returns messages per second and every
+/// publish's latency, sorted.
 async fn raw_publish(
     js: &jetstream::Context,
     subject: &str,
     publishers: usize,
     duration: Duration,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<(f64, Vec<Duration>)> {
     let done = Arc::new(AtomicU64::new(0));
     let deadline = Instant::now() + duration;
     let started = Instant::now();
@@ -121,18 +196,24 @@ async fn raw_publish(
                 subject.to_owned(),
             );
             tokio::spawn(async move {
+                let mut latencies = Vec::new();
                 while Instant::now() < deadline {
+                    let sent = Instant::now();
                     js.publish(subject.clone(), payload.clone()).await?.await?;
+                    latencies.push(sent.elapsed());
                     done.fetch_add(1, Ordering::Relaxed);
                 }
-                anyhow::Ok(())
+                anyhow::Ok(latencies)
             })
         })
         .collect();
+    let mut latencies = Vec::new();
     for task in tasks {
-        task.await??;
+        latencies.extend(task.await??);
     }
-    Ok(done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64())
+    latencies.sort_unstable();
+    let rate = done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
+    Ok((rate, latencies))
 }
 
 /// Runs the workload.
@@ -191,12 +272,12 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     })
     .await?;
 
-    let raw_1 = raw_publish(&js, "bench.raw.put", 1, duration).await?;
-    let (one, one_latencies) = run_clients(&client, 1, 1, duration, "one").await?;
+    let (raw_1, raw_1_latencies) = raw_publish(&js, "bench.raw.put", 1, duration).await?;
+    let one = run_clients(&client, 1, 1, duration, "one").await?;
     printer.print(&BenchResult::new(
         WORKLOAD,
         "put_start+put_end, 1 client",
-        one,
+        one.rate,
         "ops/s",
         "raw JetStream publish+ack, 1 publisher",
         raw_1,
@@ -204,14 +285,52 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     printer.print(&BenchResult::new(
         WORKLOAD,
         "put_start+put_end p50, 1 client",
-        quantile_us(&one_latencies, 0.5),
+        quantile_us(&one.rounds, 0.5),
         "us",
         "target (at most)",
         250.0,
     ));
+    // Where one client's put spends its time: each half against its floor.
+    let echo = echo_round_trips(&nats.connect().await?, duration).await?;
+    let pings = ping_round_trips(&client, duration).await?;
+    for (metric, value, baseline, baseline_value) in [
+        (
+            "NATS request-reply p50 (a responder in this process that answers at once)",
+            quantile_us(&echo, 0.5),
+            "none (the floor of every RPC below)",
+            0.0,
+        ),
+        (
+            "ping p50, 1 client (through the sub-master's RPC front and request loop; appends nothing)",
+            quantile_us(&pings, 0.5),
+            "NATS request-reply p50",
+            quantile_us(&echo, 0.5),
+        ),
+        (
+            "put_start p50, 1 client (reserves space; appends nothing)",
+            quantile_us(&one.starts, 0.5),
+            "NATS request-reply p50",
+            quantile_us(&echo, 0.5),
+        ),
+        (
+            "put_end p50, 1 client (appends the commit; answers once JetStream stored it)",
+            quantile_us(&one.ends, 0.5),
+            "raw JetStream publish+ack p50, 1 publisher",
+            quantile_us(&raw_1_latencies, 0.5),
+        ),
+    ] {
+        printer.print(&BenchResult::new(
+            WORKLOAD,
+            metric,
+            value,
+            "us",
+            baseline,
+            baseline_value,
+        ));
+    }
 
-    let raw_64 = raw_publish(&js, "bench.raw.put", 64, duration).await?;
-    let (many, _) = run_clients(&client, 64, 1, duration, "many").await?;
+    let (raw_64, _) = raw_publish(&js, "bench.raw.put", 64, duration).await?;
+    let many = run_clients(&client, 64, 1, duration, "many").await?.rate;
     printer.print(&BenchResult::new(
         WORKLOAD,
         "put_start+put_end, 64 clients",
@@ -221,7 +340,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
         raw_64,
     ));
 
-    let (batched, _) = run_clients(&client, 8, 256, duration, "batch").await?;
+    let batched = run_clients(&client, 8, 256, duration, "batch").await?.rate;
     printer.print(&BenchResult::new(
         WORKLOAD,
         "batch put, 8 clients x 256 objects",
@@ -231,7 +350,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
         raw_64,
     ));
 
-    let (metadata_16, _) = run_clients(&client, 16, 1, duration, "meta16").await?;
+    let metadata_16 = run_clients(&client, 16, 1, duration, "meta16").await?.rate;
     let _ = js.delete_stream("BENCH_RAW_PUT").await;
     pinger.abort();
     master.shutdown().await?;
