@@ -21,9 +21,14 @@ pub enum KeyOp {
     Put(u64),
     /// An eviction or removal dropped the key with this hash.
     Drop(u64),
-    /// Any other event, decoded whole.
-    Event(KvEvent),
+    /// Any other event, decoded whole (boxed: these are rare, and a put's
+    /// operation stays 16 bytes instead of an event's size).
+    Event(Box<KvEvent>),
 }
+
+// One message's operations are written and read once per event at the
+// projector's full rate: a put's operation must stay small.
+const _: () = assert!(std::mem::size_of::<KeyOp>() <= 16);
 
 /// A stored message as key operations, ready to fold.
 #[derive(Debug, Clone, PartialEq)]
@@ -64,7 +69,7 @@ fn push_owned(ops: &mut Vec<KeyOp>, event: &KvEvent) {
         KvEvent::Evicted(crate::Evicted { keys }) | KvEvent::Removed(crate::Removed { keys }) => {
             ops.extend(keys.iter().map(|key| KeyOp::Drop(key_hash(key))));
         }
-        other => ops.push(KeyOp::Event(other.clone())),
+        other => ops.push(KeyOp::Event(Box::new(other.clone()))),
     }
 }
 
@@ -161,7 +166,7 @@ fn push_body(ops: &mut Vec<KeyOp>, frame: Frame<'_>, limits: &Limits) -> Result<
         _ => {
             let event = decode_body(kind, body).map_err(|e| body_error(e.to_string()))?;
             limits.check_event(&event).map_err(invalid)?;
-            ops.push(KeyOp::Event(event));
+            ops.push(KeyOp::Event(Box::new(event)));
         }
     }
     Ok(())

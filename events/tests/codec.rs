@@ -486,7 +486,7 @@ fn key_ops_hash_put_keys_and_dropped_keys_and_keep_other_events() {
             KeyOp::Put(hkvm_events::key_hash("a")),
             KeyOp::Drop(hkvm_events::key_hash("b")),
             KeyOp::Drop(hkvm_events::key_hash("c")),
-            KeyOp::Event(events[2].clone()),
+            KeyOp::Event(Box::new(events[2].clone())),
         ]
     );
     assert_eq!(

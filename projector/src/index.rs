@@ -95,6 +95,12 @@ impl KeyIndex {
         Self::default()
     }
 
+    /// Loads what inserting or removing the keys with `hashes` will read first,
+    /// so that their cache misses overlap ([`IdTable::warm`]); changes nothing.
+    pub fn warm(&self, hashes: &[u64]) {
+        self.table.warm(hashes, &self.hashes);
+    }
+
     fn find(&self, hash: u64) -> Option<u32> {
         self.table.find(hash, &self.hashes)
     }

@@ -13,6 +13,10 @@ use hkvm_events::{key_hash, KvEvent, Limits, NodeId, SegmentId, SubclusterId};
 use crate::error::{ProjectorError, ProjectorErrorKind};
 use crate::index::KeyIndex;
 
+/// Key operations whose index lookups are loaded together before they are
+/// applied ([`KeyIndex::warm`]).
+const WARM_GROUP: usize = 16;
+
 /// What the projection knows about one source sub-cluster.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SourceState {
@@ -218,8 +222,21 @@ impl Projection {
                 found: message.seq,
             }));
         }
-        for op in &message.ops {
-            self.apply_op(source, op);
+        // In groups: first the group's lookups are loaded together, then
+        // its operations are applied in order.
+        for group in message.ops.chunks(WARM_GROUP) {
+            let mut hashes = [0u64; WARM_GROUP];
+            let mut keyed = 0;
+            for op in group {
+                if let KeyOp::Put(hash) | KeyOp::Drop(hash) = op {
+                    hashes[keyed] = *hash;
+                    keyed += 1;
+                }
+            }
+            self.index.warm(&hashes[..keyed]);
+            for op in group {
+                self.apply_op(source, op);
+            }
         }
         let state = self.source_mut(source);
         state.events_applied += message.events as u64;

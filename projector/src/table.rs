@@ -98,6 +98,30 @@ impl IdTable {
         }
     }
 
+    /// Loads what looking up each hash of `wanted` first reads (its home slot,
+    /// and the hash of the id found there) without acting on it: a caller about
+    /// to insert or remove these keys one by one then finds them in the cache,
+    /// since the loads of a group overlap instead of waiting for each other.
+    pub fn warm(&self, wanted: &[u64], hashes: &[u64]) {
+        if self.slots.is_empty() {
+            return;
+        }
+        let mut first = [EMPTY_SLOT; GROUP];
+        for group in wanted.chunks(GROUP) {
+            for (i, &hash) in group.iter().enumerate() {
+                first[i] = self.slots[self.home(hash)];
+            }
+            let mut seen = 0u64;
+            for &slot in &first[..group.len()] {
+                if slot != EMPTY_SLOT {
+                    seen ^= hashes.get(id_of(slot) as usize).copied().unwrap_or(0);
+                }
+            }
+            // The loads must happen; their values do not matter.
+            std::hint::black_box(seen);
+        }
+    }
+
     /// Looks up every hash of `wanted`, writing its id (or `u32::MAX`) to `out`.
     /// Keys go in groups: first every group member's home slot is loaded, then
     /// every candidate's hash, so the cache misses of a group overlap.
