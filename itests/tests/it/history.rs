@@ -398,3 +398,54 @@ async fn a_leader_alone_rebuilds_its_snapshots_from_durable_history_and_copies_n
     assert!(from_snapshot.state.same_durable_state(&full_replay.state));
     assert_eq!(full_replay.state.object_count(), 150 - 17);
 }
+
+#[tokio::test]
+async fn a_leader_alone_whose_snapshots_are_lost_copies_its_state_once_and_snapshots_go_on() {
+    let fixture = Fixture::new("t").await;
+    let mut cfg = config(&fixture, "sm-a");
+    cfg.snapshot_every_events = 20;
+    cfg.snapshot_interval = Duration::from_millis(200);
+    let _leader = fixture.spawn_submaster(cfg).await;
+    let client = client(&fixture).await;
+    mount(&client, "n1", 16 << 20).await;
+    mount(&client, "n2", 16 << 20).await;
+    for i in 0..60 {
+        put(&client, &format!("k{i}")).await.unwrap();
+    }
+    let store = hkvm_events::snapshot::SnapshotStore::open(&fixture.js, &fixture.cluster, &sc(), 1)
+        .await
+        .unwrap();
+    // Quiet: a snapshot of everything put, its history purged, none in flight.
+    let written = fixture.log(&sc()).bounds().await.unwrap().last_seq;
+    poll_until(
+        "a snapshot of every put, its history purged",
+        WAIT,
+        || async {
+            let covers = store.newest_covered_seq().await.unwrap()?;
+            (covers >= written && first_seq(&fixture).await > 1).then_some(())
+        },
+    )
+    .await;
+    // Every snapshot lost: the purged history can no longer rebuild one.
+    let objects = fixture
+        .js
+        .get_object_store(hkvm_events::subject::Bucket::Snapshots.name(&fixture.cluster))
+        .await
+        .unwrap();
+    for name in store.names().await.unwrap() {
+        objects.delete(&name).await.unwrap();
+    }
+    let lost_at = fixture.log(&sc()).bounds().await.unwrap().last_seq;
+    for i in 60..160 {
+        put(&client, &format!("k{i}")).await.unwrap();
+    }
+    // The rebuild fails, the next snapshot is copied from the leader's state.
+    poll_until("a new snapshot past the loss", WAIT, || async {
+        let covers = store.newest_covered_seq().await.unwrap()?;
+        (covers > lost_at).then_some(())
+    })
+    .await;
+    let (name, file) = store.load_newest().await.unwrap().unwrap();
+    assert!(file.covers_seq > lost_at, "{name}");
+    assert!(file.objects.len() >= 60, "{} objects", file.objects.len());
+}

@@ -292,13 +292,18 @@ impl Leadership<'_> {
     }
 
     /// Starts a snapshot of the state as of everything submitted so far; it is
-    /// built and written in the background ([`Snapshotter`]), and the request
-    /// loop never copies the state.
-    async fn snapshot(&mut self) -> Result<(), CommitError> {
+    /// built and written in the background ([`Snapshotter`]); the request loop
+    /// copies the state only after durable history could not rebuild it.
+    async fn snapshot(&mut self, state: &State) -> Result<(), CommitError> {
         // A hot standby writes them from its own fold.
         if !self.standby.standby_snapshots() {
             self.snapshotter
-                .start_leading(&self.committer, &self.ctx.snapshot_sink(), &self.ctx.log)
+                .start_leading(
+                    &self.committer,
+                    &self.ctx.snapshot_sink(),
+                    &self.ctx.log,
+                    state,
+                )
                 .await?;
         }
         self.events_since_snapshot = 0;
@@ -542,7 +547,7 @@ pub(crate) async fn lead(
             break LeadEnd::SteppedDown(error.to_string());
         }
         if leadership.snapshot_due() {
-            if let Err(error) = leadership.snapshot().await {
+            if let Err(error) = leadership.snapshot(state).await {
                 break LeadEnd::SteppedDown(error.to_string());
             }
         }

@@ -4,7 +4,9 @@
 //! committer for a message boundary and nothing more: once that message is
 //! durable, the state as of it is rebuilt from durable history (the newest
 //! snapshot plus the stream up to the boundary, [`rebuild`]), so its request
-//! loop never copies its state. Everything else — the rebuild, encoding,
+//! loop does not copy its state. Only when durable history cannot rebuild it
+//! (the snapshots lost and the stream purged) is the next one copied from the
+//! leader's state, right after its boundary, once. Everything else — the rebuild, encoding,
 //! storing the object and reading it back to verify it (on a low-priority thread
 //! of their own, [`crate::snapshot::store_verified`]), appending the marker
 //! event (the leader only: one writer per stream), purging the history it
@@ -49,6 +51,11 @@ pub(super) struct SnapshotSink {
 #[derive(Default)]
 pub(super) struct Snapshotter {
     running: Option<JoinHandle<()>>,
+    /// Set when durable history could not rebuild the leader's last snapshot
+    /// (the newest snapshot unreadable and the stream purged past the one
+    /// before it, say): the next one is copied from the leader's state instead,
+    /// once, so snapshots and purges never stop for good.
+    copy_next: Arc<AtomicBool>,
 }
 
 impl Snapshotter {
@@ -60,9 +67,11 @@ impl Snapshotter {
     }
 
     /// The leader's snapshot, when no hot standby writes them: covers
-    /// everything submitted to `committer` so far, and is rebuilt from durable
-    /// history ([`rebuild`]), so the request loop copies nothing. Written in the
-    /// background, with a marker event.
+    /// everything submitted to `committer` so far. It is rebuilt from durable
+    /// history ([`rebuild`]), so the request loop copies nothing; only after a
+    /// rebuild failed is it copied from `state`, right after the boundary is
+    /// submitted (no await in between, so the copy is exactly the fold up to the
+    /// boundary's message). Written in the background, with a marker event.
     ///
     /// # Errors
     /// When the committer has stopped.
@@ -71,15 +80,25 @@ impl Snapshotter {
         committer: &GroupCommitter,
         sink: &SnapshotSink,
         log: &JetStreamLog,
+        state: &State,
     ) -> Result<(), CommitError> {
         let boundary = committer.submit_boundary().await?;
+        let copied = self
+            .copy_next
+            .swap(false, Ordering::Relaxed)
+            .then(|| crate::snapshot::to_file(state));
         let (committer, sink, log) = (committer.clone(), sink.clone(), log.clone());
+        let copy_next = Arc::clone(&self.copy_next);
         self.running = Some(tokio::spawn(async move {
             let covers_seq = match boundary.await {
                 Ok(committed) => committed.seq,
                 // The leader learns of the failure through its own writes.
                 Err(error) => return tracing::debug!(%error, "snapshot abandoned"),
             };
+            if let Some(file) = copied {
+                tracing::info!(covers_seq, "snapshot copied from the leader's state");
+                return store_and_finish(file, covers_seq, &sink, Some(&committer)).await;
+            }
             let store = sink.store.clone();
             // The writer thread's logs say whose work they are.
             let span = tracing::info_span!("snapshot_rebuild", covers_seq);
@@ -105,7 +124,13 @@ impl Snapshotter {
                     finish(written, covers_seq, &sink, Some(&committer)).await;
                 }
                 Ok(None) => tracing::debug!(covers_seq, "a snapshot at least as new exists"),
-                Err(error) => tracing::warn!(%error, "snapshot failed; will retry"),
+                Err(error) => {
+                    copy_next.store(true, Ordering::Relaxed);
+                    tracing::warn!(
+                        %error,
+                        "rebuilding the snapshot failed; the next one is copied from the leader's state"
+                    );
+                }
             }
         }));
         Ok(())
@@ -119,18 +144,7 @@ impl Snapshotter {
         let file = crate::snapshot::to_file_at_low_priority(state);
         let (covers_seq, sink) = (state.applied_seq, sink.clone());
         self.running = Some(tokio::spawn(async move {
-            let objects = file.objects.len();
-            match crate::snapshot::store_verified(&sink.store, file, covers_seq).await {
-                Ok((object, checksum)) => {
-                    let written = Written {
-                        object,
-                        checksum,
-                        objects,
-                    };
-                    finish(written, covers_seq, &sink, None).await;
-                }
-                Err(error) => tracing::warn!(%error, "snapshot failed; will retry"),
-            }
+            store_and_finish(file, covers_seq, &sink, None).await;
         }));
     }
 }
@@ -154,6 +168,28 @@ struct Written {
     checksum: u64,
     /// Objects it holds.
     objects: usize,
+}
+
+/// Stores and verifies a copied snapshot (on the writer thread), then
+/// [`finish`]es it. Failures are logged; the next snapshot tries again.
+async fn store_and_finish(
+    file: SnapshotFile,
+    covers_seq: u64,
+    sink: &SnapshotSink,
+    committer: Option<&GroupCommitter>,
+) {
+    let objects = file.objects.len();
+    match crate::snapshot::store_verified(&sink.store, file, covers_seq).await {
+        Ok((object, checksum)) => {
+            let written = Written {
+                object,
+                checksum,
+                objects,
+            };
+            finish(written, covers_seq, sink, committer).await;
+        }
+        Err(error) => tracing::warn!(%error, "snapshot failed; will retry"),
+    }
 }
 
 /// The state as of `covers_seq`, rebuilt from durable history alone: the newest
