@@ -269,6 +269,13 @@ async fn a_new_global_master_seeds_from_the_snapshot_instead_of_replaying_from_t
     assert_eq!(reply.holders_of(0).len() + reply.holders_of(1).len(), 2);
 }
 
+/// A loopback address with a port nothing listened on a moment ago, for a
+/// sub-master's metrics endpoint.
+fn unused_local_addr() -> std::net::SocketAddr {
+    let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    probe.local_addr().unwrap()
+}
+
 /// The body of `GET /metrics` at `addr`, or `None` while nothing serves it.
 async fn scrape(addr: std::net::SocketAddr) -> Option<String> {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -285,10 +292,7 @@ async fn scrape(addr: std::net::SocketAddr) -> Option<String> {
 #[tokio::test]
 async fn with_a_hot_standby_the_standby_writes_the_snapshots_not_the_leader() {
     let fixture = Fixture::new("t").await;
-    let metrics = {
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        probe.local_addr().unwrap()
-    };
+    let metrics = unused_local_addr();
     let mut leader_config = config(&fixture, "sm-a");
     leader_config.snapshot_every_events = 20;
     leader_config.metrics_addr = Some(metrics);
@@ -352,10 +356,7 @@ fn counter(body: &str, name: &str) -> u64 {
 #[tokio::test]
 async fn a_leader_alone_rebuilds_its_snapshots_from_durable_history_and_copies_nothing() {
     let fixture = Fixture::new("t").await;
-    let metrics = {
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        probe.local_addr().unwrap()
-    };
+    let metrics = unused_local_addr();
     let mut cfg = config(&fixture, "sm-a");
     cfg.snapshot_every_events = 20;
     cfg.metrics_addr = Some(metrics);
