@@ -13,6 +13,7 @@ use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp, Stalen
 use hkvm_globalmaster::{query, GlobalMaster};
 
 use super::cluster::{key, BenchCluster};
+use super::latency::quantile_us;
 use super::report::{BenchResult, Printer};
 use super::BenchNats;
 
@@ -36,14 +37,6 @@ fn batches(keys: usize, count: usize, seed: u64) -> Vec<Vec<String>> {
                 .collect()
         })
         .collect()
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let index = ((sorted.len() - 1) as f64 * p).round() as usize;
-    sorted[index].as_secs_f64() * 1e6
 }
 
 /// Sends every batch from one client, one at a time; returns per-batch latencies.
@@ -165,7 +158,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
             BenchResult::new(
                 WORKLOAD,
                 format!("per-batch p50, {label}"),
-                percentile(&latencies, 0.5),
+                quantile_us(&latencies, 0.5),
                 "us",
                 "in-process time per batch",
                 local_batch_us,
@@ -176,7 +169,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
             results.push(BenchResult::new(
                 WORKLOAD,
                 format!("per-batch p99, {label}"),
-                percentile(&latencies, 0.99),
+                quantile_us(&latencies, 0.99),
                 "us",
                 "in-process time per batch",
                 local_batch_us,
@@ -186,7 +179,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
                 BenchResult::new(
                     WORKLOAD,
                     format!("per-batch p99, {label}"),
-                    percentile(&latencies, 0.99),
+                    quantile_us(&latencies, 0.99),
                     "us",
                     "target (at most)",
                     1000.0,

@@ -14,6 +14,7 @@ mod events;
 mod exist;
 mod ingest;
 mod interdc;
+mod latency;
 mod loadgen;
 mod memory;
 mod put;

@@ -16,6 +16,7 @@ use hkvm_events::{ClusterId, NodeId, ProducerId, SegmentId, SubclusterId};
 use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
 use hkvm_transfer::TcpTransport;
 
+use super::latency::quantile_us;
 use super::report::{BenchResult, Printer};
 use super::BenchNats;
 
@@ -163,15 +164,6 @@ async fn ping_round_trips(
     }
     latencies.sort_unstable();
     Ok(latencies)
-}
-
-/// The `p` quantile of sorted latencies, in microseconds.
-fn quantile_us(sorted: &[Duration], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let index = ((sorted.len() - 1) as f64 * p).round() as usize;
-    sorted[index].as_secs_f64() * 1e6
 }
 
 /// Raw JetStream: `publishers` tasks each publishing one ~140-byte message and

@@ -19,6 +19,7 @@ use hkvm_events::{NodeId, SegmentId};
 use hkvm_submaster::server::load_state;
 use hkvm_submaster::{snapshot, SubmasterConfig};
 
+use super::latency::quantile_ms;
 use super::recover::{put_until_served, serving, Bench, Hosted};
 use super::report::{BenchResult, Printer};
 use super::BenchNats;
@@ -209,16 +210,7 @@ async fn put(
 }
 
 fn p99_ms(sorted: &[Duration]) -> f64 {
-    percentile_ms(sorted, 0.99)
-}
-
-/// The `quantile` (0..=1) of `sorted` latencies, in milliseconds (0 when empty).
-fn percentile_ms(sorted: &[Duration], quantile: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let index = ((sorted.len() - 1) as f64 * quantile).round() as usize;
-    sorted[index].as_secs_f64() * 1e3
+    quantile_ms(sorted, 0.99)
 }
 
 /// Seconds to rebuild the state as a restarting sub-master does (newest snapshot
@@ -439,10 +431,10 @@ async fn snapshot_under_load(
         BenchResult::new(
             WORKLOAD,
             "put p50 while that snapshot is written",
-            percentile_ms(&during, 0.5),
+            quantile_ms(&during, 0.5),
             "ms",
             "put p50, same load, no snapshot",
-            percentile_ms(&without, 0.5),
+            quantile_ms(&without, 0.5),
         ),
         BenchResult::new(
             WORKLOAD,
