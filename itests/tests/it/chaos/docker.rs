@@ -83,16 +83,130 @@ const INSPECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// behind and the poll asks again, so a single stuck CLI call cannot use up the
 /// caller's whole deadline.
 pub async fn wait_output(container: &Container) -> (i64, String, String) {
-    let code = loop {
+    let (code, stdout, stderr) = wait_output_until(container, |_| false).await;
+    (code.expect("the engine recorded the exit"), stdout, stderr)
+}
+
+/// As [`wait_output`], but also done once the container's main process is gone
+/// from this host and its stdout, read from the engine's log file, satisfies
+/// `finished`; the exit code is then `None` (the engine had not recorded it).
+///
+/// The engine was seen to record a load generator's exit two minutes late, with
+/// its last line printed and its process long gone; every `docker` call about
+/// that container waited meanwhile. The host's `/proc` and the json-file log
+/// need no engine. Where they cannot be read (a remote engine, another log
+/// driver), this is [`wait_output`].
+pub async fn wait_output_until(
+    container: &Container,
+    finished: impl Fn(&str) -> bool,
+) -> (Option<i64>, String, String) {
+    let host = HostView::of(container).await;
+    let mut ended: Option<(std::time::Instant, (String, String))> = None;
+    loop {
         if let Ok(state) = tokio::time::timeout(INSPECT_TIMEOUT, state(container)).await {
             if matches!(state.status.as_str(), "exited" | "dead") {
-                break state.exit_code;
+                let (stdout, stderr) = logs(container).await;
+                return (Some(state.exit_code), stdout, stderr);
+            }
+        }
+        if ended.is_none() {
+            ended = host
+                .as_ref()
+                .and_then(|host| host.finished_output(&finished))
+                .map(|output| (std::time::Instant::now(), output));
+        }
+        if let Some((since, _)) = &ended {
+            if since.elapsed() >= ENGINE_GRACE {
+                let waited = since.elapsed();
+                let (_, (stdout, stderr)) = ended.expect("just matched");
+                eprintln!(
+                    "container {}: its process ended after its last line, and the engine had \
+                     not recorded the exit {} ms later; output read from the engine's log file",
+                    container.id(),
+                    waited.as_millis()
+                );
+                return (None, stdout, stderr);
             }
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    };
-    let (stdout, stderr) = logs(container).await;
-    (code, stdout, stderr)
+    }
+}
+
+/// How long the engine may take to record the exit of a process that this host
+/// already saw end before [`wait_output_until`] goes on without it.
+const ENGINE_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// A running container as this host sees it without asking the engine: its main
+/// process and the json-file log its output goes to.
+struct HostView {
+    pid: u32,
+    log: std::path::PathBuf,
+}
+
+impl HostView {
+    /// Asks the engine once, while the container runs; `None` when the process or
+    /// the log file is not visible from here.
+    async fn of(container: &Container) -> Option<Self> {
+        let output = tokio::time::timeout(
+            INSPECT_TIMEOUT,
+            run_docker(&[
+                "inspect",
+                "--format",
+                "{{.State.Pid}} {{.LogPath}}",
+                container.id(),
+            ]),
+        )
+        .await
+        .ok()?;
+        let text = String::from_utf8_lossy(&output.stdout).into_owned();
+        let (pid, log) = text.trim().split_once(' ')?;
+        let view = Self {
+            pid: pid.parse().ok().filter(|pid| *pid != 0)?,
+            log: log.into(),
+        };
+        let visible = std::path::Path::new(&format!("/proc/{}", view.pid)).exists()
+            && std::fs::metadata(&view.log).is_ok();
+        visible.then_some(view)
+    }
+
+    /// The stdout and stderr once the process has ended (gone, or a zombie) and
+    /// its stdout satisfies `finished`.
+    fn finished_output(&self, finished: &impl Fn(&str) -> bool) -> Option<(String, String)> {
+        if !process_ended(self.pid) {
+            return None;
+        }
+        let text = std::fs::read_to_string(&self.log).ok()?;
+        let (stdout, stderr) = parse_json_log(&text);
+        finished(&stdout).then_some((stdout, stderr))
+    }
+}
+
+/// Whether the host process `pid` is gone or a zombie.
+fn process_ended(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_none_or(|state| state == "Z" || state == "X"),
+    }
+}
+
+/// The stdout and stderr held in an engine's json-file log: one JSON object per
+/// line, each carrying a piece of one stream (long lines come in pieces).
+fn parse_json_log(text: &str) -> (String, String) {
+    let (mut stdout, mut stderr) = (String::new(), String::new());
+    for entry in text
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+    {
+        let piece = entry["log"].as_str().unwrap_or_default();
+        match entry["stream"].as_str() {
+            Some("stderr") => stderr.push_str(piece),
+            _ => stdout.push_str(piece),
+        }
+    }
+    (stdout, stderr)
 }
 
 /// What a container that should have exited is doing: its state, and for a
@@ -175,6 +289,32 @@ fn parse_mem_usage(text: &str) -> Option<u64> {
         _ => return None,
     };
     Some((number * scale) as u64)
+}
+
+#[test]
+fn json_file_logs_parse_into_their_streams() {
+    let text = concat!(
+        r#"{"log":"first half ","stream":"stdout","time":"2026-12-02T00:55:22Z"}"#,
+        "\n",
+        r#"{"log":"INFO connected\n","stream":"stderr","time":"2026-12-02T00:55:22Z"}"#,
+        "\n",
+        r#"{"log":"second half\n","stream":"stdout","time":"2026-12-02T00:55:23Z"}"#,
+        "\n",
+        "a torn last line",
+    );
+    assert_eq!(
+        parse_json_log(text),
+        (
+            "first half second half\n".to_owned(),
+            "INFO connected\n".to_owned()
+        )
+    );
+}
+
+#[test]
+fn this_process_has_not_ended_and_a_missing_one_has() {
+    assert!(!process_ended(std::process::id()));
+    assert!(process_ended(u32::MAX));
 }
 
 #[test]
