@@ -291,6 +291,45 @@ fn parse_mem_usage(text: &str) -> Option<u64> {
     Some((number * scale) as u64)
 }
 
+/// The host view on a real container: it sees the process run, then end after a
+/// kill, and reads the server's output from the log file without the engine.
+#[tokio::test]
+async fn the_host_sees_a_container_end_and_reads_its_output_without_the_engine() {
+    use testcontainers::runners::AsyncRunner as _;
+    use testcontainers::ImageExt as _;
+    if !crate::docker_gate::docker_or_skip("chaos::docker::host_view") {
+        return;
+    }
+    let container = hkvm_itests::images::nats_image()
+        .with_cmd(["-js"])
+        .start()
+        .await
+        .expect("a NATS container");
+    let Some(host) = HostView::of(&container).await else {
+        // A remote engine or another log driver: wait_output_until is then
+        // wait_output, which the scenarios use.
+        return eprintln!("the engine's processes or log files are not visible from here");
+    };
+    let ready = |_: &str| true;
+    assert!(
+        host.finished_output(&ready).is_none(),
+        "a running process has not ended"
+    );
+    kill(&container).await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let (_, stderr) = loop {
+        if let Some(output) = host.finished_output(&ready) {
+            break output;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the host never saw the killed process end"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    assert!(stderr.contains("Server is ready"), "{stderr}");
+}
+
 #[test]
 fn json_file_logs_parse_into_their_streams() {
     let text = concat!(
