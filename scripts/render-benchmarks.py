@@ -68,7 +68,7 @@ HOW_TO_READ = {
     "against its start: stream bytes and restore time stay flat (bounded history), "
     "messages held against messages ever appended show what purging removed, put p99 "
     "stays flat. Then put p99 while a large state's snapshot is written as a hot "
-    "standby writes it (copy, encode, store, read back; the standby is a process of "
+    "standby writes it (encode, store, read back; the standby is a process of "
     "its own at the lowest CPU priority, but on this machine's two cores with the "
     "leader, the clients and nats-server, where a standby would have a host of its "
     "own) against the same load without (target: at most 2x), and p50 beside it: "

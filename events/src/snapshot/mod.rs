@@ -21,9 +21,11 @@ use serde::{Deserialize, Serialize};
 use crate::event::Placement;
 use crate::id::{NodeId, SegmentId};
 
+mod encode;
 mod store;
 mod visit;
 
+pub use encode::{encode_from, SnapshotSource};
 pub use store::{SnapshotStore, StoredCheck};
 pub use visit::{ObjectView, SnapshotHeader, SnapshotVisitor};
 
@@ -206,13 +208,17 @@ impl SnapshotFile {
     /// # Errors
     /// [`SnapshotError::Encode`] (not expected for these types).
     pub fn encode(&self) -> Result<Vec<u8>, SnapshotError> {
-        // One buffer: the body is written after room for its checksum (a
-        // 10 M-object snapshot is about 860 MB; a second copy would double it).
-        let mut bytes = vec![0; 8];
-        rmp_serde::encode::write_named(&mut bytes, self).map_err(SnapshotError::Encode)?;
-        let sum = xxhash_rust::xxh3::xxh3_64(&bytes[8..]);
-        bytes[..8].copy_from_slice(&sum.to_be_bytes());
-        Ok(bytes)
+        encode_from(&self.header(), &self.objects[..])
+    }
+
+    /// Everything but the objects.
+    pub fn header(&self) -> SnapshotHeader {
+        SnapshotHeader {
+            version: self.version,
+            covers_seq: self.covers_seq,
+            max_epoch: self.max_epoch,
+            segments: self.segments.clone(),
+        }
     }
 
     /// Decodes and verifies a snapshot: checksum, version, and that every replica

@@ -8,7 +8,7 @@
 //! (the snapshots lost and the stream purged) is the next one copied from the
 //! leader's state, right after its boundary, once. Everything else — the rebuild, encoding,
 //! storing the object and reading it back to verify it (on a low-priority thread
-//! of their own, [`crate::snapshot::store_verified`]), appending the marker
+//! of their own, [`crate::snapshot::on_writer_thread`]), appending the marker
 //! event (the leader only: one writer per stream), purging the history it
 //! covers ([`Purger`]) — runs off the request loop. A stream or object store
 //! that does not answer (a NATS node lost, a JetStream election) then delays the
@@ -22,7 +22,7 @@ use hkvm_events::commit::{CommitError, GroupCommitter};
 use hkvm_events::log::JetStreamLog;
 use hkvm_events::positions::{Positions, ReaderKind};
 use hkvm_events::registry::now_unix_ms;
-use hkvm_events::snapshot::{SnapshotFile, SnapshotStore};
+use hkvm_events::snapshot::SnapshotStore;
 use hkvm_events::{KvEvent, ProducerId, SnapshotTaken, SubclusterId};
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -33,7 +33,7 @@ use super::purger::Purger;
 use super::{follower, Context};
 use crate::error::{SubmasterError, SubmasterErrorKind};
 use crate::metrics::SubmasterMetrics;
-use crate::snapshot::{encode_store_verify, on_writer_thread};
+use crate::snapshot::{on_writer_thread, store_bytes_verify};
 use crate::state::State;
 
 /// Where a snapshot goes and what follows it.
@@ -95,56 +95,90 @@ impl Snapshotter {
                 // The leader learns of the failure through its own writes.
                 Err(error) => return tracing::debug!(%error, "snapshot abandoned"),
             };
-            if let Some(file) = copied {
-                tracing::info!(covers_seq, "snapshot copied from the leader's state");
-                return store_and_finish(file, covers_seq, &sink, Some(&committer)).await;
-            }
             let store = sink.store.clone();
-            // The writer thread's logs say whose work they are.
-            let span = tracing::info_span!("snapshot_rebuild", covers_seq);
-            let written = on_writer_thread(move || {
-                async move {
-                    let Some(file) = rebuild(&log, &store, covers_seq).await? else {
-                        return Ok(None);
-                    };
+            let rebuilt = copied.is_none();
+            let written = if let Some(mut file) = copied {
+                tracing::info!(covers_seq, "snapshot copied from the leader's state");
+                on_writer_thread(move || async move {
+                    file.covers_seq = covers_seq;
                     let objects = file.objects.len();
-                    let (object, checksum) = encode_store_verify(&store, file, covers_seq).await?;
+                    let bytes = file.encode()?;
+                    drop(file);
+                    let (object, checksum) = store_bytes_verify(&store, bytes, covers_seq).await?;
                     Ok(Some(Written {
                         object,
                         checksum,
                         objects,
                     }))
-                }
-                .instrument(span)
-            })
-            .await;
+                })
+                .await
+            } else {
+                // The writer thread's logs say whose work they are.
+                let span = tracing::info_span!("snapshot_rebuild", covers_seq);
+                on_writer_thread(move || {
+                    async move {
+                        let Some(state) = rebuild(&log, &store, covers_seq).await? else {
+                            return Ok(None);
+                        };
+                        let objects = state.object_count();
+                        let bytes = crate::snapshot::encode(&state)?;
+                        drop(state);
+                        let (object, checksum) =
+                            store_bytes_verify(&store, bytes, covers_seq).await?;
+                        Ok(Some(Written {
+                            object,
+                            checksum,
+                            objects,
+                        }))
+                    }
+                    .instrument(span)
+                })
+                .await
+            };
             match written {
                 Ok(Some(written)) => {
-                    sink.metrics.snapshots_rebuilt.inc();
+                    if rebuilt {
+                        sink.metrics.snapshots_rebuilt.inc();
+                    }
                     finish(written, covers_seq, &sink, Some(&committer)).await;
                 }
                 Ok(None) => tracing::debug!(covers_seq, "a snapshot at least as new exists"),
-                Err(error) => {
+                Err(error) if rebuilt => {
                     copy_next.store(true, Ordering::Relaxed);
                     tracing::warn!(
                         %error,
                         "rebuilding the snapshot failed; the next one is copied from the leader's state"
                     );
                 }
+                Err(error) => tracing::warn!(%error, "snapshot failed; will retry"),
             }
         }));
         Ok(())
     }
 
     /// A standby's snapshot: everything `state` holds was read from the stream, so
-    /// it covers exactly `state.applied_seq`. The standby's fold waits for the
-    /// copy, made at a low priority; the rest is written in the background. No
-    /// marker is appended (the leader is the stream's one writer).
+    /// it covers exactly `state.applied_seq`. The standby's fold waits while the
+    /// state is encoded, at a low priority; storing and verifying it happen in
+    /// the background. No marker is appended (the leader is the stream's one
+    /// writer).
     pub(super) fn start_standing_by(&mut self, sink: &SnapshotSink, state: &State) {
-        let file = crate::snapshot::to_file_at_low_priority(state);
-        let (covers_seq, sink) = (state.applied_seq, sink.clone());
+        let bytes = match crate::snapshot::encode_at_low_priority(state) {
+            Ok(bytes) => bytes,
+            Err(error) => return tracing::warn!(%error, "snapshot failed; will retry"),
+        };
+        let (covers_seq, objects, sink) = (state.applied_seq, state.object_count(), sink.clone());
         self.running = Some(tokio::spawn(async move {
-            store_and_finish(file, covers_seq, &sink, None).await;
+            match crate::snapshot::store_verified(&sink.store, bytes, covers_seq).await {
+                Ok((object, checksum)) => {
+                    let written = Written {
+                        object,
+                        checksum,
+                        objects,
+                    };
+                    finish(written, covers_seq, &sink, None).await;
+                }
+                Err(error) => tracing::warn!(%error, "snapshot failed; will retry"),
+            }
         }));
     }
 }
@@ -170,28 +204,6 @@ struct Written {
     objects: usize,
 }
 
-/// Stores and verifies a copied snapshot (on the writer thread), then
-/// [`finish`]es it. Failures are logged; the next snapshot tries again.
-async fn store_and_finish(
-    file: SnapshotFile,
-    covers_seq: u64,
-    sink: &SnapshotSink,
-    committer: Option<&GroupCommitter>,
-) {
-    let objects = file.objects.len();
-    match crate::snapshot::store_verified(&sink.store, file, covers_seq).await {
-        Ok((object, checksum)) => {
-            let written = Written {
-                object,
-                checksum,
-                objects,
-            };
-            finish(written, covers_seq, sink, committer).await;
-        }
-        Err(error) => tracing::warn!(%error, "snapshot failed; will retry"),
-    }
-}
-
 /// The state as of `covers_seq`, rebuilt from durable history alone: the newest
 /// verified snapshot plus the stream up to `covers_seq`, folded as a restarting
 /// sub-master folds them. `None` when a snapshot at least as new exists. Runs on
@@ -206,7 +218,7 @@ async fn rebuild(
     log: &JetStreamLog,
     store: &SnapshotStore,
     covers_seq: u64,
-) -> Result<Option<SnapshotFile>, SubmasterError> {
+) -> Result<Option<State>, SubmasterError> {
     let mut state = crate::snapshot::load_newest(store)
         .await?
         .unwrap_or_default();
@@ -225,7 +237,7 @@ async fn rebuild(
             ),
         ));
     }
-    Ok(Some(crate::snapshot::to_file(&state)))
+    Ok(Some(state))
 }
 
 /// After a snapshot is stored and verified: counts it, appends the marker

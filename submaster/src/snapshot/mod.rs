@@ -3,66 +3,145 @@
 //! builds the state while the snapshot is decoded ([`Restorer`]): segments through
 //! [`State::apply`], objects in bulk; the result equals the fold of the same events.
 
-use hkvm_events::snapshot::{ObjectRecord, SegmentRecord, SnapshotFile, SnapshotStore};
+use hkvm_events::snapshot::{
+    encode_from, ObjectRecord, ObjectView, SegmentRecord, SnapshotFile, SnapshotHeader,
+    SnapshotSource, SnapshotStore,
+};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::error::{SubmasterError, SubmasterErrorKind};
-use crate::state::{Object, State};
+use crate::state::{Object, Slot, State};
 
 mod restorer;
 mod writer;
 
 pub use restorer::Restorer;
-pub(crate) use writer::{encode_store_verify, on_writer_thread};
-pub use writer::{store_verified, to_file_at_low_priority, WRITER_NICE};
+pub use writer::{encode_at_low_priority, store_verified, WRITER_NICE};
+pub(crate) use writer::{on_writer_thread, store_bytes_verify};
 
-/// The snapshot of the durable part of `state`, objects oldest first.
+/// The snapshot of the durable part of `state`, objects oldest first, as records
+/// of its own (a copy that outlives `state`).
 pub fn to_file(state: &State) -> SnapshotFile {
-    let mut index_of = std::collections::HashMap::new();
+    let source = StateSource::new(state);
     let mut file = SnapshotFile::new(state.applied_seq, state.max_epoch);
-    for (slot, segment) in state.segments() {
-        index_of.insert(slot, file.segments.len() as u32);
-        file.segments.push(SegmentRecord {
-            node: segment.node.clone(),
-            segment: segment.id.clone(),
-            size: segment.allocator.size(),
-            endpoint: segment.endpoint.clone(),
-            rdma: segment.rdma.clone(),
-        });
-    }
-    // Sort small (order, key, object) references, not the records: moving fat
-    // records dominated encoding. Keys are shared, not copied.
-    let mut ordered: Vec<(u64, &Arc<str>, &Object)> = state
-        .objects_shared()
-        .map(|(key, object)| (object.order, key, object))
-        .collect();
-    ordered.sort_unstable_by_key(|(order, _, _)| *order);
-    file.objects = ordered
-        .into_iter()
-        .map(|(_, key, object)| ObjectRecord {
+    file.segments = source.header.segments.clone();
+    file.objects.reserve_exact(source.ordered.len());
+    source.each(|key, object, replicas| {
+        file.objects.push(ObjectRecord {
             key: Arc::clone(key),
             size: object.size,
             checksum: object.checksum,
-            replicas: object
-                .replicas
-                .iter()
-                .filter_map(|r| Some((*index_of.get(&r.slot)?, r.offset)))
-                .collect(),
+            replicas: replicas.to_vec(),
             flags: object.flags.0,
             put_id: object.put_id,
-        })
-        .collect();
+        });
+        true
+    });
     file
 }
 
-/// Encodes `state` as snapshot bytes.
+/// Encodes the durable part of `state` as snapshot bytes covering
+/// `state.applied_seq`, straight from the state: no records in between.
 ///
 /// # Errors
 /// Only if serialization fails.
 pub fn encode(state: &State) -> Result<Vec<u8>, SubmasterError> {
-    Ok(to_file(state).encode()?)
+    let source = StateSource::new(state);
+    Ok(encode_from(&source.header, &source)?)
 }
 
+/// A state as a snapshot's source: its segments numbered in slot order, and
+/// small references to its objects sorted oldest first (sorting the objects
+/// themselves moved fat values; keys are shared, never copied).
+struct StateSource<'a> {
+    header: SnapshotHeader,
+    /// Each slot's index among the header's segments.
+    index_of: HashMap<Slot, u32>,
+    ordered: Vec<(u64, &'a Arc<str>, &'a Object)>,
+    /// Total key bytes, for the encoder's buffer size.
+    key_bytes: usize,
+}
+
+impl<'a> StateSource<'a> {
+    fn new(state: &'a State) -> Self {
+        let mut index_of = HashMap::new();
+        let mut segments = Vec::new();
+        for (slot, segment) in state.segments() {
+            index_of.insert(slot, segments.len() as u32);
+            segments.push(SegmentRecord {
+                node: segment.node.clone(),
+                segment: segment.id.clone(),
+                size: segment.allocator.size(),
+                endpoint: segment.endpoint.clone(),
+                rdma: segment.rdma.clone(),
+            });
+        }
+        let mut key_bytes = 0;
+        let mut ordered: Vec<(u64, &Arc<str>, &Object)> = state
+            .objects_shared()
+            .map(|(key, object)| {
+                key_bytes += key.len();
+                (object.order, key, object)
+            })
+            .collect();
+        ordered.sort_unstable_by_key(|(order, _, _)| *order);
+        Self {
+            header: SnapshotHeader {
+                version: hkvm_events::snapshot::SNAPSHOT_VERSION,
+                covers_seq: state.applied_seq,
+                max_epoch: state.max_epoch,
+                segments,
+            },
+            index_of,
+            ordered,
+            key_bytes,
+        }
+    }
+
+    /// Hands `each` every object oldest first, with its replicas as (segment
+    /// index, offset), until it returns `false`.
+    fn each(&self, mut each: impl FnMut(&'a Arc<str>, &'a Object, &[(u32, u64)]) -> bool) {
+        let mut replicas = Vec::new();
+        for (_, key, object) in &self.ordered {
+            replicas.clear();
+            replicas.extend(
+                object
+                    .replicas
+                    .iter()
+                    .filter_map(|r| Some((*self.index_of.get(&r.slot)?, r.offset))),
+            );
+            if !each(key, object, &replicas) {
+                return;
+            }
+        }
+    }
+}
+
+impl SnapshotSource for StateSource<'_> {
+    fn object_count(&self) -> usize {
+        self.ordered.len()
+    }
+
+    fn encoded_len_hint(&self) -> usize {
+        // Per object: its five field names and values, about 40 bytes, and 12
+        // per replica; two replicas counted.
+        self.key_bytes + self.ordered.len() * (48 + 2 * 12)
+    }
+
+    fn for_each_object(&self, each: &mut dyn FnMut(ObjectView<'_>) -> bool) {
+        self.each(|key, object, replicas| {
+            each(ObjectView {
+                key,
+                size: object.size,
+                checksum: object.checksum,
+                replicas,
+                flags: object.flags.0,
+                put_id: object.put_id,
+            })
+        });
+    }
+}
 /// Decodes and verifies snapshot bytes into a state.
 ///
 /// # Errors
@@ -78,7 +157,9 @@ pub fn decode(bytes: &[u8]) -> Result<State, SubmasterError> {
 /// # Errors
 /// When encoding or the object store fails.
 pub async fn save(store: &SnapshotStore, state: &State) -> Result<(String, u64), SubmasterError> {
-    Ok(store.save(&to_file(state)).await?)
+    Ok(store
+        .save_encoded(state.applied_seq, encode(state)?)
+        .await?)
 }
 
 /// Loads the newest snapshot that verifies, as a state; `None` when there is none.
@@ -220,8 +301,11 @@ mod tests {
             for (seq, event) in events[..cut].iter().enumerate() {
                 prefix.apply_message(seq as u64 + 1, 1, [event]);
             }
+            let bytes = encode(&prefix).unwrap();
+            // Straight from the state or through a copy: the same bytes.
+            prop_assert_eq!(&bytes, &to_file(&prefix).encode().unwrap());
             let mut restorer = Restorer::with_batch(batch);
-            let header = SnapshotFile::decode_with(&encode(&prefix).unwrap(), &mut restorer).unwrap();
+            let header = SnapshotFile::decode_with(&bytes, &mut restorer).unwrap();
             let mut restored = restorer.finish(&header);
             prop_assert!(restored.same_durable_state(&prefix));
             prop_assert_eq!(oldest_first(&restored), oldest_first(&prefix));

@@ -1,5 +1,5 @@
-//! Writing a snapshot without taking the CPU from serving: copying the state,
-//! encoding it, storing it and reading it back to verify it run on threads of
+//! Writing a snapshot without taking the CPU from serving: encoding the state,
+//! storing it and reading it back to verify it run on threads of
 //! their own (the store on a runtime of its own), at a lower CPU priority than
 //! the process's other threads. A large snapshot (a 10 M-object one is about 860 MB and
 //! seconds of hashing and encoding) then slows down when the machine is busy
@@ -7,9 +7,9 @@
 
 use std::future::Future;
 
-use hkvm_events::snapshot::{SnapshotFile, SnapshotStore};
+use hkvm_events::snapshot::SnapshotStore;
 
-use super::to_file;
+use super::encode;
 use crate::error::SubmasterError;
 use crate::state::State;
 use crate::SubmasterErrorKind::Snapshot;
@@ -18,41 +18,44 @@ use crate::SubmasterErrorKind::Snapshot;
 /// increment: at 10 the scheduler gives it about a tenth of a contended core).
 pub const WRITER_NICE: i32 = 10;
 
-/// Encodes `file`, stores it as covering `covers_seq` and reads it back to
-/// verify it, on a low-priority thread ([`WRITER_NICE`]); returns the object's
-/// name and checksum once it is safe to rely on.
+/// Stores the snapshot `bytes` (covering `covers_seq`) and reads them back to
+/// verify them, on a low-priority thread ([`WRITER_NICE`]); returns the
+/// object's name and checksum once it is safe to rely on.
 ///
 /// # Errors
-/// When the thread cannot be started, encoding fails, the object store fails,
-/// or the stored object does not read back intact.
+/// When the thread cannot be started, the object store fails, or the stored
+/// object does not read back intact.
 pub async fn store_verified(
     store: &SnapshotStore,
-    file: SnapshotFile,
+    bytes: Vec<u8>,
     covers_seq: u64,
 ) -> Result<(String, u64), SubmasterError> {
     let store = store.clone();
-    on_writer_thread(move || async move { encode_store_verify(&store, file, covers_seq).await })
+    on_writer_thread(move || async move { store_bytes_verify(&store, bytes, covers_seq).await })
         .await
 }
 
-/// Copies the durable part of `state` ([`to_file`]) on a thread at
-/// [`WRITER_NICE`], the caller waiting: a hot standby pauses its fold for the
-/// copy either way, and the copy's CPU then goes to whoever serves first.
-/// Without a thread the copy runs on the caller's.
-pub fn to_file_at_low_priority(state: &State) -> SnapshotFile {
+/// Encodes the durable part of `state` ([`encode`]: covering
+/// `state.applied_seq`) on a thread at [`WRITER_NICE`], the caller waiting: a
+/// hot standby pauses its fold for it either way, and its CPU then goes to
+/// whoever serves first. Without a thread it runs on the caller's.
+///
+/// # Errors
+/// Only if serialization fails.
+pub fn encode_at_low_priority(state: &State) -> Result<Vec<u8>, SubmasterError> {
     std::thread::scope(|scope| {
-        let copied = std::thread::Builder::new()
-            .name("hkvm-snapshot-copy".into())
+        let encoded = std::thread::Builder::new()
+            .name("hkvm-snapshot-encode".into())
             .spawn_scoped(scope, || {
                 lower_priority();
-                to_file(state)
+                encode(state)
             });
-        match copied.map(|thread| thread.join()) {
-            Ok(Ok(file)) => file,
+        match encoded.map(|thread| thread.join()) {
+            Ok(Ok(bytes)) => bytes,
             Ok(Err(panic)) => std::panic::resume_unwind(panic),
             Err(error) => {
-                tracing::debug!(%error, "copying the snapshot at normal priority");
-                to_file(state)
+                tracing::debug!(%error, "encoding the snapshot at normal priority");
+                encode(state)
             }
         }
     })
@@ -107,19 +110,16 @@ where
         .map_err(|_| SubmasterError::new(Snapshot, "the snapshot writer ended without a result"))?
 }
 
-/// Encodes `file` as covering `covers_seq`, stores it and reads it back;
+/// Stores the snapshot `bytes` as covering `covers_seq` and reads them back;
 /// returns the object's name and checksum.
 ///
 /// # Errors
-/// When encoding or the object store fails, or the object does not read back intact.
-pub(crate) async fn encode_store_verify(
+/// When the object store fails, or the object does not read back intact.
+pub(crate) async fn store_bytes_verify(
     store: &SnapshotStore,
-    mut file: SnapshotFile,
+    bytes: Vec<u8>,
     covers_seq: u64,
 ) -> Result<(String, u64), SubmasterError> {
-    file.covers_seq = covers_seq;
-    let bytes = file.encode()?;
-    drop(file);
     let (name, checksum) = store.save_encoded(covers_seq, bytes).await?;
     store.verify(&name, checksum).await?;
     Ok((name, checksum))
@@ -194,12 +194,13 @@ mod tests {
     }
 
     #[test]
-    fn the_copy_runs_on_a_lowered_thread_and_leaves_the_caller_alone() {
+    fn the_encoding_runs_on_a_lowered_thread_and_leaves_the_caller_alone() {
         let mut state = State::new();
         state.applied_seq = 7;
         let (nice, policy) = (own_nice(), own_policy());
-        let file = to_file_at_low_priority(&state);
-        assert_eq!(file.covers_seq, 7);
+        let bytes = encode_at_low_priority(&state).unwrap_or_default();
+        let decoded = hkvm_events::snapshot::SnapshotFile::decode(&bytes);
+        assert_eq!(decoded.map(|file| file.covers_seq).ok(), Some(7));
         assert_eq!((own_nice(), own_policy()), (nice, policy));
     }
 }
