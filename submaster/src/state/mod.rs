@@ -19,8 +19,10 @@ use crate::allocator::SegmentAllocator;
 use crate::keyhash::KeyHashBuilder;
 
 mod bulk;
+mod table;
 
 pub use bulk::{BulkRestore, RestoredAllocators, UsedRanges, MAX_BATCH};
+pub use table::ObjectTable;
 
 /// Index of a mounted segment in the state's segment table; objects refer to
 /// segments by slot so a replica costs 16 bytes, not a copy of the segment name.
@@ -113,7 +115,7 @@ pub struct State {
     /// Mounted segments per node, so a ping's "is this node known" is one lookup
     /// instead of a scan of every segment.
     segments_per_node: HashMap<NodeId, u32, KeyHashBuilder>,
-    objects: HashMap<Arc<str>, Object, KeyHashBuilder>,
+    objects: ObjectTable,
     next_order: u64,
     /// Apply anomalies so far.
     pub anomalies: ApplyAnomalies,
