@@ -400,10 +400,35 @@ impl StandbySnapshots {
             && (self.events_since >= config.snapshot_every_events
                 || (self.events_since > 0 && self.last.elapsed() >= config.snapshot_interval));
         if due {
+            // The encoding pauses this fold (seconds at 10 M objects), and with
+            // it the recording above: a task on another worker goes on
+            // recording the position meanwhile, so the leader does not take
+            // the standby for gone and rebuild the same snapshot itself.
+            let keepalive = tokio::spawn(record_every(
+                positions.clone(),
+                ctx.config.subcluster.clone(),
+                ctx.config.producer.clone(),
+                state.applied_seq,
+            ));
             self.snapshotter
                 .start_standing_by(&ctx.snapshot_sink(), state);
+            keepalive.abort();
             self.events_since = 0;
             self.last = tokio::time::Instant::now();
+        }
+    }
+}
+
+/// Records a standby's position `seq` every [`STANDBY_RECORD_EVERY`] until
+/// aborted.
+async fn record_every(positions: Positions, subcluster: SubclusterId, me: ProducerId, seq: u64) {
+    loop {
+        tokio::time::sleep(STANDBY_RECORD_EVERY).await;
+        if let Err(error) = positions
+            .record(&subcluster, ReaderKind::Standby, me.as_str(), seq)
+            .await
+        {
+            tracing::debug!(%error, "recording the standby's position");
         }
     }
 }
