@@ -387,12 +387,7 @@ impl StandbySnapshots {
                 state.applied_seq,
             );
             self.recording = Some(tokio::spawn(async move {
-                let recorded = positions
-                    .record(&subcluster, ReaderKind::Standby, me.as_str(), seq)
-                    .await;
-                if let Err(error) = recorded {
-                    tracing::debug!(%error, "recording the standby's position");
-                }
+                record(&positions, &subcluster, &me, seq).await;
             }));
         }
         let config = &ctx.config;
@@ -419,17 +414,22 @@ impl StandbySnapshots {
     }
 }
 
-/// Records a standby's position `seq` every [`STANDBY_RECORD_EVERY`] until
-/// aborted.
+/// Records the standby `me`'s position `seq`; a failure is logged (the next
+/// record tries again).
+async fn record(positions: &Positions, subcluster: &SubclusterId, me: &ProducerId, seq: u64) {
+    let recorded = positions
+        .record(subcluster, ReaderKind::Standby, me.as_str(), seq)
+        .await;
+    if let Err(error) = recorded {
+        tracing::debug!(%error, "recording the standby's position");
+    }
+}
+
+/// [`record`]s `seq` every [`STANDBY_RECORD_EVERY`] until aborted.
 async fn record_every(positions: Positions, subcluster: SubclusterId, me: ProducerId, seq: u64) {
     loop {
         tokio::time::sleep(STANDBY_RECORD_EVERY).await;
-        if let Err(error) = positions
-            .record(&subcluster, ReaderKind::Standby, me.as_str(), seq)
-            .await
-        {
-            tracing::debug!(%error, "recording the standby's position");
-        }
+        record(&positions, &subcluster, &me, seq).await;
     }
 }
 
