@@ -371,6 +371,11 @@ impl State {
         self.by_segment.get(segment).copied()
     }
 
+    /// Slots in the segment table, mounted or vacant: every slot is below this.
+    pub fn slot_count(&self) -> usize {
+        self.slots.len()
+    }
+
     /// Every mounted segment with its slot.
     pub fn segments(&self) -> impl Iterator<Item = (Slot, &Segment)> {
         self.slots
