@@ -91,6 +91,11 @@ pub async fn run(args: GlobalMasterArgs) -> anyhow::Result<()> {
     let config = config(&args)?;
     let client = args.target.connect_as("hkvm-globalmaster").await?;
     tracing::info!(cluster = %config.cluster, replica = %config.replica, "starting the global master");
-    hkvm_globalmaster::serve(config, client, crate::signals::terminated()).await?;
+    crate::on_workers(hkvm_globalmaster::serve(
+        config,
+        client,
+        crate::signals::terminated(),
+    ))
+    .await?;
     Ok(())
 }

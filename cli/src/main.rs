@@ -103,6 +103,25 @@ fn main() -> anyhow::Result<()> {
     result
 }
 
+/// Runs a server's future as a task on the runtime's workers and waits for it.
+///
+/// `main` blocks its own thread on the command; a server's request loop left there
+/// would cost a wake-up of that thread for every request its RPC front (a task on
+/// a worker) hands over. As a task, it runs on the worker that woke it. A panic in
+/// it stays a panic.
+pub(crate) async fn on_workers<F>(server: F) -> F::Output
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    match tokio::spawn(server).await {
+        Ok(output) => output,
+        Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+        // Only a runtime shutting down cancels it, and then nobody waits here.
+        Err(error) => panic!("the server task was cancelled: {error}"),
+    }
+}
+
 async fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Local(args) => local::run(args).await,

@@ -126,6 +126,6 @@ pub async fn run(args: SubmasterArgs) -> anyhow::Result<()> {
         crate::signals::terminated().await;
         let _ = stop.send(true);
     });
-    hkvm_submaster::run(client, config, stopped).await?;
+    crate::on_workers(hkvm_submaster::run(client, config, stopped)).await?;
     Ok(())
 }
