@@ -4,6 +4,7 @@
 //! - [`state`]: the state and the pure `apply` fold;
 //! - [`command`]: validating requests and deciding their events;
 //! - [`allocator`], [`placement`]: where replicas go;
+//! - [`liveness`]: node pings, answered outside the request loop;
 //! - the driver modules do the I/O: serving RPCs, appending through group commit,
 //!   snapshots, the leader lease and the hot standby.
 
@@ -13,6 +14,7 @@ pub mod config;
 pub mod election;
 pub mod error;
 pub mod keyhash;
+pub mod liveness;
 pub mod metrics;
 pub mod placement;
 pub mod server;

@@ -8,10 +8,9 @@ mod objects;
 mod segments;
 
 use hkvm_events::rpc::submaster::{
-    Exist, ExistReply, GetReplicaList, GetReplicaListReply, Mixed, MixedReply, MountSegment, Ping,
-    PingReply, PutEnd, PutEndReply, PutRevoke, PutRevokeReply, PutStart, PutStartReply, Remount,
-    Remove, RemoveAll, RemoveAllReply, RemoveMatching, RemoveReply, Status, StatusReply,
-    UnmountSegment,
+    Exist, ExistReply, GetReplicaList, GetReplicaListReply, Mixed, MixedReply, MountSegment,
+    PutEnd, PutEndReply, PutRevoke, PutRevokeReply, PutStart, PutStartReply, Remount, Remove,
+    RemoveAll, RemoveAllReply, RemoveMatching, RemoveReply, Status, StatusReply, UnmountSegment,
 };
 use hkvm_events::rpc::RpcError;
 use hkvm_events::{KvEvent, Limits};
@@ -69,8 +68,6 @@ pub enum Request {
     Unmount(UnmountSegment),
     /// See [`Remount`].
     Remount(Remount),
-    /// See [`Ping`].
-    Ping(Ping),
     /// See [`PutStart`].
     PutStart(PutStart),
     /// See [`PutEnd`].
@@ -114,8 +111,6 @@ impl Request {
 pub enum Reply {
     /// Mount, unmount, remount.
     Done,
-    /// Ping.
-    Ping(PingReply),
     /// PutStart.
     PutStart(PutStartReply),
     /// PutEnd.
@@ -155,7 +150,7 @@ impl Outcome {
     }
 }
 
-/// Who is serving, for `Status` and `Ping` replies.
+/// Who is serving, for `Status` replies.
 #[derive(Debug, Clone)]
 pub struct ServingInfo {
     /// The producer id of the serving instance.
@@ -190,7 +185,6 @@ pub fn handle(
         Request::Mount(mount) => segments::mount(state, mount, now_ms, policy),
         Request::Unmount(unmount) => segments::unmount(state, &unmount),
         Request::Remount(remount) => segments::remount(state, remount, now_ms, policy),
-        Request::Ping(ping) => Ok(segments::ping(state, &ping, now_ms, serving.epoch)),
         Request::PutStart(put) => {
             check_batch(put.items.len(), policy)?;
             Ok(objects::put_start(state, put, now_ms, policy))

@@ -1,6 +1,6 @@
 //! Segment and node commands: mount, unmount, remount, ping.
 
-use hkvm_events::rpc::submaster::{MountSegment, Ping, PingReply, Remount, UnmountSegment};
+use hkvm_events::rpc::submaster::{MountSegment, Remount, UnmountSegment};
 use hkvm_events::rpc::{RpcError, RpcErrorCode};
 use hkvm_events::{KvEvent, Removed, SegmentMounted, SegmentUnmounted};
 
@@ -119,16 +119,4 @@ pub(super) fn unmount(state: &mut State, unmount: &UnmountSegment) -> Result<Out
         events,
         reply: Reply::Done,
     })
-}
-
-/// Records a node's liveness; a node the leader does not know must remount.
-pub(super) fn ping(state: &mut State, ping: &Ping, now_ms: u64, epoch: u64) -> Outcome {
-    let known = state.knows_node(&ping.node);
-    if known {
-        state.liveness.insert(ping.node.clone(), now_ms);
-    }
-    Outcome::reply(Reply::Ping(PingReply {
-        epoch,
-        need_remount: !known,
-    }))
 }

@@ -2,17 +2,20 @@
 //! also folded by a standby, which must end with the same durable state.
 
 use hkvm_events::rpc::submaster::{
-    Exist, GetReplicaList, ItemError, ItemResult, Mixed, MountSegment, Ping, PutEnd, PutEndItem,
-    PutRevoke, PutStart, PutStartItem, Remount, Remove, RemoveAll, RemoveMatching, UnmountSegment,
-    MAX_KEY_PATTERN_LEN,
+    Exist, GetReplicaList, ItemError, ItemResult, Mixed, MountSegment, PingReply, PutEnd,
+    PutEndItem, PutRevoke, PutStart, PutStartItem, Remount, Remove, RemoveAll, RemoveMatching,
+    UnmountSegment, MAX_KEY_PATTERN_LEN,
 };
 use hkvm_events::rpc::RpcErrorCode;
 use hkvm_events::{KvEvent, NodeId, SegmentId};
 
 use super::*;
+use crate::liveness::{collect_pings, LiveNodes};
 
 struct Harness {
     leader: State,
+    /// The leader's pings, as its RPC front records them.
+    nodes: LiveNodes,
     standby: State,
     log: Vec<KvEvent>,
     now: u64,
@@ -23,6 +26,7 @@ impl Harness {
     fn new() -> Self {
         Self {
             leader: State::new(),
+            nodes: LiveNodes::new(),
             standby: State::new(),
             log: Vec::new(),
             now: 1_000,
@@ -35,6 +39,7 @@ impl Harness {
             self.leader.apply(event);
             self.standby.apply(event);
         }
+        self.nodes.sync(&self.leader, &events);
         self.log.extend(events);
     }
 
@@ -48,7 +53,13 @@ impl Harness {
         Ok(outcome.reply)
     }
 
+    /// A ping from `node`, answered as the leader's RPC front answers it.
+    fn ping(&mut self, node: &str) -> PingReply {
+        self.nodes.ping_at(&NodeId::new(node).unwrap(), self.now)
+    }
+
     fn tick(&mut self) {
+        collect_pings(&mut self.leader, self.nodes.take_pings());
         let events = maintain(&mut self.leader, self.now, &self.policy);
         self.commit(events);
     }
@@ -224,10 +235,7 @@ fn revoke_and_timeout_free_the_space() {
     h.now += h.policy.put_timeout_ms;
     // Keep the nodes alive while the clock moves.
     for node in ["n1", "n2", "n3"] {
-        h.run(Request::Ping(Ping {
-            node: NodeId::new(node).unwrap(),
-        }))
-        .unwrap();
+        h.ping(node);
     }
     h.tick();
     assert!(h.leader.pending.is_empty());
@@ -419,10 +427,7 @@ fn a_silent_node_is_lost_with_the_objects_only_it_held() {
 
     h.now += h.policy.node_timeout_ms;
     for node in ["n2", "n3"] {
-        h.run(Request::Ping(Ping {
-            node: NodeId::new(node).unwrap(),
-        }))
-        .unwrap();
+        h.ping(node);
     }
     h.tick();
     assert!(h
@@ -432,12 +437,7 @@ fn a_silent_node_is_lost_with_the_objects_only_it_held() {
     assert_eq!(h.exists(&["both", "only-n1"]), vec![true, false]);
     assert_eq!(h.leader.object("both").unwrap().replicas.len(), 2);
     // The lost node must remount before it counts again.
-    let reply = h
-        .run(Request::Ping(Ping {
-            node: NodeId::new("n1").unwrap(),
-        }))
-        .unwrap();
-    assert!(matches!(reply, Reply::Ping(p) if p.need_remount));
+    assert!(h.ping("n1").need_remount);
     h.assert_standby_agrees();
 }
 

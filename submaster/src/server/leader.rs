@@ -29,6 +29,7 @@ use super::Context;
 use crate::command::{self, ServingInfo};
 use crate::election::LeaseHolder;
 use crate::error::{SubmasterError, SubmasterErrorKind};
+use crate::liveness::{collect_pings, LiveNodes};
 use crate::metrics::gauge_value;
 use crate::state::State;
 
@@ -116,6 +117,8 @@ struct Leadership<'a> {
     last_snapshot: Instant,
     /// The registry write of the last heartbeat, while it runs.
     heartbeat: Option<tokio::task::JoinHandle<()>>,
+    /// The nodes this leader knows, for its RPC front's ping answers.
+    live: Arc<LiveNodes>,
     snapshotter: Snapshotter,
     /// Whether a hot standby writes the snapshots.
     standby: StandbyWatch,
@@ -248,6 +251,7 @@ impl Leadership<'_> {
                 for event in &outcome.events {
                     state.apply(event);
                 }
+                self.live.sync(state, &outcome.events);
                 let body = rpc::encode_reply(outcome.reply);
                 if outcome.events.is_empty() {
                     if reads && self.write_index > *self.durable.borrow() {
@@ -270,6 +274,7 @@ impl Leadership<'_> {
     }
 
     async fn maintain(&mut self, state: &mut State) -> Result<(), CommitError> {
+        collect_pings(state, self.live.take_pings());
         let events = command::maintain(state, self.now_ms(), &self.ctx.config.policy);
         if events.is_empty() {
             return Ok(());
@@ -286,6 +291,7 @@ impl Leadership<'_> {
             }
             state.apply(event);
         }
+        self.live.sync(state, &events);
         let pending = self.submit(events).await?;
         self.reply_when_durable(pending, None, Vec::new());
         Ok(())
@@ -408,16 +414,8 @@ pub(crate) async fn lead(
     // Answer Busy while recovering, instead of leaving requests without a responder.
     let (ready_tx, ready_rx) = watch::channel(false);
     let (jobs_tx, mut jobs) = mpsc::channel(config.request_queue);
-    let front = rpc::subscribe(
-        &ctx.client,
-        &config.cluster,
-        &config.subcluster,
-        jobs_tx,
-        ready_rx,
-        config.busy_retry_after,
-        ctx.metrics.clone(),
-    )
-    .await?;
+    let live = Arc::new(LiveNodes::new());
+    let front = rpc::subscribe(ctx, jobs_tx, Arc::clone(&live), ready_rx).await?;
     let started = std::time::Instant::now();
     catch_up(&ctx.log, state, &ctx.metrics).await?;
     let epoch = open_epoch(ctx, state).await?;
@@ -430,6 +428,7 @@ pub(crate) async fn lead(
     state.pending.clear();
     state.liveness.clear();
     state.grace_until_ms = config.policy.lease_ttl_ms;
+    live.lead(epoch, clock, state);
     let committer = GroupCommitter::spawn(
         ctx.log.clone(),
         config.producer.clone(),
@@ -452,6 +451,7 @@ pub(crate) async fn lead(
         events_since_snapshot: 0,
         last_snapshot: Instant::now(),
         heartbeat: None,
+        live,
         snapshotter: Snapshotter::default(),
         standby: StandbyWatch::spawn(
             ctx.positions.clone(),

@@ -1,23 +1,23 @@
 //! The RPC front: one queue-group subscription per operation subject, decoding
-//! requests into [`Request`]s for the state machine. It never queues without bound:
-//! while the leader recovers, or when the state machine's queue is full, requests
-//! get `Busy { retry_after }` at once.
+//! requests into [`Request`]s for the state machine. Pings it answers itself, from
+//! [`LiveNodes`]. It never queues without bound: while the leader recovers, or when
+//! the state machine's queue is full, requests get `Busy { retry_after }` at once.
 
-use std::time::Duration;
+use std::sync::Arc;
 
 use async_nats::{Client, Subject};
 use futures::StreamExt as _;
-use hkvm_events::rpc::submaster::Op;
+use hkvm_events::rpc::submaster::{Op, Ping};
 use hkvm_events::rpc::{self, RpcError, RpcErrorCode, RpcReply};
 use hkvm_events::subject::submaster_rpc_subject;
-use hkvm_events::{ClusterId, SubclusterId};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use super::Context;
 use crate::command::{Reply, Request};
 use crate::error::{SubmasterError, SubmasterErrorKind};
-use crate::metrics::SubmasterMetrics;
+use crate::liveness::LiveNodes;
 
 /// The queue group every sub-master instance of a sub-cluster joins.
 pub const QUEUE_GROUP: &str = "hkvm-submaster";
@@ -50,12 +50,18 @@ impl Drop for RpcFront {
     }
 }
 
-fn decode_request(op: Op, body: &[u8]) -> Result<Request, RpcError> {
-    Ok(match op {
+/// A decoded request: one the front answers itself, or one for the state machine.
+enum Incoming {
+    Ping(Ping),
+    Request(Request),
+}
+
+fn decode_request(op: Op, body: &[u8]) -> Result<Incoming, RpcError> {
+    Ok(Incoming::Request(match op {
+        Op::Ping => return Ok(Incoming::Ping(rpc::decode(body)?)),
         Op::MountSegment => Request::Mount(rpc::decode(body)?),
         Op::UnmountSegment => Request::Unmount(rpc::decode(body)?),
         Op::Remount => Request::Remount(rpc::decode(body)?),
-        Op::Ping => Request::Ping(rpc::decode(body)?),
         Op::PutStart => Request::PutStart(rpc::decode(body)?),
         Op::PutEnd => Request::PutEnd(rpc::decode(body)?),
         Op::PutRevoke => Request::PutRevoke(rpc::decode(body)?),
@@ -66,14 +72,13 @@ fn decode_request(op: Op, body: &[u8]) -> Result<Request, RpcError> {
         Op::RemoveMatching => Request::RemoveMatching(rpc::decode(body)?),
         Op::Status => Request::Status(rpc::decode(body)?),
         Op::Mixed => Request::Mixed(rpc::decode(body)?),
-    })
+    }))
 }
 
 /// Encodes a typed reply as its `RpcReply::Ok`.
 pub(crate) fn encode_reply(reply: Reply) -> Vec<u8> {
     let encoded = match reply {
         Reply::Done => rpc::encode(&RpcReply::Ok(())),
-        Reply::Ping(r) => rpc::encode(&RpcReply::Ok(r)),
         Reply::PutStart(r) => rpc::encode(&RpcReply::Ok(r)),
         Reply::PutEnd(r) => rpc::encode(&RpcReply::Ok(r)),
         Reply::PutRevoke(r) => rpc::encode(&RpcReply::Ok(r)),
@@ -107,14 +112,14 @@ pub(crate) async fn send(client: &Client, reply_to: Subject, body: Vec<u8>) {
 /// # Errors
 /// When a subscription fails.
 pub(crate) async fn subscribe(
-    client: &Client,
-    cluster: &ClusterId,
-    subcluster: &SubclusterId,
+    ctx: &Context,
     jobs: mpsc::Sender<Job>,
+    live: Arc<LiveNodes>,
     ready: watch::Receiver<bool>,
-    busy_retry_after: Duration,
-    metrics: SubmasterMetrics,
 ) -> Result<RpcFront, SubmasterError> {
+    let (client, config, metrics) = (&ctx.client, &ctx.config, &ctx.metrics);
+    let (cluster, subcluster) = (&config.cluster, &config.subcluster);
+    let busy_retry_after = config.busy_retry_after;
     let mut tasks = Vec::new();
     for op in Op::ALL {
         let subject = submaster_rpc_subject(cluster, subcluster, op.name());
@@ -124,8 +129,13 @@ pub(crate) async fn subscribe(
             .map_err(|e| {
                 SubmasterError::caused(SubmasterErrorKind::Rpc, format!("subscribing {subject}"), e)
             })?;
-        let (client, jobs, ready, metrics) =
-            (client.clone(), jobs.clone(), ready.clone(), metrics.clone());
+        let (client, jobs, ready, metrics, live) = (
+            client.clone(),
+            jobs.clone(),
+            ready.clone(),
+            metrics.clone(),
+            Arc::clone(&live),
+        );
         tasks.push(tokio::spawn(async move {
             let retry_after_ms = busy_retry_after.as_millis() as u64;
             while let Some(message) = subscription.next().await {
@@ -146,7 +156,18 @@ pub(crate) async fn subscribe(
                     continue;
                 }
                 let request = match decode_request(op, &message.payload) {
-                    Ok(request) => request,
+                    Ok(Incoming::Request(request)) => request,
+                    Ok(Incoming::Ping(ping)) => {
+                        let body = match rpc::encode(&RpcReply::Ok(live.ping(&ping.node))) {
+                            Ok(body) => {
+                                metrics.request(op.name(), "ok", received.elapsed().as_secs_f64());
+                                body
+                            }
+                            Err(error) => refuse(error, "error"),
+                        };
+                        send(&client, reply_to, body).await;
+                        continue;
+                    }
                     Err(error) => {
                         send(&client, reply_to, refuse(error, "error")).await;
                         continue;

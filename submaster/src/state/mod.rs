@@ -392,6 +392,11 @@ impl State {
             .collect()
     }
 
+    /// Every node with a segment mounted.
+    pub fn nodes(&self) -> impl Iterator<Item = &NodeId> {
+        self.segments_per_node.keys()
+    }
+
     /// Whether a node has any segment mounted.
     pub fn knows_node(&self, node: &NodeId) -> bool {
         self.segments_per_node.contains_key(node)
