@@ -28,6 +28,7 @@ use hkvm_events::{ClusterId, SubclusterId};
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
+mod breaking;
 mod client;
 
 use client::{deploy, requests_sent, run_client, Client, Deployment, Kind, Record, Schedule};
@@ -174,6 +175,22 @@ pub(crate) fn cpu_seconds(pid: Option<u32>) -> f64 {
     (ticks(11) + ticks(12)) / 100.0
 }
 
+/// The machine's busy and total CPU ticks over all cores since boot (`/proc/stat`).
+fn machine_cpu_ticks() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().find(|line| line.starts_with("cpu "))?;
+    let ticks: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .ok()?;
+    // user nice system idle iowait irq softirq steal ...: idle and iowait are not busy.
+    let total: u64 = ticks.iter().take(8).sum();
+    let idle = ticks.get(3)? + ticks.get(4).copied().unwrap_or(0);
+    Some((total.saturating_sub(idle), total))
+}
+
 fn percentile(sorted: &[u32], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -200,6 +217,8 @@ struct Point {
     sub_rss_max: f64,
     sub_rss_total: f64,
     global_rss: f64,
+    /// The share of the machine's CPU time (all cores) busy over the window.
+    machine_busy: f64,
 }
 
 const MIB: f64 = 1024.0 * 1024.0;
@@ -231,6 +250,7 @@ const FIGURES: [Figure; 11] = [
 ];
 
 /// The sizes of one sweep.
+#[derive(Debug, Clone, Copy)]
 struct Sweep {
     clients: usize,
     rate: f64,
@@ -344,7 +364,14 @@ async fn run_point(
         cpu_seconds(nats_pid),
     );
     let sent_before = requests_sent(&callers);
+    let machine_before = machine_cpu_ticks();
     tokio::time::sleep_until(schedule.end).await;
+    let machine_busy = match (machine_before, machine_cpu_ticks()) {
+        (Some((busy0, total0)), Some((busy1, total1))) if total1 > total0 => {
+            busy1.saturating_sub(busy0) as f64 / (total1 - total0) as f64
+        }
+        _ => 0.0,
+    };
     let cpu_after = (
         sub_cpu(&sub_pids),
         cpu_seconds(global_pid),
@@ -391,6 +418,7 @@ async fn run_point(
         sub_rss_max: rss.iter().copied().fold(0.0, f64::max),
         sub_rss_total: rss.iter().sum(),
         global_rss,
+        machine_busy,
     })
 }
 
@@ -474,6 +502,9 @@ pub async fn run(
     }
     print_targets(printer, &sweep, &base);
     print_split(printer, &sweep, &split, &base);
+    if !quick {
+        breaking::probe(nats, &setup.hkvm, &sweep, &results, printer).await;
+    }
     Ok(())
 }
 
