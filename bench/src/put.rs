@@ -148,7 +148,7 @@ async fn echo_round_trips(
 }
 
 /// Pings of one node through the sub-master, one at a time for `duration`
-/// (a request through its RPC front and request loop that appends nothing).
+/// (a request its RPC front answers alone: no request loop, no append).
 /// Returns every round trip, sorted.
 async fn ping_round_trips(
     client: &SubmasterClient,
@@ -293,7 +293,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
             0.0,
         ),
         (
-            "ping p50, 1 client (through the sub-master's RPC front and request loop; appends nothing)",
+            "ping p50, 1 client (answered by the sub-master's RPC front alone: no request loop, no append)",
             quantile_us(&pings, 0.5),
             "NATS request-reply p50",
             quantile_us(&echo, 0.5),
