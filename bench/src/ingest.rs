@@ -54,7 +54,8 @@ async fn raw_replay(nats: &BenchNats, cluster: &BenchCluster) -> anyhow::Result<
     Ok(started.elapsed().as_secs_f64())
 }
 
-/// Folds every stream into a fresh projection as a global master does: one task
+/// Folds every stream into a fresh projection as a global master does (sized
+/// first for the sub-masters' object counts): one task
 /// per stream reads it and decodes its messages into key operations (in
 /// parallel, keys borrowed), and one folder applies them in order per stream.
 /// Returns seconds and the projection.
@@ -64,6 +65,9 @@ async fn projector_replay(
 ) -> anyhow::Result<(f64, Projection)> {
     let contexts = contexts(nats, cluster).await?;
     let mut projection = Projection::new();
+    // Sized for the objects the sub-masters hold (one per put event here), as a
+    // global master sizes its index from the registry before a full replay.
+    projection.reserve(cluster.events);
     let (decoded, mut incoming) = tokio::sync::mpsc::channel::<(usize, Vec<KeyOps>)>(64);
     let mut readers = tokio::task::JoinSet::new();
     let started = Instant::now();

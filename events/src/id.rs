@@ -48,11 +48,24 @@ pub enum IdError {
     },
 }
 
+/// Whether `bytes` match `[A-Za-z0-9_-]{1,64}`: what [`validate_id`] accepts,
+/// checked byte by byte (such bytes are ASCII, hence UTF-8).
+pub(crate) fn is_valid_id(bytes: &[u8]) -> bool {
+    !bytes.is_empty()
+        && bytes.len() <= MAX_ID_LEN
+        && bytes
+            .iter()
+            .all(|&b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
 /// Checks `value` against `[A-Za-z0-9_-]{1,64}`.
 ///
 /// # Errors
 /// The first rule the value breaks.
 pub fn validate_id(what: &'static str, value: &str) -> Result<(), IdError> {
+    if is_valid_id(value.as_bytes()) {
+        return Ok(());
+    }
     if value.is_empty() {
         return Err(IdError::Empty { what });
     }

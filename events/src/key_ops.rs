@@ -2,17 +2,22 @@
 //! of its key, each evicted or removed key the hash to drop, and only the rare
 //! other events (segments, nodes, snapshot markers) are decoded whole. Keys are
 //! borrowed from the message bytes, so a put costs no allocation; one `Vec` per
-//! message holds the result. Validation is the owned decoder's (`codec`): the same
-//! events are accepted, skipped or refused, which the tests check against it.
+//! message holds the result. A put in the encoder's own (canonical) form is read
+//! in one pass over its bytes (`canonical`); any other form goes through serde.
+//! Validation is the owned decoder's (`codec`): the same events are accepted,
+//! skipped or refused, which the tests check against it.
 
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
 
+use self::canonical::PutFields;
 use crate::codec::{decode_body, decode_message, Decoded, Frame, UndecodableMessage};
 use crate::error::{EventError, EventErrorKind};
 use crate::event::{key_hash, EventKind, KvEvent};
 use crate::id::validate_id;
 use crate::limits::Limits;
+
+mod canonical;
 
 /// What one event does to a key index.
 #[derive(Debug, Clone, PartialEq)]
@@ -93,6 +98,17 @@ struct PutView<'a> {
     _put_id: u64,
 }
 
+impl<'a> PutView<'a> {
+    fn fields(&self) -> PutFields<'a> {
+        PutFields {
+            key: self.key,
+            key_hash: self.key_hash,
+            size: self.size,
+            placements: self.placements.0,
+        }
+    }
+}
+
 /// The keys of an eviction or removal, borrowed.
 #[derive(Deserialize)]
 struct KeysView<'a> {
@@ -150,10 +166,14 @@ fn push_body(ops: &mut Vec<KeyOp>, frame: Frame<'_>, limits: &Limits) -> Result<
     };
     match kind {
         EventKind::PutCommitted => {
-            let put: PutView<'_> =
-                rmp_serde::from_slice(body).map_err(|e| body_error(e.to_string()))?;
+            let put = match canonical::read_put(body) {
+                Some(put) => put,
+                None => rmp_serde::from_slice::<PutView<'_>>(body)
+                    .map_err(|e| body_error(e.to_string()))?
+                    .fields(),
+            };
             limits
-                .check_put(put.key, put.key_hash, put.placements.0, put.size)
+                .check_put(put.key, put.key_hash, put.placements, put.size)
                 .map_err(invalid)?;
             ops.push(KeyOp::Put(put.key_hash));
         }

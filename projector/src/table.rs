@@ -99,7 +99,8 @@ impl IdTable {
     }
 
     /// Loads what looking up each hash of `wanted` first reads (its home slot,
-    /// and the hash of the id found there) without acting on it: a caller about
+    /// and, when the slot's tag matches, the hash of its id) without acting on
+    /// it: a caller about
     /// to insert or remove these keys one by one then finds them in the cache,
     /// since the loads of a group overlap instead of waiting for each other.
     pub fn warm(&self, wanted: &[u64], hashes: &[u64]) {
@@ -112,8 +113,8 @@ impl IdTable {
                 first[i] = self.slots[self.home(hash)];
             }
             let mut seen = 0u64;
-            for &slot in &first[..group.len()] {
-                if slot != EMPTY_SLOT {
+            for (&slot, &hash) in first.iter().zip(group) {
+                if slot != EMPTY_SLOT && slot_tag(slot) == tag(hash) {
                     seen ^= hashes.get(id_of(slot) as usize).copied().unwrap_or(0);
                 }
             }
