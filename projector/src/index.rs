@@ -95,10 +95,17 @@ impl KeyIndex {
         Self::default()
     }
 
-    /// Loads what inserting or removing the keys with `hashes` will read first,
-    /// so that their cache misses overlap ([`IdTable::warm`]); changes nothing.
-    pub fn warm(&self, hashes: &[u64]) {
-        self.table.warm(hashes, &self.hashes);
+    /// Starts loading the first thing a lookup of `hash` reads (its home slot);
+    /// a hint only, it changes nothing.
+    pub fn prefetch_home(&self, hash: u64) {
+        self.table.prefetch_home(hash);
+    }
+
+    /// Starts loading the second thing a lookup of `hash` reads (the hash of the
+    /// id in its home slot, if the tag matches); best issued a few keys after
+    /// [`KeyIndex::prefetch_home`]. A hint only, it changes nothing.
+    pub fn prefetch_candidate(&self, hash: u64) {
+        self.table.prefetch_candidate(hash, &self.hashes);
     }
 
     fn find(&self, hash: u64) -> Option<u32> {

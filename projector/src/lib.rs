@@ -9,6 +9,7 @@
 pub mod checkpoint;
 mod error;
 pub mod index;
+mod prefetch;
 mod projection;
 mod table;
 

@@ -13,9 +13,9 @@ use hkvm_events::{key_hash, KvEvent, Limits, NodeId, SegmentId, SubclusterId};
 use crate::error::{ProjectorError, ProjectorErrorKind};
 use crate::index::KeyIndex;
 
-/// Key operations whose index lookups are loaded together before they are
-/// applied ([`KeyIndex::warm`]).
-const WARM_GROUP: usize = 16;
+/// How many key operations ahead a lookup's loads are started
+/// ([`KeyIndex::prefetch_home`], [`KeyIndex::prefetch_candidate`]).
+const PREFETCH_DISTANCE: usize = 8;
 
 /// What the projection knows about one source sub-cluster.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -222,21 +222,26 @@ impl Projection {
                 found: message.seq,
             }));
         }
-        // In groups: first the group's lookups are loaded together, then
-        // its operations are applied in order.
-        for group in message.ops.chunks(WARM_GROUP) {
-            let mut hashes = [0u64; WARM_GROUP];
-            let mut keyed = 0;
-            for op in group {
-                if let KeyOp::Put(hash) | KeyOp::Drop(hash) = op {
-                    hashes[keyed] = *hash;
-                    keyed += 1;
-                }
+        // Software-pipelined: while operation i is applied, the home slot of
+        // operation i + 2d and the candidate hash of operation i + d are already
+        // on their way, so the cache misses of a lookup overlap other work.
+        let hash_at = |i: usize| match message.ops.get(i) {
+            Some(KeyOp::Put(hash) | KeyOp::Drop(hash)) => Some(*hash),
+            _ => None,
+        };
+        for i in 0..(2 * PREFETCH_DISTANCE).min(message.ops.len()) {
+            if let Some(hash) = hash_at(i) {
+                self.index.prefetch_home(hash);
             }
-            self.index.warm(&hashes[..keyed]);
-            for op in group {
-                self.apply_op(source, op);
+        }
+        for (i, op) in message.ops.iter().enumerate() {
+            if let Some(hash) = hash_at(i + 2 * PREFETCH_DISTANCE) {
+                self.index.prefetch_home(hash);
             }
+            if let Some(hash) = hash_at(i + PREFETCH_DISTANCE) {
+                self.index.prefetch_candidate(hash);
+            }
+            self.apply_op(source, op);
         }
         let state = self.source_mut(source);
         state.events_applied += message.events as u64;

@@ -5,7 +5,10 @@
 //! count is not a power of two (the home slot is the hash's high half scaled to
 //! it), so the table stays at 64-80% load instead of dropping to 40% after growing.
 //! Lookups can be made in groups, issuing the memory loads of several keys before
-//! using any of them, so that their cache misses overlap.
+//! using any of them, or prefetched a few keys ahead, so that their cache misses
+//! overlap.
+
+use crate::prefetch::prefetch;
 
 /// An empty id.
 const EMPTY: u32 = u32::MAX;
@@ -98,28 +101,27 @@ impl IdTable {
         }
     }
 
-    /// Loads what looking up each hash of `wanted` first reads (its home slot,
-    /// and, when the slot's tag matches, the hash of its id) without acting on
-    /// it: a caller about
-    /// to insert or remove these keys one by one then finds them in the cache,
-    /// since the loads of a group overlap instead of waiting for each other.
-    pub fn warm(&self, wanted: &[u64], hashes: &[u64]) {
+    /// Starts loading `hash`'s home slot (see [`IdTable::prefetch_candidate`]).
+    #[inline]
+    pub fn prefetch_home(&self, hash: u64) {
+        if !self.slots.is_empty() {
+            prefetch(&self.slots[self.home(hash)]);
+        }
+    }
+
+    /// Starts loading the hash of the id in `hash`'s home slot when its tag
+    /// matches: the second load of a lookup, issued once the slot (fetched by
+    /// [`IdTable::prefetch_home`] a few keys earlier) is likely in cache.
+    #[inline]
+    pub fn prefetch_candidate(&self, hash: u64, hashes: &[u64]) {
         if self.slots.is_empty() {
             return;
         }
-        let mut first = [EMPTY_SLOT; GROUP];
-        for group in wanted.chunks(GROUP) {
-            for (i, &hash) in group.iter().enumerate() {
-                first[i] = self.slots[self.home(hash)];
+        let slot = self.slots[self.home(hash)];
+        if slot != EMPTY_SLOT && slot_tag(slot) == tag(hash) {
+            if let Some(candidate) = hashes.get(id_of(slot) as usize) {
+                prefetch(candidate);
             }
-            let mut seen = 0u64;
-            for (&slot, &hash) in first.iter().zip(group) {
-                if slot != EMPTY_SLOT && slot_tag(slot) == tag(hash) {
-                    seen ^= hashes.get(id_of(slot) as usize).copied().unwrap_or(0);
-                }
-            }
-            // The loads must happen; their values do not matter.
-            std::hint::black_box(seen);
         }
     }
 
