@@ -1,8 +1,9 @@
 //! The `exist` workload: global `batch_is_exist` of 1000-key batches over NATS
-//! with 1 and 4 clients (keys/s and per-batch p50/p99) over an index of 10 M keys
+//! (keys sent as 64-bit hashes, as the client sends them) with 1 and 4 clients (keys/s and per-batch p50/p99) over an index of 10 M keys
 //! in 8 sub-clusters, against the in-process lookup of the very same batches on
 //! the same projection in the same run, with the CPU spent per key (clients,
-//! global master and nats-server) and the targets the rows are held to.
+//! global master and nats-server) and the targets the rows are held to; and the
+//! 4-client work again with the keys sent as strings, against hashes.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -39,22 +40,40 @@ fn batches(keys: usize, count: usize, seed: u64) -> Vec<Vec<String>> {
         .collect()
 }
 
-/// Sends every batch from one client, one at a time; returns per-batch latencies.
+/// How a client sends its keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wire {
+    /// As 64-bit key hashes (`batch_is_exist_hashed`): what the client sends.
+    Hashes,
+    /// As strings (`batch_is_exist`): the older form, still served.
+    Strings,
+}
+
+/// Sends every batch from one client, one at a time; returns per-batch latencies
+/// and the batches (freed by the caller once the clock has stopped).
 async fn one_client(
     global: GlobalClient,
     batches: Vec<Vec<String>>,
-) -> anyhow::Result<Vec<Duration>> {
+    wire: Wire,
+) -> anyhow::Result<(Vec<Duration>, Vec<Vec<String>>)> {
     let mut latencies = Vec::with_capacity(batches.len());
-    for keys in batches {
+    for keys in &batches {
         let started = Instant::now();
-        let reply: BatchIsExistReply = global
-            .call_once(GlobalOp::BatchIsExist, &BatchIsExist { keys, labels: None })
-            .await?
-            .into_result()?;
+        let reply: BatchIsExistReply = match wire {
+            Wire::Hashes => global.batch_is_exist(keys, None).await?,
+            Wire::Strings => {
+                let request = BatchIsExist {
+                    keys: keys.clone(),
+                    labels: None,
+                };
+                global.call_once(GlobalOp::BatchIsExist, &request).await?
+            }
+        }
+        .into_result()?;
         latencies.push(started.elapsed());
         anyhow::ensure!(reply.counts.len() == BATCH, "short reply");
     }
-    Ok(latencies)
+    Ok((latencies, batches))
 }
 
 /// The exact batches each of `clients` clients sends (the in-process baseline
@@ -71,6 +90,7 @@ async fn over_nats(
     nats: &BenchNats,
     cluster: &BenchCluster,
     work: &[Vec<Vec<String>>],
+    wire: Wire,
 ) -> anyhow::Result<(f64, Vec<Duration>, f64)> {
     let mut connections = Vec::new();
     for _ in work {
@@ -79,19 +99,34 @@ async fn over_nats(
     let cpu = || {
         crate::scale::cpu_seconds(Some(std::process::id())) + crate::scale::cpu_seconds(nats.pid())
     };
+    // Each client's copy of its batches is made before the clock starts: the
+    // in-process baseline borrows them, so copying them is no part of a query.
+    let clients: Vec<_> = connections
+        .into_iter()
+        .zip(work)
+        .map(|(connection, batches)| {
+            (
+                GlobalClient::new(connection, cluster.cluster.clone()),
+                batches.clone(),
+            )
+        })
+        .collect();
     let cpu_before = cpu();
     let started = Instant::now();
     let mut tasks = Vec::new();
-    for (connection, batches) in connections.into_iter().zip(work) {
-        let global = GlobalClient::new(connection, cluster.cluster.clone());
-        tasks.push(tokio::spawn(one_client(global, batches.clone())));
+    for (global, batches) in clients {
+        tasks.push(tokio::spawn(one_client(global, batches, wire)));
     }
     let mut latencies = Vec::new();
+    let mut sent = Vec::new();
     for task in tasks {
-        latencies.extend(task.await??);
+        let (times, batches) = task.await??;
+        latencies.extend(times);
+        sent.push(batches);
     }
     let seconds = started.elapsed().as_secs_f64();
     let cpu_spent = cpu() - cpu_before;
+    drop(sent);
     latencies.sort_unstable();
     let keys: usize = work.iter().map(|batches| batches.len() * BATCH).sum();
     Ok((keys as f64 / seconds, latencies, cpu_spent))
@@ -134,10 +169,11 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
 
     let mut one_client_rate = 0.0;
+    let mut four_clients = None;
     for clients in [1, 4] {
         eprintln!("bench exist: {clients} client(s) x {per_client} batches of {BATCH}");
         let work = work(cluster.keys, clients, per_client);
-        let (rate, latencies, cpu) = over_nats(nats, &cluster, &work).await?;
+        let (rate, latencies, cpu) = over_nats(nats, &cluster, &work, Wire::Hashes).await?;
         // The in-process baseline: the very same batches, looked up in line.
         let (local_rate, local_batch_us) = in_process(&master, &work);
         let label = format!("{clients} client{}", if clients == 1 { "" } else { "s" });
@@ -198,6 +234,9 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
                 ),
             ]);
         }
+        if clients == 4 {
+            four_clients = Some((rate, cpu / total_keys * 1e6));
+        }
         results.push(BenchResult::new(
             WORKLOAD,
             format!("CPU per key, {label} (clients, global master and nats-server)"),
@@ -207,6 +246,33 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
             0.25,
         ));
         for result in results {
+            printer.print(&result);
+        }
+    }
+    // The same 4-client work with the keys sent as strings, against hashes.
+    if let Some((rate, cpu_per_key)) = four_clients {
+        let work = work(cluster.keys, 4, per_client);
+        let (strings_rate, _, strings_cpu) =
+            over_nats(nats, &cluster, &work, Wire::Strings).await?;
+        let strings_cpu_per_key = strings_cpu / (4 * per_client * BATCH) as f64 * 1e6;
+        for result in [
+            BenchResult::new(
+                WORKLOAD,
+                "batch_is_exist over NATS, 4 clients, keys sent as hashes against as strings",
+                rate,
+                "keys/s",
+                "keys sent as strings (batch_is_exist), same batches",
+                strings_rate,
+            ),
+            BenchResult::new(
+                WORKLOAD,
+                "CPU per key, 4 clients, keys sent as hashes against as strings",
+                cpu_per_key,
+                "us",
+                "keys sent as strings (batch_is_exist), same batches",
+                strings_cpu_per_key,
+            ),
+        ] {
             printer.print(&result);
         }
     }

@@ -2,8 +2,10 @@
 //! policy (queries are read-only, so a request lost with a replica that stopped is
 //! simply asked again), for the CLI, benchmarks, tests and [`crate::KvClient`].
 
-use hkvm_events::rpc::global::GlobalOp;
-use hkvm_events::rpc::RpcReply;
+use hkvm_events::rpc::global::{
+    BatchIsExist, BatchIsExistHashed, BatchIsExistReply, GlobalOp, LabelFilter,
+};
+use hkvm_events::rpc::{RpcErrorCode, RpcReply};
 use hkvm_events::subject::global_rpc_subject;
 use hkvm_events::ClusterId;
 use serde::de::DeserializeOwned;
@@ -52,6 +54,35 @@ impl GlobalClient {
     ) -> Result<RpcReply<Rep>, ClientError> {
         let subject = global_rpc_subject(&self.cluster, op.name());
         self.caller.call_once(op.name(), subject, request).await
+    }
+
+    /// Which sub-clusters hold each of `keys`, asked once (the reply may be
+    /// `Busy`). The keys go as their 64-bit hashes (`batch_is_exist_hashed`);
+    /// a replica too old to know that operation refuses it as invalid, and the
+    /// keys are then asked again as strings (`batch_is_exist`), which gives the
+    /// same answer.
+    ///
+    /// # Errors
+    /// As [`GlobalClient::call_once`].
+    pub async fn batch_is_exist(
+        &self,
+        keys: &[impl AsRef<str>],
+        labels: Option<LabelFilter>,
+    ) -> Result<RpcReply<BatchIsExistReply>, ClientError> {
+        let hashed = BatchIsExistHashed::of_keys(keys, labels);
+        let reply = self
+            .call_once(GlobalOp::BatchIsExistHashed, &hashed)
+            .await?;
+        match reply {
+            RpcReply::Err(error) if error.code == RpcErrorCode::InvalidRequest => {
+                let request = BatchIsExist {
+                    keys: keys.iter().map(|key| key.as_ref().to_owned()).collect(),
+                    labels: hashed.labels,
+                };
+                self.call_once(GlobalOp::BatchIsExist, &request).await
+            }
+            reply => Ok(reply),
+        }
     }
 
     /// Sends `request`, retrying `Busy`, no responders (no replica up yet) and

@@ -101,6 +101,26 @@ pub fn batch_is_exist(
     staleness: Staleness,
 ) -> Result<BatchIsExistReply, RpcError> {
     check_keys(keys, MAX_BATCH_KEYS)?;
+    let hashes: Vec<u64> = keys.iter().map(|key| key_hash(key.as_ref())).collect();
+    batch_is_exist_hashed(projection, views, &hashes, staleness)
+}
+
+/// `batch_is_exist_hashed`: per key hash, the sources holding its key.
+///
+/// # Errors
+/// `InvalidRequest` for more than [`MAX_BATCH_KEYS`] hashes.
+pub fn batch_is_exist_hashed(
+    projection: &Projection,
+    views: &[SourceView],
+    hashes: &[u64],
+    staleness: Staleness,
+) -> Result<BatchIsExistReply, RpcError> {
+    if hashes.len() > MAX_BATCH_KEYS {
+        return Err(RpcError::invalid(format!(
+            "{} keys, more than the limit of {MAX_BATCH_KEYS}",
+            hashes.len()
+        )));
+    }
     // The reply names only the sources allowed to answer; `slot` maps a source
     // index to its position in that list.
     let mut subclusters = Vec::new();
@@ -111,11 +131,10 @@ pub fn batch_is_exist(
             subclusters.push(subcluster.clone());
         }
     }
-    let mut counts = Vec::with_capacity(keys.len());
-    let mut flat = Vec::with_capacity(keys.len());
-    let hashes: Vec<u64> = keys.iter().map(|key| key_hash(key.as_ref())).collect();
-    let mut found = Vec::with_capacity(keys.len());
-    projection.index().holders_many(&hashes, &mut found);
+    let mut counts = Vec::with_capacity(hashes.len());
+    let mut flat = Vec::with_capacity(hashes.len());
+    let mut found = Vec::with_capacity(hashes.len());
+    projection.index().holders_many(hashes, &mut found);
     for holders in found {
         let before = flat.len();
         if !holders.is_empty() {

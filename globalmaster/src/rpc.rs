@@ -12,8 +12,8 @@ use async_nats::Message;
 use futures::StreamExt as _;
 use hkvm_client::{ClientError, RetryPolicy, RpcCaller, SubmasterClient};
 use hkvm_events::rpc::global::{
-    GlobalOp, GlobalStatusReply, LabelFilter, Locate, LocateReply, PrefixHit, PrefixHitReply,
-    ProxyGetReplicaList, ProxyGetReplicaListReply,
+    BatchIsExistHashed, GlobalOp, GlobalStatusReply, LabelFilter, Locate, LocateReply, PrefixHit,
+    PrefixHitReply, ProxyGetReplicaList, ProxyGetReplicaListReply,
 };
 use hkvm_events::rpc::submaster::{GetReplicaListReply, ItemError, ItemResult};
 use hkvm_events::rpc::{decode, encode, RpcError, RpcErrorCode, RpcReply};
@@ -90,6 +90,7 @@ fn answer_locally(shared: &Shared, name: &str, payload: &[u8]) -> Option<Vec<u8>
             )))
         }
         Some(GlobalOp::BatchIsExist) => reply_bytes(batch_is_exist(shared, payload)),
+        Some(GlobalOp::BatchIsExistHashed) => reply_bytes(batch_is_exist_hashed(shared, payload)),
         Some(GlobalOp::PrefixHit) => reply_bytes(prefix_hit(shared, payload)),
         Some(GlobalOp::Locate) => reply_bytes(locate(shared, payload)),
         Some(GlobalOp::Status) => reply_bytes(Ok::<_, RpcError>(status(shared))),
@@ -136,6 +137,21 @@ fn batch_is_exist(
     );
     let staleness = shared.staleness(&projection);
     query::batch_is_exist(&projection, &views, &request.keys, staleness)
+}
+
+fn batch_is_exist_hashed(
+    shared: &Shared,
+    body: &[u8],
+) -> Result<hkvm_events::rpc::global::BatchIsExistReply, RpcError> {
+    let request: BatchIsExistHashed = decode(body)?;
+    let projection = shared.read();
+    let views = query::views(
+        &projection,
+        &shared.registry(),
+        filter(shared, &request.labels),
+    );
+    let staleness = shared.staleness(&projection);
+    query::batch_is_exist_hashed(&projection, &views, &request.hashes, staleness)
 }
 
 fn prefix_hit(shared: &Shared, body: &[u8]) -> Result<PrefixHitReply, RpcError> {

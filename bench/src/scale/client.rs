@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use hkvm_client::coalesce::CoalesceConfig;
 use hkvm_client::{GlobalClient, SubmasterClient};
-use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp};
 use hkvm_events::rpc::submaster::{ItemResult, MountSegment, Ping, PutEndItem, PutStartItem};
 use hkvm_events::rpc::RpcReply;
 use hkvm_events::{ClusterId, NodeId, SegmentId, SubclusterId};
@@ -131,16 +130,13 @@ impl Client {
             }
             Kind::Exist => {
                 // Recent keys of this client and of others (hits and misses).
-                let keys = (0..EXIST_BATCH)
+                let keys: Vec<String> = (0..EXIST_BATCH)
                     .map(|i| match (i % 2, mine.len()) {
                         (0, n) if n > 0 => mine[rng.next() as usize % n].clone(),
                         _ => format!("c{}/{}", rng.next() % 10_000, rng.next() % 8),
                     })
                     .collect();
-                let reply: Result<RpcReply<BatchIsExistReply>, _> = self
-                    .global
-                    .call_once(GlobalOp::BatchIsExist, &BatchIsExist { keys, labels: None })
-                    .await;
+                let reply = self.global.batch_is_exist(&keys, None).await;
                 matches!(reply, Ok(RpcReply::Ok(_)))
             }
         }

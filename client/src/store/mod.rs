@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::join_all;
-use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp, Locate, LocateReply};
+use hkvm_events::rpc::global::{GlobalOp, Locate, LocateReply};
 use hkvm_events::rpc::submaster::{ItemError, ItemResult};
 use hkvm_events::rpc::RpcReply;
 use hkvm_events::{NodeId, SegmentId, SubclusterId};
@@ -481,15 +481,8 @@ impl Store {
         let mut exists = self.kv.metadata().exist(keys.to_vec()).await?;
         let missing: Vec<usize> = (0..keys.len()).filter(|&i| !exists[i]).collect();
         for chunk in missing.chunks(hkvm_events::rpc::global::MAX_BATCH_KEYS) {
-            let request = BatchIsExist {
-                keys: chunk.iter().map(|&i| keys[i].clone()).collect(),
-                labels: None,
-            };
-            if let Ok(RpcReply::Ok(reply)) = self
-                .global
-                .call_once::<_, BatchIsExistReply>(GlobalOp::BatchIsExist, &request)
-                .await
-            {
+            let asked: Vec<&str> = chunk.iter().map(|&i| keys[i].as_str()).collect();
+            if let Ok(RpcReply::Ok(reply)) = self.global.batch_is_exist(&asked, None).await {
                 for (&index, count) in chunk.iter().zip(&reply.counts) {
                     exists[index] = *count > 0;
                 }

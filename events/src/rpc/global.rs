@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::event::key_hash;
 use crate::id::{ProducerId, SubclusterId};
 use crate::rpc::submaster::GetReplicaListReply;
 
@@ -22,6 +23,8 @@ pub const MAX_BATCH_KEYS: usize = 16_384;
 pub enum GlobalOp {
     /// [`BatchIsExist`].
     BatchIsExist,
+    /// [`BatchIsExistHashed`].
+    BatchIsExistHashed,
     /// [`PrefixHit`].
     PrefixHit,
     /// [`Locate`].
@@ -34,8 +37,9 @@ pub enum GlobalOp {
 
 impl GlobalOp {
     /// Every operation.
-    pub const ALL: [GlobalOp; 5] = [
+    pub const ALL: [GlobalOp; 6] = [
         GlobalOp::BatchIsExist,
+        GlobalOp::BatchIsExistHashed,
         GlobalOp::PrefixHit,
         GlobalOp::Locate,
         GlobalOp::GetReplicaList,
@@ -46,6 +50,7 @@ impl GlobalOp {
     pub fn name(self) -> &'static str {
         match self {
             GlobalOp::BatchIsExist => "batch_is_exist",
+            GlobalOp::BatchIsExistHashed => "batch_is_exist_hashed",
             GlobalOp::PrefixHit => "prefix_hit",
             GlobalOp::Locate => "locate",
             GlobalOp::GetReplicaList => "get_replica_list",
@@ -125,7 +130,31 @@ pub struct BatchIsExist {
     pub labels: Option<LabelFilter>,
 }
 
-/// The reply to [`BatchIsExist`]. The holders of all keys are flattened into one
+/// [`BatchIsExist`] with each key sent as its key hash (`crate::key_hash`,
+/// unseeded xxh3-64, what the index is keyed by): 9 bytes a key on the wire
+/// instead of the key, and nothing for the global master to decode, check or
+/// hash. The reply is a [`BatchIsExistReply`], in the same order. Two keys with
+/// the same 64-bit hash are one key to the index either way.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchIsExistHashed {
+    /// The key hashes.
+    pub hashes: Vec<u64>,
+    /// Restrict or rank by labels; the server's default when absent.
+    #[serde(default)]
+    pub labels: Option<LabelFilter>,
+}
+
+impl BatchIsExistHashed {
+    /// The request for `keys`.
+    pub fn of_keys(keys: &[impl AsRef<str>], labels: Option<LabelFilter>) -> Self {
+        Self {
+            hashes: keys.iter().map(|key| key_hash(key.as_ref())).collect(),
+            labels,
+        }
+    }
+}
+
+/// The reply to [`BatchIsExist`] and [`BatchIsExistHashed`]. The holders of all keys are flattened into one
 /// list (two allocations per batch instead of one per key): key `i`'s holders are
 /// the next `counts[i]` entries of `holders`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

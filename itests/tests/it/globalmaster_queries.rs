@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use futures::StreamExt as _;
 use hkvm_events::rpc::global::{
-    BatchIsExist, BatchIsExistReply, GlobalOp, LabelFilter, LabelMode, Locate, LocateReply,
-    PrefixHit, PrefixHitReply, ProxyGetReplicaList, ProxyGetReplicaListReply,
+    BatchIsExist, BatchIsExistHashed, BatchIsExistReply, GlobalOp, LabelFilter, LabelMode, Locate,
+    LocateReply, PrefixHit, PrefixHitReply, ProxyGetReplicaList, ProxyGetReplicaListReply,
+    MAX_BATCH_KEYS,
 };
 use hkvm_events::rpc::submaster::{
     GetReplicaList, GetReplicaListReply, ItemError, ItemResult, Op, ReplicaList,
@@ -50,6 +51,17 @@ async fn keys_are_found_in_every_subcluster_that_holds_them() {
     assert_eq!(names(&reply, 1), vec!["sc-a"]);
     assert_eq!(names(&reply, 2), vec!["sc-b"]);
     assert!(names(&reply, 3).is_empty());
+    // The client sends the keys as hashes: the same answer.
+    let hashed = global
+        .batch_is_exist(&["shared", "only-a", "only-b", "nowhere"], None)
+        .await
+        .unwrap()
+        .into_result()
+        .unwrap();
+    assert_eq!(
+        (&hashed.subclusters, &hashed.counts, &hashed.holders),
+        (&reply.subclusters, &reply.counts, &reply.holders)
+    );
     assert_eq!(reply.staleness.replica, "g1");
     assert!(reply
         .staleness
@@ -109,6 +121,91 @@ async fn hard_labels_never_cross_and_soft_labels_rank_first() {
         .unwrap();
     assert_eq!(names(&soft, 0), vec!["sc-b", "sc-a"]);
     assert_eq!(names(&soft, 1), vec!["sc-a"]);
+    // Labels apply the same to keys sent as hashes.
+    for (mode, expected) in [(LabelMode::Hard, &hard), (LabelMode::Soft, &soft)] {
+        let hashed = global
+            .batch_is_exist(&["k", "a-only"], ask(mode).labels)
+            .await
+            .unwrap()
+            .into_result()
+            .unwrap();
+        assert_eq!(names(&hashed, 0), names(expected, 0), "{mode:?}");
+        assert_eq!(names(&hashed, 1), names(expected, 1), "{mode:?}");
+    }
+}
+
+/// A replica that predates `batch_is_exist_hashed` refuses it as an unknown
+/// operation; the client asks again with the keys as strings.
+#[tokio::test]
+async fn the_client_falls_back_to_string_keys_on_an_older_replica() {
+    let fixture = Fixture::new("t").await;
+    let mut requests = fixture
+        .client
+        .subscribe(global_rpc_subject(&fixture.cluster, "*"))
+        .await
+        .unwrap();
+    fixture.client.flush().await.unwrap();
+    let client = fixture.client.clone();
+    let old_replica = tokio::spawn(async move {
+        let mut asked = Vec::new();
+        while let Some(request) = requests.next().await {
+            let op = request.subject.rsplit('.').next().unwrap().to_owned();
+            let reply = if op == GlobalOp::BatchIsExist.name() {
+                let ask: BatchIsExist = decode(&request.payload).unwrap();
+                encode(&RpcReply::Ok(BatchIsExistReply {
+                    subclusters: vec![SubclusterId::new("sc-old").unwrap()],
+                    counts: vec![1; ask.keys.len()],
+                    holders: vec![0; ask.keys.len()],
+                    ..BatchIsExistReply::default()
+                }))
+            } else {
+                encode(&RpcReply::<()>::Err(hkvm_events::rpc::RpcError::invalid(
+                    format!("unknown operation {op}"),
+                )))
+            };
+            client
+                .publish(request.reply.unwrap(), reply.unwrap().into())
+                .await
+                .unwrap();
+            asked.push(op);
+            if asked.len() == 2 {
+                return asked;
+            }
+        }
+        asked
+    });
+    let reply = fixture
+        .global()
+        .batch_is_exist(&["a", "b"], None)
+        .await
+        .unwrap()
+        .into_result()
+        .unwrap();
+    assert_eq!(reply.counts, vec![1, 1]);
+    assert_eq!(
+        old_replica.await.unwrap(),
+        vec!["batch_is_exist_hashed", "batch_is_exist"]
+    );
+}
+
+#[tokio::test]
+async fn hashed_batches_past_the_limit_are_refused() {
+    let fixture = Fixture::new("t").await;
+    let _master = fixture.start("g1").await;
+    let request = BatchIsExistHashed {
+        hashes: vec![7; MAX_BATCH_KEYS + 1],
+        labels: None,
+    };
+    let error = fixture
+        .global()
+        .call::<_, BatchIsExistReply>(GlobalOp::BatchIsExistHashed, &request)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        error.rpc_code(),
+        Some(&RpcErrorCode::InvalidRequest),
+        "{error}"
+    );
 }
 
 #[tokio::test]
@@ -269,6 +366,7 @@ async fn malformed_requests_get_invalid_request() {
     let _master = fixture.start("g1").await;
     for op in [
         GlobalOp::BatchIsExist,
+        GlobalOp::BatchIsExistHashed,
         GlobalOp::Locate,
         GlobalOp::PrefixHit,
     ] {
