@@ -53,15 +53,21 @@ HOW_TO_READ = {
     "put_from/get_into against a full client's (target at least 0.8), and the p50 "
     "latency coalescing adds (target at most 100 us).",
     "ingest": "The projector's fold rate (every stream read at once, each decoded on "
-    "its own task into key operations, one writer folding them, as a global master "
-    "does) against a raw JetStream replay of the same streams, also all at once; "
+    "its own task into key operations, one writer folding them into an index sized "
+    "first for the sub-masters' object counts, as a global master does) against a raw JetStream replay of the same streams, also all at once; "
     "index bytes per key; a global master's restart to serving from a "
     "checkpoint against the same restart replaying every stream (this is the "
     "global-master part of recovery).",
     "exist": "Global batch_is_exist over NATS against in-process lookups of the very "
     "same batches on the same projection: the ratio is what NATS and the RPC layer "
-    "cost. CPU per key adds this process's CPU time (clients and global master) and "
-    "the nats-server child's over the run, divided by the keys looked up.",
+    "cost. The clients send the keys as their 64-bit hashes, as the Rust client and "
+    "the Python package do (hashing counted in the client's time); the last rows send "
+    "the same 4-client batches as strings for comparison. CPU per key adds this "
+    "process's CPU time (clients and global master) and the nats-server child's over "
+    "the run, divided by the keys looked up. Any query over NATS pays a request-reply "
+    "round trip (about 240 us on this machine, the put table's floor row), so the "
+    "1-client ratio cannot reach 0.6 here unless a batch's lookup takes 360 us or more "
+    "in process.",
     "soak": "Running for a long time: a leader and a hot standby under churn (8 clients "
     "putting into segments small enough that the leader evicts all the time, removes, "
     "one leader kill half-way) with snapshots and purges running. The end of the run "
