@@ -13,12 +13,12 @@ use futures::StreamExt as _;
 use hkvm_client::{ClientError, RetryPolicy, RpcCaller, SubmasterClient};
 use hkvm_events::rpc::global::{
     BatchIsExistHashed, GlobalOp, GlobalStatusReply, LabelFilter, Locate, LocateReply, PrefixHit,
-    PrefixHitReply, ProxyGetReplicaList, ProxyGetReplicaListReply,
+    PrefixHitReply, ProxyGetReplicaList, ProxyGetReplicaListReply, MAX_BATCH_KEYS,
 };
 use hkvm_events::rpc::submaster::{GetReplicaListReply, ItemError, ItemResult};
 use hkvm_events::rpc::{decode, encode, RpcError, RpcErrorCode, RpcReply};
 use hkvm_events::subject::global_rpc_subject;
-use hkvm_events::SubclusterId;
+use hkvm_events::{key_hash, SubclusterId};
 use serde::Serialize;
 
 use crate::metrics::op_label;
@@ -129,14 +129,9 @@ fn batch_is_exist(
     body: &[u8],
 ) -> Result<hkvm_events::rpc::global::BatchIsExistReply, RpcError> {
     let request: BatchIsExistRef<'_> = decode_borrowed(body)?;
-    let projection = shared.read();
-    let views = query::views(
-        &projection,
-        &shared.registry(),
-        filter(shared, &request.labels),
-    );
-    let staleness = shared.staleness(&projection);
-    query::batch_is_exist(&projection, &views, &request.keys, staleness)
+    query::check_keys(&request.keys, MAX_BATCH_KEYS)?;
+    let hashes: Vec<u64> = request.keys.iter().map(|key| key_hash(key)).collect();
+    holders_of_hashes(shared, &request.labels, &hashes)
 }
 
 fn batch_is_exist_hashed(
@@ -144,14 +139,19 @@ fn batch_is_exist_hashed(
     body: &[u8],
 ) -> Result<hkvm_events::rpc::global::BatchIsExistReply, RpcError> {
     let request: BatchIsExistHashed = decode(body)?;
+    holders_of_hashes(shared, &request.labels, &request.hashes)
+}
+
+/// The `batch_is_exist` answer for keys already hashed (outside the lock).
+fn holders_of_hashes(
+    shared: &Shared,
+    labels: &Option<LabelFilter>,
+    hashes: &[u64],
+) -> Result<hkvm_events::rpc::global::BatchIsExistReply, RpcError> {
     let projection = shared.read();
-    let views = query::views(
-        &projection,
-        &shared.registry(),
-        filter(shared, &request.labels),
-    );
+    let views = query::views(&projection, &shared.registry(), filter(shared, labels));
     let staleness = shared.staleness(&projection);
-    query::batch_is_exist_hashed(&projection, &views, &request.hashes, staleness)
+    query::batch_is_exist_hashed(&projection, &views, hashes, staleness)
 }
 
 fn prefix_hit(shared: &Shared, body: &[u8]) -> Result<PrefixHitReply, RpcError> {

@@ -69,13 +69,20 @@ pub(crate) fn read_put(body: &[u8]) -> Option<PutFields<'_>> {
             }
             _ => return None,
         };
-        if seen & bit != 0 {
-            return None;
-        }
-        seen |= bit;
+        first_time(&mut seen, bit)?;
     }
     // k, h, s, c and p are required; f and i have defaults.
     (seen & 0b1_1111 == 0b1_1111 && reader.rest.is_empty()).then_some(put)
+}
+
+/// Marks field `bit` as seen; `None` if it was already (a repeated field is
+/// left to serde, which refuses it).
+fn first_time(seen: &mut u8, bit: u8) -> Option<()> {
+    if *seen & bit != 0 {
+        return None;
+    }
+    *seen |= bit;
+    Some(())
 }
 
 /// A cursor over MessagePack bytes that reads only the canonical forms.
@@ -187,10 +194,7 @@ impl<'a> Reader<'a> {
                     }
                     _ => return None,
                 };
-                if seen & bit != 0 {
-                    return None;
-                }
-                seen |= bit;
+                first_time(&mut seen, bit)?;
             }
             if seen != 0b11 {
                 return None;

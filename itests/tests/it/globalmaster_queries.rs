@@ -19,6 +19,14 @@ use hkvm_events::SubclusterId;
 
 use crate::fixture::{evicted, keys, put, removed, wait_applied, Fixture};
 
+fn assert_invalid_request(error: &hkvm_client::ClientError) {
+    assert_eq!(
+        error.rpc_code(),
+        Some(&RpcErrorCode::InvalidRequest),
+        "{error}"
+    );
+}
+
 fn names(reply: &BatchIsExistReply, index: usize) -> Vec<String> {
     reply
         .holders_of(index)
@@ -201,11 +209,7 @@ async fn hashed_batches_past_the_limit_are_refused() {
         .call::<_, BatchIsExistReply>(GlobalOp::BatchIsExistHashed, &request)
         .await
         .unwrap_err();
-    assert_eq!(
-        error.rpc_code(),
-        Some(&RpcErrorCode::InvalidRequest),
-        "{error}"
-    );
+    assert_invalid_request(&error);
 }
 
 #[tokio::test]
@@ -244,11 +248,7 @@ async fn prefix_hit_counts_leading_keys_per_subcluster() {
         .call::<_, PrefixHitReply>(GlobalOp::PrefixHit, &too_many)
         .await
         .unwrap_err();
-    assert_eq!(
-        error.rpc_code(),
-        Some(&RpcErrorCode::InvalidRequest),
-        "{error}"
-    );
+    assert_invalid_request(&error);
 }
 
 #[tokio::test]
@@ -404,11 +404,7 @@ async fn malformed_requests_get_invalid_request() {
         .call::<_, BatchIsExistReply>(GlobalOp::BatchIsExist, &empty_key)
         .await
         .unwrap_err();
-    assert_eq!(
-        error.rpc_code(),
-        Some(&RpcErrorCode::InvalidRequest),
-        "{error}"
-    );
+    assert_invalid_request(&error);
 }
 
 #[tokio::test]
