@@ -215,7 +215,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
             "restart to serving from a checkpoint",
             warm_seconds,
             "s",
-            "restart replaying every stream",
+            "restart replaying every stream (target ratio <= 0.3)",
             cold_seconds,
         ),
         BenchResult::new(

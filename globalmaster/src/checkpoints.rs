@@ -81,7 +81,18 @@ pub async fn load_newest(
             tracing::warn!(name = %info.name, %error, "reading a checkpoint");
             continue;
         }
-        match checkpoint::decode(&bytes) {
+        // Rebuilding the index of millions of keys is seconds of CPU: not on a
+        // runtime worker, where it would hold up this process's NATS connection.
+        let decoded = tokio::task::spawn_blocking(move || checkpoint::decode(&bytes))
+            .await
+            .map_err(|e| {
+                GlobalMasterError::caused(
+                    crate::GlobalMasterErrorKind::Checkpoint,
+                    "decoding a checkpoint",
+                    e,
+                )
+            })?;
+        match decoded {
             Ok(projection) => return Ok(Some((info.name, projection))),
             Err(error) => tracing::warn!(name = %info.name, %error, "skipping a checkpoint"),
         }

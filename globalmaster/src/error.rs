@@ -26,7 +26,7 @@ pub enum GlobalMasterErrorKind {
     /// The registry failed.
     #[error("registry")]
     Registry,
-    /// A checkpoint could not be encoded.
+    /// A checkpoint could not be encoded or decoded.
     #[error("checkpoint")]
     Checkpoint,
     /// Binding the metrics port failed.

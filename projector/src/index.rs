@@ -285,12 +285,27 @@ impl KeyIndex {
         self.table.reserve(additional, &self.hashes);
     }
 
-    /// Returns unused capacity to the allocator.
+    /// Returns unused capacity to the allocator. The id table is rebuilt at its
+    /// size in one pass over the ids (their hashes read in order, the slots
+    /// loaded ahead: [`IdTable::build`]) instead of re-placing its slots, which
+    /// would read every hash at random.
     pub fn shrink_to_fit(&mut self) {
         self.hashes.shrink_to_fit();
         self.masks.shrink_to_fit();
         self.free.shrink_to_fit();
-        self.table.shrink_to_fit(&self.hashes);
+        if self.table.is_oversized() {
+            match IdTable::build(self.live_ids(), self.table.len(), &self.hashes) {
+                Ok(table) => self.table = table,
+                // The table holds every hash once, so this is never reached; the
+                // oversized table stays correct.
+                Err(id) => tracing::warn!(id, "an id's hash is in the index twice"),
+            }
+        }
+    }
+
+    /// The ids in use, in order.
+    fn live_ids(&self) -> impl Iterator<Item = u32> + Clone + '_ {
+        (0..self.masks.len() as u32).filter(|&id| self.masks[id as usize] != FREE)
     }
 
     /// The raw parts, for checkpoints: hashes, masks, free ids, bitmaps.
@@ -318,15 +333,10 @@ impl KeyIndex {
             return Err("an id is out of range".to_owned());
         }
         let live = masks.iter().filter(|&&m| m != FREE).count();
-        let mut table = IdTable::with_capacity(live);
-        for (id, &mask) in masks.iter().enumerate() {
-            if mask != FREE {
-                if table.find(hashes[id], &hashes).is_some() {
-                    return Err("a hash appears twice".to_owned());
-                }
-                table.insert(id as u32, &hashes);
-            }
-        }
+        let ids = u32::try_from(masks.len()).map_err(|_| "more ids than fit in 32 bits")?;
+        let live_ids = (0..ids).filter(|&id| masks[id as usize] != FREE);
+        let table = IdTable::build(live_ids, live, &hashes)
+            .map_err(|id| format!("a hash appears twice (id {id})"))?;
         let index = Self {
             hashes,
             masks,
@@ -348,6 +358,37 @@ impl KeyIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shrinking_a_reserved_index_keeps_every_key() {
+        let mut index = KeyIndex::new();
+        index.reserve(50_000);
+        let hash = |k: u64| k.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        for k in 0..20_000 {
+            assert!(index.insert((k % 3) as usize, hash(k)));
+        }
+        // Freed ids (a hole in the ids) are left out of the rebuilt table.
+        for k in (0..20_000).step_by(5) {
+            assert!(index.remove((k % 3) as usize, hash(k)));
+        }
+        let before = index.memory_bytes();
+        index.shrink_to_fit();
+        assert!(index.memory_bytes() < before / 2);
+        assert_eq!(index.len(), 16_000);
+        for k in 0..20_000 {
+            let held: Vec<usize> = index.holders(hash(k)).iter().collect();
+            let expected = if k % 5 == 0 {
+                vec![]
+            } else {
+                vec![(k % 3) as usize]
+            };
+            assert_eq!(held, expected, "key {k}");
+        }
+        // The freed ids are still reused after the rebuild.
+        let ids = index.parts().0.len();
+        assert!(index.insert(0, hash(0)));
+        assert_eq!(index.parts().0.len(), ids);
+    }
 
     #[test]
     fn tracks_holders_and_frees_ids() {

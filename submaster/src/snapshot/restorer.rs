@@ -24,6 +24,10 @@ use crate::state::{BulkRestore, Object, Replica, Replicas, Slot, State, UsedRang
 /// closer its inserts land to each other (at 10 M objects, a batch of 2^18 puts
 /// consecutive inserts about 64 buckets, under 7 KB, apart). About 30 MB each.
 const BATCH: usize = 1 << 18;
+/// Objects admitted before the range lists are sized for the whole snapshot
+/// ([`UsedRanges::reserve_like_so_far`]): enough to see how replicas spread
+/// over the segments.
+const RESERVE_AFTER: u64 = 1 << 16;
 /// Batches decoded ahead of the inserting thread (bounds the memory in flight).
 const BATCHES_AHEAD: usize = 2;
 
@@ -46,6 +50,8 @@ pub struct Restorer {
     sink: Sink,
     /// How long the decoding thread waited for the inserting thread.
     waited: Duration,
+    /// How many objects the snapshot announced (a hint).
+    announced: usize,
 }
 
 /// Where decoded objects go.
@@ -86,6 +92,7 @@ impl Restorer {
             batch: Vec::new(),
             sink: Sink::Idle,
             waited: Duration::ZERO,
+            announced: 0,
         }
     }
 
@@ -216,6 +223,7 @@ impl SnapshotVisitor for Restorer {
             .map(|segment| state.slot_of(&segment.segment).unwrap_or(Slot::MAX))
             .collect();
         self.ranges = Some(UsedRanges::new(&state));
+        self.announced = objects;
         let restore = Box::new(BulkRestore::new(state, objects));
         self.batch = Vec::with_capacity(self.batch_size.min(objects.max(1)));
         // A small snapshot is not worth a thread.
@@ -255,6 +263,9 @@ impl SnapshotVisitor for Restorer {
             return;
         }
         self.next_order += 1;
+        if self.next_order == RESERVE_AFTER {
+            ranges.reserve_like_so_far(RESERVE_AFTER as usize, self.announced);
+        }
         self.batch.push((Arc::from(object.key), restored));
         if self.batch.len() >= self.batch_size {
             self.flush();

@@ -170,6 +170,25 @@ impl UsedRanges {
         !object.replicas.is_empty()
     }
 
+    /// Sizes each segment's range list for `total` objects, extrapolating from
+    /// the `seen` admitted so far (plus a sixteenth), so that the lists of a
+    /// large restore are not grown by doubling: each doubling copies the list
+    /// and touches twice its memory. A segment that got fewer replicas so far
+    /// than later (mounted late) still grows as needed.
+    pub fn reserve_like_so_far(&mut self, seen: usize, total: usize) {
+        if seen == 0 || total <= seen {
+            return;
+        }
+        for ranges in &mut self.ranges {
+            let expected = ranges.len().saturating_mul(total) / seen;
+            ranges.reserve(
+                expected
+                    .saturating_add(expected / 16)
+                    .saturating_sub(ranges.len()),
+            );
+        }
+    }
+
     /// Every mounted segment's allocator, built from its ranges.
     pub fn into_allocators(self) -> RestoredAllocators {
         let mut overlapping_range = 0;
@@ -199,4 +218,63 @@ pub struct RestoredAllocators {
     per_slot: Vec<Option<SegmentAllocator>>,
     unknown_segment: u64,
     overlapping_range: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use hkvm_events::{KvEvent, NodeId, PutFlags, SegmentId, SegmentMounted};
+
+    use super::*;
+    use crate::state::Replica;
+
+    fn state_with_segments(count: usize) -> State {
+        let mut state = State::new();
+        for n in 0..count {
+            state.apply(&KvEvent::SegmentMounted(SegmentMounted {
+                node: NodeId::new(format!("n-{n}")).unwrap(),
+                segment: SegmentId::new(format!("s-{n}")).unwrap(),
+                size: 1 << 40,
+                endpoint: "127.0.0.1:1".to_owned(),
+                rdma: None,
+            }));
+        }
+        state
+    }
+
+    fn object(slot: usize, offset: u64) -> Object {
+        Object {
+            size: 4096,
+            checksum: 0,
+            replicas: [Replica {
+                slot: slot as crate::state::Slot,
+                offset,
+            }]
+            .into_iter()
+            .collect(),
+            flags: PutFlags(0),
+            order: 0,
+            lease_until_ms: 0,
+            put_id: 0,
+        }
+    }
+
+    #[test]
+    fn range_lists_are_sized_for_the_whole_restore_from_its_start() {
+        let state = state_with_segments(2);
+        let mut ranges = UsedRanges::new(&state);
+        // Three replicas in four on slot 0 so far, of 4,000 objects to come.
+        for n in 0..400u64 {
+            let slot = usize::from(n % 4 == 3);
+            assert!(ranges.admit(&mut object(slot, n * 4096)));
+        }
+        ranges.reserve_like_so_far(400, 4_000);
+        assert!(ranges.ranges[0].capacity() >= 3_000);
+        assert!(ranges.ranges[1].capacity() >= 1_000);
+        // Within a sixteenth over the extrapolation, not a doubling.
+        assert!(ranges.ranges[0].capacity() <= 3_000 + 3_000 / 16 + 16);
+        // Nothing to extrapolate from: nothing reserved.
+        let mut empty = UsedRanges::new(&state);
+        empty.reserve_like_so_far(0, 4_000);
+        assert_eq!(empty.ranges[0].capacity(), 0);
+    }
 }
