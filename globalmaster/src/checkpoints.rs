@@ -69,6 +69,7 @@ pub async fn load_newest(
     store: &object_store::ObjectStore,
 ) -> Result<Option<(String, Projection)>, GlobalMasterError> {
     for info in newest_first(store).await? {
+        let started = std::time::Instant::now();
         let mut object = match store.get(&info.name).await {
             Ok(object) => object,
             Err(error) => {
@@ -76,11 +77,15 @@ pub async fn load_newest(
                 continue;
             }
         };
-        let mut bytes = Vec::with_capacity(info.size);
+        // Sized once, plus one byte so that the end is seen without growing
+        // (which would copy the whole checkpoint into a buffer twice its size).
+        let mut bytes = Vec::with_capacity(info.size.saturating_add(1));
         if let Err(error) = object.read_to_end(&mut bytes).await {
             tracing::warn!(name = %info.name, %error, "reading a checkpoint");
             continue;
         }
+        let read_ms = started.elapsed().as_millis() as u64;
+        let len = bytes.len();
         // Rebuilding the index of millions of keys is seconds of CPU: not on a
         // runtime worker, where it would hold up this process's NATS connection.
         let decoded = tokio::task::spawn_blocking(move || checkpoint::decode(&bytes))
@@ -93,7 +98,16 @@ pub async fn load_newest(
                 )
             })?;
         match decoded {
-            Ok(projection) => return Ok(Some((info.name, projection))),
+            Ok(projection) => {
+                tracing::info!(
+                    name = %info.name,
+                    bytes = len,
+                    read_ms,
+                    decode_ms = started.elapsed().as_millis() as u64 - read_ms,
+                    "checkpoint loaded"
+                );
+                return Ok(Some((info.name, projection)));
+            }
             Err(error) => tracing::warn!(name = %info.name, %error, "skipping a checkpoint"),
         }
     }

@@ -37,7 +37,21 @@ pub const WAIT: Duration = Duration::from_secs(30);
 
 /// Polls `probe` every 20 ms until it returns `Some`, and returns that; fails the
 /// test, saying `what` it waited for, after `within`.
-pub async fn poll_until<T, F, Fut>(what: &str, within: Duration, mut probe: F) -> T
+pub async fn poll_until<T, F, Fut>(what: &str, within: Duration, probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    poll_every(Duration::from_millis(20), what, within, probe).await
+}
+
+/// How often a probe that lists an object store polls: each listing makes an
+/// ephemeral consumer that the server keeps for 30 s, and a stream holds only
+/// so many consumers.
+pub const LISTING_POLL: Duration = Duration::from_millis(250);
+
+/// As [`poll_until`], polling every `every`.
+pub async fn poll_every<T, F, Fut>(every: Duration, what: &str, within: Duration, mut probe: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
@@ -51,7 +65,7 @@ where
             tokio::time::Instant::now() < deadline,
             "waited {within:?} in vain for {what}"
         );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(every).await;
     }
 }
 

@@ -19,7 +19,7 @@ use hkvm_globalmaster::checkpoints;
 use hkvm_projector::{Projection, SourceContent};
 use tokio::io::AsyncReadExt as _;
 
-use crate::fixture::{keys, put, removed, wait_applied, Fixture};
+use crate::fixture::{keys, put, removed, wait_applied, Fixture, LISTING_POLL};
 
 fn sorted_content(projection: &Projection) -> Vec<SourceContent> {
     let mut content = projection.content();
@@ -304,7 +304,7 @@ async fn checkpoints_and_bloom_filters_are_published_periodically() {
             if let Some(found) = checkpoints::load_newest(&store).await.unwrap() {
                 return found;
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            tokio::time::sleep(LISTING_POLL).await;
         }
     })
     .await

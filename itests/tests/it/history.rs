@@ -15,7 +15,7 @@ use hkvm_events::{decode_message, Limits, SubclusterId};
 use hkvm_submaster::state::State;
 use tokio::sync::Mutex;
 
-use crate::fixture::{poll_until, wait_applied, Fixture, WAIT};
+use crate::fixture::{poll_every, poll_until, wait_applied, Fixture, LISTING_POLL, WAIT};
 use crate::submaster_server::{client, config, mount, put, SC};
 
 fn sc() -> SubclusterId {
@@ -323,7 +323,8 @@ async fn with_a_hot_standby_the_standby_writes_the_snapshots_not_the_leader() {
     let store = hkvm_events::snapshot::SnapshotStore::open(&fixture.js, &fixture.cluster, &sc(), 1)
         .await
         .unwrap();
-    poll_until(
+    poll_every(
+        LISTING_POLL,
         "a standby snapshot of the new writes, and a purge",
         WAIT,
         || async {
@@ -418,7 +419,8 @@ async fn a_leader_alone_whose_snapshots_are_lost_copies_its_state_once_and_snaps
         .unwrap();
     // Quiet: a snapshot of everything put, its history purged, none in flight.
     let written = fixture.log(&sc()).bounds().await.unwrap().last_seq;
-    poll_until(
+    poll_every(
+        LISTING_POLL,
         "a snapshot of every put, its history purged",
         WAIT,
         || async {
@@ -441,10 +443,15 @@ async fn a_leader_alone_whose_snapshots_are_lost_copies_its_state_once_and_snaps
         put(&client, &format!("k{i}")).await.unwrap();
     }
     // The rebuild fails, the next snapshot is copied from the leader's state.
-    poll_until("a new snapshot past the loss", WAIT, || async {
-        let covers = store.newest_covered_seq().await.unwrap()?;
-        (covers > lost_at).then_some(())
-    })
+    poll_every(
+        LISTING_POLL,
+        "a new snapshot past the loss",
+        WAIT,
+        || async {
+            let covers = store.newest_covered_seq().await.unwrap()?;
+            (covers > lost_at).then_some(())
+        },
+    )
     .await;
     let (name, file) = store.load_newest().await.unwrap().unwrap();
     assert!(file.covers_seq > lost_at, "{name}");
