@@ -294,18 +294,13 @@ impl KeyIndex {
         self.masks.shrink_to_fit();
         self.free.shrink_to_fit();
         if self.table.is_oversized() {
-            match IdTable::build(self.live_ids(), self.table.len(), &self.hashes) {
+            match IdTable::build(live_ids(&self.masks), self.table.len(), &self.hashes) {
                 Ok(table) => self.table = table,
                 // The table holds every hash once, so this is never reached; the
                 // oversized table stays correct.
                 Err(id) => tracing::warn!(id, "an id's hash is in the index twice"),
             }
         }
-    }
-
-    /// The ids in use, in order.
-    fn live_ids(&self) -> impl Iterator<Item = u32> + Clone + '_ {
-        (0..self.masks.len() as u32).filter(|&id| self.masks[id as usize] != FREE)
     }
 
     /// The raw parts, for checkpoints: hashes, masks, free ids, bitmaps.
@@ -332,10 +327,8 @@ impl KeyIndex {
         {
             return Err("an id is out of range".to_owned());
         }
-        let live = masks.iter().filter(|&&m| m != FREE).count();
-        let ids = u32::try_from(masks.len()).map_err(|_| "more ids than fit in 32 bits")?;
-        let live_ids = (0..ids).filter(|&id| masks[id as usize] != FREE);
-        let table = IdTable::build(live_ids, live, &hashes)
+        u32::try_from(masks.len()).map_err(|_| "more ids than fit in 32 bits")?;
+        let table = IdTable::build(live_ids(&masks), live_ids(&masks).count(), &hashes)
             .map_err(|id| format!("a hash appears twice (id {id})"))?;
         let index = Self {
             hashes,
@@ -353,6 +346,12 @@ impl KeyIndex {
         }
         Ok(index)
     }
+}
+
+/// The ids in use (a mask that is not [`FREE`]), in order; `masks` holds at
+/// most one mask per 32-bit id.
+fn live_ids(masks: &[u32]) -> impl Iterator<Item = u32> + Clone + '_ {
+    (0..masks.len() as u32).filter(|&id| masks[id as usize] != FREE)
 }
 
 #[cfg(test)]

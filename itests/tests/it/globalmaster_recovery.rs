@@ -19,7 +19,7 @@ use hkvm_globalmaster::checkpoints;
 use hkvm_projector::{Projection, SourceContent};
 use tokio::io::AsyncReadExt as _;
 
-use crate::fixture::{keys, put, removed, wait_applied, Fixture, LISTING_POLL};
+use crate::fixture::{keys, poll_every, put, removed, wait_applied, Fixture, LISTING_POLL, WAIT};
 
 fn sorted_content(projection: &Projection) -> Vec<SourceContent> {
     let mut content = projection.content();
@@ -299,16 +299,10 @@ async fn checkpoints_and_bloom_filters_are_published_periodically() {
     let store = checkpoints::object_store(&fixture.js, &fixture.cluster, Bucket::Checkpoints)
         .await
         .unwrap();
-    let (name, restored) = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            if let Some(found) = checkpoints::load_newest(&store).await.unwrap() {
-                return found;
-            }
-            tokio::time::sleep(LISTING_POLL).await;
-        }
+    let (name, restored) = poll_every(LISTING_POLL, "a checkpoint is written", WAIT, || async {
+        checkpoints::load_newest(&store).await.unwrap()
     })
-    .await
-    .expect("a checkpoint is written");
+    .await;
     assert_eq!(name, "projection-g1");
     assert_eq!(restored.index().len(), 2);
 }
