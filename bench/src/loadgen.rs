@@ -1,6 +1,6 @@
 //! `hkvm loadgen` (`hkvm-bench loadgen`): a load generator that runs next to the nodes (inside the cluster
 //! network), drives puts, gets and `batch_is_exist` through the client library for a
-//! while, and prints one JSON line per result on stdout, so that a test can assert on
+//! while, and prints one JSON line per result on stdout (or into `--output`), so that a test can assert on
 //! data: which puts were acknowledged (with the value's checksum), which failed or
 //! were revoked on purpose, what reads returned, how often the sub-master was busy.
 //!
@@ -21,6 +21,10 @@ use hkvm_transfer::TcpTransport;
 use serde_json::json;
 
 use crate::target::SubclusterTarget;
+
+mod lines;
+
+use lines::ResultLines;
 
 /// What the load generator does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -81,6 +85,10 @@ pub struct LoadgenArgs {
     /// How long one request waits for its reply before it is retried or fails.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "2s")]
     pub request_timeout: Duration,
+    /// Write the result lines to this file instead of stdout (each line whole, in
+    /// one write, before the run goes on).
+    #[arg(long)]
+    pub output: Option<PathBuf>,
 }
 
 /// The value stored under `key`: `size` bytes from a generator seeded by the key's
@@ -138,6 +146,7 @@ async fn read_keys(
 /// # Errors
 /// When NATS is unreachable or a key file cannot be read.
 pub async fn run(args: LoadgenArgs) -> anyhow::Result<()> {
+    let lines = ResultLines::open(args.output.as_deref())?;
     let nats = args.at.target.connect().await?;
     let metadata = SubmasterClient::with_policy(
         nats.clone(),
@@ -152,7 +161,7 @@ pub async fn run(args: LoadgenArgs) -> anyhow::Result<()> {
     let kv = KvClient::new(metadata.clone(), Arc::new(TcpTransport::default()));
     let keys = read_keys(&nats, args.keys_file.as_ref(), args.keys_subject.as_ref()).await?;
     match args.mode {
-        Mode::Put => put(&args, kv).await,
+        Mode::Put => put(&args, kv, &lines).await?,
         Mode::Verify => {
             let absent = read_keys(
                 &nats,
@@ -160,13 +169,14 @@ pub async fn run(args: LoadgenArgs) -> anyhow::Result<()> {
                 args.absent_subject.as_ref(),
             )
             .await?;
-            verify(keys, absent, kv).await
+            verify(keys, absent, kv, &lines).await?;
         }
         Mode::Query => {
             let global = GlobalClient::new(nats, args.at.target.cluster.clone());
-            query(&args, keys, global).await
+            query(&args, keys, global, &lines).await?;
         }
     }
+    lines.finish()
 }
 
 /// What one writer saw.
@@ -179,11 +189,11 @@ struct WriterTally {
     latencies_us: Vec<u64>,
 }
 
-async fn put(args: &LoadgenArgs, kv: KvClient) -> anyhow::Result<()> {
+async fn put(args: &LoadgenArgs, kv: KvClient, lines: &ResultLines) -> anyhow::Result<()> {
     let stop = Arc::new(AtomicBool::new(false));
     let writers: Vec<_> = (0..args.clients)
         .map(|writer| {
-            let (kv, stop) = (kv.clone(), stop.clone());
+            let (kv, stop, lines) = (kv.clone(), stop.clone(), lines.clone());
             let (prefix, size, replicas) = (args.prefix.clone(), args.value_size, args.replicas);
             tokio::spawn(async move {
                 let mut tally = WriterTally::default();
@@ -192,7 +202,10 @@ async fn put(args: &LoadgenArgs, kv: KvClient) -> anyhow::Result<()> {
                     let key = format!("{prefix}-{writer}-{n}");
                     n += 1;
                     if n % 10 == 0 {
-                        revoke_one(&kv, &key, size as u64, replicas, &mut tally).await;
+                        if revoke_one(&kv, &key, size as u64, replicas).await {
+                            tally.revoked += 1;
+                            lines.line(&json!({"type": "revoked", "key": key, "t": now_ms()}));
+                        }
                         continue;
                     }
                     let value = value_for(&key, size);
@@ -202,10 +215,10 @@ async fn put(args: &LoadgenArgs, kv: KvClient) -> anyhow::Result<()> {
                             tally.acked += 1;
                             let micros = u64::try_from(started.elapsed().as_micros());
                             tally.latencies_us.push(micros.unwrap_or(u64::MAX));
-                            println!(
-                                "{}",
-                                json!({"type": "ack", "key": key, "checksum": value_checksum(&value), "t": now_ms()})
-                            );
+                            lines.line(&json!({
+                                "type": "ack", "key": key,
+                                "checksum": value_checksum(&value), "t": now_ms(),
+                            }));
                         }
                         Err(error) => {
                             // A timeout leaves the outcome unknown (the commit may
@@ -217,10 +230,9 @@ async fn put(args: &LoadgenArgs, kv: KvClient) -> anyhow::Result<()> {
                                 tally.failed += 1;
                                 "failed"
                             };
-                            println!(
-                                "{}",
-                                json!({"type": kind, "key": key, "error": error.to_string(), "t": now_ms()})
-                            );
+                            lines.line(&json!({
+                                "type": kind, "key": key, "error": error.to_string(), "t": now_ms(),
+                            }));
                         }
                     }
                 }
@@ -248,17 +260,14 @@ async fn put(args: &LoadgenArgs, kv: KvClient) -> anyhow::Result<()> {
             .unwrap_or(0)
     };
     let stats = kv.metadata().stats();
-    println!(
-        "{}",
-        json!({
-            "type": "summary", "acked": total.acked, "failed": total.failed,
-            "uncertain": total.uncertain,
-            "revoked": total.revoked, "p50_us": percentile(50), "p99_us": percentile(99),
-            "max_us": percentile(100), "busy": stats.busy.load(Ordering::Relaxed),
-            "leader_waits": stats.leader_waits.load(Ordering::Relaxed),
-            "timeouts": stats.timeouts.load(Ordering::Relaxed),
-        })
-    );
+    lines.line(&json!({
+        "type": "summary", "acked": total.acked, "failed": total.failed,
+        "uncertain": total.uncertain,
+        "revoked": total.revoked, "p50_us": percentile(50), "p99_us": percentile(99),
+        "max_us": percentile(100), "busy": stats.busy.load(Ordering::Relaxed),
+        "leader_waits": stats.leader_waits.load(Ordering::Relaxed),
+        "timeouts": stats.timeouts.load(Ordering::Relaxed),
+    }));
     Ok(())
 }
 
@@ -268,8 +277,9 @@ fn is_uncertain(error: &KvError) -> bool {
     matches!(error, KvError::Metadata(e) if e.kind() == ClientErrorKind::Timeout)
 }
 
-/// Starts a put and revokes it: the key must never become visible.
-async fn revoke_one(kv: &KvClient, key: &str, size: u64, replicas: u32, tally: &mut WriterTally) {
+/// Starts a put and revokes it (the key must never become visible); whether both
+/// steps succeeded.
+async fn revoke_one(kv: &KvClient, key: &str, size: u64, replicas: u32) -> bool {
     let start = PutStartItem {
         key: key.to_owned(),
         size,
@@ -279,16 +289,16 @@ async fn revoke_one(kv: &KvClient, key: &str, size: u64, replicas: u32, tally: &
         put_id: 0,
     };
     let started = kv.metadata().put_start(vec![start]).await;
-    if !matches!(started.as_deref(), Ok([ItemResult::Ok(_)])) {
-        return;
-    }
-    if kv.metadata().put_revoke(vec![key.to_owned()]).await.is_ok() {
-        tally.revoked += 1;
-        println!("{}", json!({"type": "revoked", "key": key, "t": now_ms()}));
-    }
+    matches!(started.as_deref(), Ok([ItemResult::Ok(_)]))
+        && kv.metadata().put_revoke(vec![key.to_owned()]).await.is_ok()
 }
 
-async fn verify(keys: Vec<String>, absent: Vec<String>, kv: KvClient) -> anyhow::Result<()> {
+async fn verify(
+    keys: Vec<String>,
+    absent: Vec<String>,
+    kv: KvClient,
+    lines: &ResultLines,
+) -> anyhow::Result<()> {
     let (mut ok, mut missing, mut corrupt, mut errors) = (0u64, Vec::new(), Vec::new(), Vec::new());
     for chunk in keys.chunks(256) {
         let refs: Vec<&str> = chunk.iter().map(String::as_str).collect();
@@ -319,17 +329,19 @@ async fn verify(keys: Vec<String>, absent: Vec<String>, kv: KvClient) -> anyhow:
                 .map(|(k, _)| k.clone()),
         );
     }
-    println!(
-        "{}",
-        json!({
-            "type": "verify", "ok": ok, "missing": missing, "corrupt": corrupt,
-            "errors": errors, "appeared": appeared,
-        })
-    );
+    lines.line(&json!({
+        "type": "verify", "ok": ok, "missing": missing, "corrupt": corrupt,
+        "errors": errors, "appeared": appeared,
+    }));
     Ok(())
 }
 
-async fn query(args: &LoadgenArgs, keys: Vec<String>, global: GlobalClient) -> anyhow::Result<()> {
+async fn query(
+    args: &LoadgenArgs,
+    keys: Vec<String>,
+    global: GlobalClient,
+    lines: &ResultLines,
+) -> anyhow::Result<()> {
     let keys = Arc::new(keys);
     let stop = Arc::new(AtomicBool::new(false));
     let queriers: Vec<_> = (0..args.clients)
@@ -369,9 +381,8 @@ async fn query(args: &LoadgenArgs, keys: Vec<String>, global: GlobalClient) -> a
         unheld += u;
         max_us = max_us.max(m);
     }
-    println!(
-        "{}",
-        json!({"type": "query", "ok": ok, "failed": failed, "unheld": unheld, "max_us": max_us})
+    lines.line(
+        &json!({"type": "query", "ok": ok, "failed": failed, "unheld": unheld, "max_us": max_us}),
     );
     Ok(())
 }

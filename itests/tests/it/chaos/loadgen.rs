@@ -1,6 +1,12 @@
 //! Running `hkvm loadgen` in a container on the cluster network (node endpoints are
 //! container hostnames, reachable only there) and reading back what it saw: one
-//! JSON line per result on the container's stdout.
+//! JSON line per result, written to a file in a directory of this host mounted into
+//! the container.
+//!
+//! Not its stdout: a container engine that falls behind copying a container's
+//! output (seen on a fresh engine, on the first containers of a run) holds the
+//! process on a full pipe and writes its last lines to the log late, so a run of
+//! two seconds was seen to end only after the test's two minutes.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -11,6 +17,7 @@ use hkvm_events::subject::submaster_rpc_subject;
 use hkvm_events::{ClusterId, SubclusterId};
 use hkvm_itests::images::hkvm_image;
 use serde_json::Value;
+use testcontainers::core::Mount;
 use testcontainers::runners::AsyncRunner as _;
 use testcontainers::ImageExt as _;
 
@@ -39,7 +46,19 @@ pub struct Running {
     container: Container,
     /// Tasks answering the load generator's requests for key lists.
     servers: Vec<tokio::task::JoinHandle<()>>,
+    /// The host directory mounted at [`RESULTS_DIR`]; removed when dropped.
+    results: tempfile::TempDir,
 }
+
+/// Where a load generator's container sees this host's results directory.
+const RESULTS_DIR: &str = "/results";
+/// The file of result lines in the results directory.
+const RESULTS_FILE: &str = "lines.jsonl";
+/// How long a load generator may run before the test gives up on it.
+const RUN_LIMIT: Duration = Duration::from_secs(120);
+/// How long the engine may take, after the result line, to report the exit (and
+/// hand over what the load generator logged).
+const EXIT_LIMIT: Duration = Duration::from_secs(30);
 
 static NEXT_LIST: AtomicU32 = AtomicU32::new(0);
 
@@ -91,6 +110,8 @@ pub async fn start(
         CLUSTER.to_owned(),
         "--subcluster".to_owned(),
         subcluster.to_owned(),
+        "--output".to_owned(),
+        format!("{RESULTS_DIR}/{RESULTS_FILE}"),
     ];
     cmd.extend(args.iter().cloned());
     let mut servers = Vec::new();
@@ -99,22 +120,39 @@ pub async fn start(
         cmd.extend([flag.to_owned(), subject]);
         servers.push(server);
     }
+    let results = tempfile::tempdir().expect("a results directory");
+    let host_dir = results
+        .path()
+        .to_str()
+        .expect("a UTF-8 temp path")
+        .to_owned();
     let container = hkvm_image()
         .with_network(&topology.network)
+        .with_mount(Mount::bind_mount(host_dir, RESULTS_DIR))
         .with_env_var("RUST_LOG", "error,hkvm_events::connection=info")
         .with_startup_timeout(Duration::from_secs(60))
         .with_cmd(cmd)
         .start()
         .await
         .unwrap();
-    Running { container, servers }
+    Running {
+        container,
+        servers,
+        results,
+    }
 }
 
 /// The `type` of the line each `hkvm loadgen` mode prints last, just before it
 /// returns success.
 const RESULT_TYPES: [&str; 3] = ["summary", "verify", "query"];
 
-/// Whether a load generator's stdout holds its result line.
+/// The last 20 lines of `text`.
+fn tail(text: &str) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(20)..].join("\n")
+}
+
+/// Whether a load generator's output holds its result line.
 fn printed_its_result(stdout: &str) -> bool {
     stdout.lines().any(|line| {
         serde_json::from_str::<Value>(line)
@@ -122,45 +160,111 @@ fn printed_its_result(stdout: &str) -> bool {
     })
 }
 
+/// How a load generator's run ended, as seen from here.
+enum Ended {
+    /// Its result line is in the results file (the last thing it writes before it
+    /// exits with success).
+    Result(String),
+    /// The engine reports its exit without a result line: it failed.
+    Exited(i64, String),
+}
+
 impl Running {
-    /// Waits (two minutes at most) for the load generator to exit and returns
-    /// its JSON lines.
+    /// Waits (two minutes at most) for the load generator's result and returns its
+    /// JSON lines.
     pub async fn finish(self) -> Vec<Value> {
         self.finish_with_log().await.0
     }
 
+    /// The results file's text so far.
+    fn results_so_far(&self) -> String {
+        std::fs::read_to_string(self.results.path().join(RESULTS_FILE)).unwrap_or_default()
+    }
+
+    /// Polls the results file, and the engine for an exit, until one of them says
+    /// the run is over.
+    async fn ended(&self) -> Ended {
+        loop {
+            let text = self.results_so_far();
+            if printed_its_result(&text) {
+                return Ended::Result(text);
+            }
+            let state =
+                tokio::time::timeout(Duration::from_secs(10), docker::state(&self.container)).await;
+            if let Ok(state) = state {
+                if matches!(state.status.as_str(), "exited" | "dead") {
+                    // Read once more: the line may have landed just before the exit.
+                    return Ended::Exited(state.exit_code, self.results_so_far());
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// As [`Running::finish`], with what it logged.
     async fn finish_with_log(self) -> (Vec<Value>, String) {
-        let waited = tokio::time::timeout(
-            Duration::from_secs(120),
-            docker::wait_output_until(&self.container, printed_its_result),
-        )
-        .await;
+        let ended = tokio::time::timeout(RUN_LIMIT, self.ended()).await;
         for server in &self.servers {
             server.abort();
         }
-        let Ok((code, stdout, stderr)) = waited else {
-            // Say what it was doing: the last lines it wrote.
-            let (stdout, stderr) = docker::logs(&self.container).await;
-            let tail = |text: &str| {
-                let lines: Vec<&str> = text.lines().collect();
-                lines[lines.len().saturating_sub(20)..].join("\n")
-            };
-            panic!(
-                "loadgen did not finish in two minutes: {}\nstdout tail:\n{}\nstderr tail:\n{}",
-                docker::where_stuck(&self.container).await,
-                tail(&stdout),
-                tail(&stderr)
-            );
+        let text = match ended {
+            Ok(Ended::Result(text)) => text,
+            Ok(Ended::Exited(code, text)) if printed_its_result(&text) => {
+                assert_eq!(code, 0, "loadgen printed its result and exited with {code}");
+                text
+            }
+            Ok(Ended::Exited(code, _)) => {
+                let (_, stderr) = docker::logs(&self.container).await;
+                panic!("loadgen failed (exit code {code}): {stderr}");
+            }
+            Err(_) => {
+                // Say what it was doing: the last lines it wrote.
+                let (_, stderr) = docker::logs(&self.container).await;
+                panic!(
+                    "loadgen did not finish in {} s: {}\nresult lines tail:\n{}\nstderr tail:\n{}",
+                    RUN_LIMIT.as_secs(),
+                    docker::where_stuck(&self.container).await,
+                    tail(&self.results_so_far()),
+                    tail(&stderr)
+                );
+            }
         };
-        // No code: the engine had not recorded the exit of a process that printed
-        // its result line, after which `hkvm loadgen` returns success.
-        assert_eq!(code.unwrap_or(0), 0, "loadgen failed: {stderr}");
-        let lines = stdout
+        let lines = text
             .lines()
             .filter_map(|line| serde_json::from_str(line).ok())
             .collect();
-        (lines, stderr)
+        (lines, self.log().await)
+    }
+
+    /// What the load generator logged, once its exit is known (the result line
+    /// is its last output, so it exits at once; an engine that records the exit
+    /// late still has its log file read, see [`docker::wait_output_until`]).
+    async fn log(&self) -> String {
+        let exited = tokio::time::timeout(
+            EXIT_LIMIT,
+            docker::wait_output_until(&self.container, |_| true),
+        )
+        .await;
+        match exited {
+            Ok((code, _, stderr)) => {
+                // No code: the engine had not recorded the exit of a process that
+                // wrote its result line, after which `hkvm loadgen` returns success.
+                assert_eq!(code.unwrap_or(0), 0, "loadgen failed: {stderr}");
+                stderr
+            }
+            Err(_) => {
+                eprintln!(
+                    "container {}: the load generator wrote its result, and its exit was not \
+                     seen within {} s; its log is what the engine holds so far",
+                    self.container.id(),
+                    EXIT_LIMIT.as_secs()
+                );
+                tokio::time::timeout(EXIT_LIMIT, docker::logs(&self.container))
+                    .await
+                    .map(|(_, stderr)| stderr)
+                    .unwrap_or_default()
+            }
+        }
     }
 
     /// Waits for a `put` run and sorts its lines.
