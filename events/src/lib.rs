@@ -13,6 +13,7 @@ pub mod id;
 pub mod key_ops;
 pub mod limits;
 pub mod log;
+pub mod objects;
 pub mod positions;
 pub mod registry;
 pub mod rpc;

@@ -8,6 +8,7 @@
 
 use async_nats::jetstream::{self, object_store};
 use futures::StreamExt as _;
+use hkvm_events::objects;
 use hkvm_events::positions::{Positions, ReaderKind};
 use hkvm_events::subject::{bloom_object_name, checkpoint_object_name, Bucket};
 use hkvm_events::{ClusterId, SubclusterId};
@@ -117,12 +118,14 @@ pub async fn load_newest(
 /// Writes this replica's checkpoint of the current projection, records in
 /// `positions` how far it covers each stream (a restart from it reads on from
 /// there, so the streams may be purged up to it), then drops all but the newest
-/// [`CHECKPOINTS_KEPT`].
+/// [`CHECKPOINTS_KEPT`] for good (their deleted markers too, see
+/// [`hkvm_events::objects`]).
 ///
 /// # Errors
 /// When encoding or storing fails.
 pub(crate) async fn write(
     shared: &Shared,
+    js: &jetstream::Context,
     store: &object_store::ObjectStore,
     positions: Option<&Positions>,
 ) -> Result<usize, GlobalMasterError> {
@@ -160,16 +163,24 @@ pub(crate) async fn write(
             }
         }
     }
-    for old in newest_first(store).await?.iter().skip(CHECKPOINTS_KEPT) {
+    let bucket = Bucket::Checkpoints.name(&shared.config.cluster);
+    let live = newest_first(store).await?;
+    for old in live.iter().skip(CHECKPOINTS_KEPT) {
         if old.name == name {
             continue;
         }
-        match store.delete(&old.name).await {
+        match objects::delete_for_good(js, store, &bucket, &old.name).await {
             Ok(()) => tracing::info!(name = %old.name, "dropped an old checkpoint"),
             Err(error) => {
                 tracing::warn!(name = %old.name, %error, "could not drop an old checkpoint")
             }
         }
+    }
+    // Markers left by deletes before this build, or by a replica that died between
+    // a delete and its purge.
+    let candidate = |old: &str| !live.iter().any(|info| info.name == old);
+    if let Err(error) = objects::forget_markers(js, &bucket, candidate).await {
+        tracing::warn!(%error, "could not purge deleted checkpoints' markers");
     }
     Ok(bytes.len())
 }

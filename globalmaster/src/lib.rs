@@ -156,7 +156,7 @@ impl GlobalMaster {
         let positions =
             Positions::open_for_reader(&self.js, &self.shared.config.cluster, "global master")
                 .await;
-        checkpoints::write(&self.shared, &store, positions.as_ref()).await
+        checkpoints::write(&self.shared, &self.js, &store, positions.as_ref()).await
     }
 
     /// Stops every task of the replica.

@@ -274,6 +274,7 @@ impl Sources {
             None
         };
         let shared = Arc::clone(&self.shared);
+        let js = self.js.clone();
         self.keep(tokio::spawn(async move {
             let mut ticks = tokio::time::interval(Duration::from_millis(interval_ms));
             ticks.tick().await;
@@ -287,7 +288,7 @@ impl Sources {
                 let result = if bucket == Bucket::Blooms {
                     checkpoints::publish_blooms(&shared, &store).await
                 } else {
-                    checkpoints::write(&shared, &store, positions.as_ref())
+                    checkpoints::write(&shared, &js, &store, positions.as_ref())
                         .await
                         .map(|_| ())
                 };

@@ -10,6 +10,7 @@ use super::{
     SNAPSHOTS_KEPT,
 };
 use crate::id::{ClusterId, SubclusterId};
+use crate::objects;
 use crate::subject::{bucket_name, snapshot_object_name, snapshot_object_prefix, Bucket};
 
 /// Bytes read at a time when a stored snapshot is verified.
@@ -90,7 +91,9 @@ impl std::fmt::Debug for StoredCheck {
 /// The snapshot store of one sub-cluster.
 #[derive(Clone)]
 pub struct SnapshotStore {
+    js: jetstream::Context,
     store: object_store::ObjectStore,
+    bucket: String,
     subcluster: SubclusterId,
 }
 
@@ -129,7 +132,9 @@ impl SnapshotStore {
                 .map_err(|e| SnapshotError::store(format!("creating {bucket}"), e))?,
         };
         Ok(Self {
+            js: js.clone(),
             store,
+            bucket,
             subcluster: subcluster.clone(),
         })
     }
@@ -184,9 +189,19 @@ impl SnapshotStore {
             .map_err(|e| SnapshotError::store(format!("storing {name}"), e))?;
         let names = self.names().await?;
         for old in names.iter().rev().skip(SNAPSHOTS_KEPT) {
-            if let Err(error) = self.store.delete(old).await {
+            if let Err(error) =
+                objects::delete_for_good(&self.js, &self.store, &self.bucket, old).await
+            {
                 tracing::warn!(%error, old, "could not drop an old snapshot");
             }
+        }
+        // Markers left by deletes before this build, or by a process that died
+        // between a delete and its purge.
+        let prefix = snapshot_object_prefix(&self.subcluster);
+        let candidate =
+            |old: &str| old.starts_with(&prefix) && !names.iter().any(|name| name == old);
+        if let Err(error) = objects::forget_markers(&self.js, &self.bucket, candidate).await {
+            tracing::warn!(%error, "could not purge deleted snapshots' markers");
         }
         Ok((name, checksum))
     }

@@ -26,6 +26,7 @@ mod globalmaster_queries;
 mod globalmaster_recovery;
 mod history;
 mod library;
+mod object_retention;
 mod rdma;
 mod submaster_failover;
 mod submaster_server;
