@@ -15,6 +15,7 @@ use async_nats::jetstream;
 use hkvm_client::SubmasterClient;
 use hkvm_events::rpc::submaster::{ItemError, ItemResult, MountSegment, PutEndItem, PutStartItem};
 use hkvm_events::snapshot::SnapshotStore;
+use hkvm_events::subject::Bucket;
 use hkvm_events::{NodeId, SegmentId};
 use hkvm_submaster::server::load_state;
 use hkvm_submaster::{snapshot, SubmasterConfig};
@@ -221,6 +222,17 @@ async fn restore_seconds(js: &jetstream::Context, config: &SubmasterConfig) -> a
     Ok(started.elapsed().as_secs_f64())
 }
 
+/// How many objects, live or deleted, a listing of `cluster`'s snapshot store reads.
+async fn snapshot_store_entries(
+    js: &jetstream::Context,
+    config: &SubmasterConfig,
+) -> anyhow::Result<usize> {
+    let bucket = Bucket::Snapshots.name(&config.cluster);
+    Ok(hkvm_events::objects::metadata_names(js, &bucket)
+        .await?
+        .len())
+}
+
 /// Runs the workload.
 ///
 /// # Errors
@@ -274,7 +286,7 @@ async fn churn(nats: &BenchNats, sizes: &Sizes, printer: &mut Printer) -> anyhow
         sizes.windows, sizes.window, sizes.snapshot_every_events, sizes.snapshot_interval
     );
     let load = Load::start(&client, "soak", 2);
-    let mut first: Option<(u64, f64, f64)> = None;
+    let mut first: Option<(u64, f64, f64, usize)> = None;
     let mut last = (0u64, 0.0f64);
     let mut spare = 0;
     for window in 0..sizes.windows {
@@ -294,7 +306,12 @@ async fn churn(nats: &BenchNats, sizes: &Sizes, printer: &mut Printer) -> anyhow
             stats.bounds.last_seq
         );
         if first.is_none() {
-            first = Some((stats.bytes, restore_seconds(&js, &config).await?, p99));
+            first = Some((
+                stats.bytes,
+                restore_seconds(&js, &config).await?,
+                p99,
+                snapshot_store_entries(&js, &config).await?,
+            ));
         }
         last = (stats.bytes, p99);
         if window == sizes.windows / 2 {
@@ -317,7 +334,8 @@ async fn churn(nats: &BenchNats, sizes: &Sizes, printer: &mut Printer) -> anyhow
     let (failed, refused) = load.stop().await;
     let stats = bench.log.stats().await?;
     let end_restore = restore_seconds(&js, &config).await?;
-    let (first_bytes, first_restore, first_p99) = first.unwrap_or_default();
+    let end_entries = snapshot_store_entries(&js, &config).await?;
+    let (first_bytes, first_restore, first_p99, first_entries) = first.unwrap_or_default();
     let results = [
         BenchResult::new(
             WORKLOAD,
@@ -342,6 +360,14 @@ async fn churn(nats: &BenchNats, sizes: &Sizes, printer: &mut Printer) -> anyhow
             "s",
             "restore after the first window",
             first_restore,
+        ),
+        BenchResult::new(
+            WORKLOAD,
+            "snapshot-store entries a listing reads at the end (live and deleted)",
+            end_entries as f64,
+            "objects",
+            "entries after the first window",
+            first_entries as f64,
         ),
         BenchResult::new(
             WORKLOAD,

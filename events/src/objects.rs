@@ -155,8 +155,7 @@ pub async fn forget_if_deleted(
 
 /// Purges the marker of every deleted object in `bucket` whose name `candidate`
 /// accepts (pass one that skips the names a listing just showed live, to spare a
-/// read each); returns how many it purged. Names whose metadata subject does not
-/// decode are skipped.
+/// read each); returns how many it purged.
 ///
 /// # Errors
 /// [`ObjectsError`] when the subjects cannot be read or a marker not purged.
@@ -165,6 +164,25 @@ pub async fn forget_markers(
     bucket: &str,
     candidate: impl Fn(&str) -> bool,
 ) -> Result<usize, ObjectsError> {
+    let mut purged = 0;
+    for name in metadata_names(js, bucket).await? {
+        if candidate(&name) && forget_if_deleted(js, bucket, &name).await? {
+            purged += 1;
+        }
+    }
+    Ok(purged)
+}
+
+/// The name of every object that has metadata in `bucket`, live or deleted: what
+/// a listing reads, one message each. Subjects that do not decode to a name are
+/// left out.
+///
+/// # Errors
+/// [`ObjectsError`] when the stream or its subjects cannot be read.
+pub async fn metadata_names(
+    js: &jetstream::Context,
+    bucket: &str,
+) -> Result<Vec<String>, ObjectsError> {
     let stream = js
         .get_stream_no_info(stream_name(bucket))
         .await
@@ -184,19 +202,14 @@ pub async fn forget_markers(
     let mut names = Vec::new();
     while let Some(subject) = futures::StreamExt::next(&mut subjects).await {
         let (subject, _) = subject.map_err(subjects_error)?;
-        let name = subject
-            .strip_prefix(&prefix)
-            .and_then(|encoded| URL_SAFE.decode(encoded).ok())
-            .and_then(|name| String::from_utf8(name).ok());
-        names.extend(name.filter(|name| candidate(name)));
+        names.extend(
+            subject
+                .strip_prefix(&prefix)
+                .and_then(|encoded| URL_SAFE.decode(encoded).ok())
+                .and_then(|name| String::from_utf8(name).ok()),
+        );
     }
-    let mut purged = 0;
-    for name in names {
-        if forget_if_deleted(js, bucket, &name).await? {
-            purged += 1;
-        }
-    }
-    Ok(purged)
+    Ok(names)
 }
 
 /// Whether an object's metadata message says it was deleted; metadata that does
