@@ -62,9 +62,18 @@ pub enum ObjectsError {
     },
 }
 
-/// The stream behind the object store `bucket` (async-nats names it `OBJ_<bucket>`).
-fn stream_name(bucket: &str) -> String {
-    format!("OBJ_{bucket}")
+/// The stream behind the object store `bucket` (async-nats names it
+/// `OBJ_<bucket>`), without asking the server for its info.
+async fn bucket_stream(
+    js: &jetstream::Context,
+    bucket: &str,
+) -> Result<jetstream::stream::Stream<()>, ObjectsError> {
+    js.get_stream_no_info(format!("OBJ_{bucket}"))
+        .await
+        .map_err(|source| ObjectsError::Stream {
+            bucket: bucket.to_owned(),
+            source,
+        })
 }
 
 /// The subject holding the metadata of object `name` in `bucket` (the encoding
@@ -116,13 +125,7 @@ pub async fn forget_if_deleted(
     bucket: &str,
     name: &str,
 ) -> Result<bool, ObjectsError> {
-    let stream = js
-        .get_stream_no_info(stream_name(bucket))
-        .await
-        .map_err(|source| ObjectsError::Stream {
-            bucket: bucket.to_owned(),
-            source,
-        })?;
+    let stream = bucket_stream(js, bucket).await?;
     let subject = metadata_subject(bucket, name);
     let last = match stream.get_last_raw_message_by_subject(&subject).await {
         Ok(last) => last,
@@ -183,13 +186,7 @@ pub async fn metadata_names(
     js: &jetstream::Context,
     bucket: &str,
 ) -> Result<Vec<String>, ObjectsError> {
-    let stream = js
-        .get_stream_no_info(stream_name(bucket))
-        .await
-        .map_err(|source| ObjectsError::Stream {
-            bucket: bucket.to_owned(),
-            source,
-        })?;
+    let stream = bucket_stream(js, bucket).await?;
     let subjects_error = |source| ObjectsError::Subjects {
         bucket: bucket.to_owned(),
         source,

@@ -111,29 +111,20 @@ async fn forgetting_purges_only_a_deleted_objects_marker() {
     .await
     .unwrap();
     let raw = fixture.js.get_object_store(&bucket).await.unwrap();
+    let forget = |name: &'static str| objects::forget_if_deleted(&fixture.js, &bucket, name);
 
     raw.put("live", &mut &b"kept"[..]).await.unwrap();
-    assert!(!objects::forget_if_deleted(&fixture.js, &bucket, "live")
-        .await
-        .unwrap());
-    assert!(!objects::forget_if_deleted(&fixture.js, &bucket, "never")
-        .await
-        .unwrap());
+    assert!(!forget("live").await.unwrap());
+    assert!(!forget("never").await.unwrap());
 
     leave_a_marker(&fixture.js, &raw, &bucket, "gone").await;
-    assert!(objects::forget_if_deleted(&fixture.js, &bucket, "gone")
-        .await
-        .unwrap());
-    assert!(!objects::forget_if_deleted(&fixture.js, &bucket, "gone")
-        .await
-        .unwrap());
+    assert!(forget("gone").await.unwrap());
+    assert!(!forget("gone").await.unwrap());
 
     // Written again after its delete: the new object is not a marker.
     leave_a_marker(&fixture.js, &raw, &bucket, "again").await;
     raw.put("again", &mut &b"new"[..]).await.unwrap();
-    assert!(!objects::forget_if_deleted(&fixture.js, &bucket, "again")
-        .await
-        .unwrap());
+    assert!(!forget("again").await.unwrap());
 
     objects::delete_for_good(&fixture.js, &raw, &bucket, "live")
         .await
