@@ -78,7 +78,7 @@ async fn bucket_stream(
 
 /// The subject holding the metadata of object `name` in `bucket` (the encoding
 /// async-nats and the other NATS clients use: URL-safe base64 with padding).
-pub fn metadata_subject(bucket: &str, name: &str) -> String {
+fn metadata_subject(bucket: &str, name: &str) -> String {
     format!(
         "{}{}",
         metadata_subject_prefix(bucket),
