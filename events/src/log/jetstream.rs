@@ -1,6 +1,7 @@
 //! The event log over one JetStream stream: appends with `Nats-Expected-Last-Sequence`
 //! fencing and `Nats-Msg-Id` dedup, pipelined through JetStream's publish-ack
-//! futures; reads through an ephemeral pull consumer fetching bounded batches.
+//! futures; reads through an ephemeral pull consumer fetching bounded batches
+//! ([`super::pull`]).
 
 use std::time::Duration;
 
@@ -9,23 +10,20 @@ use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::{self, stream};
 use futures::future::BoxFuture;
-use futures::{FutureExt as _, StreamExt as _};
+use futures::FutureExt as _;
 
+use super::pull::PullReader;
 use super::{
     check_not_truncated, gap_checked, read_end, Append, AppendAck, EntryStream, EventLog,
-    LogBounds, LogEntry, LogError, LogErrorKind, ReadOptions,
+    LogBounds, LogError, LogErrorKind, ReadOptions,
 };
 use crate::connection::ConnectionEpoch;
 
-/// The idle heartbeat a read asks of its pull consumer; two missed end the read
-/// with an error, and a follower reopens at its position. A read was seen to stop
-/// for two heartbeats in replays of large messages (about 3 in 20 global-master
-/// restarts of `hkvm bench ingest`, at 5 s: a 10 s stall) with the server holding
-/// no pull request for it. The suspected cause is the client's pull accounting:
-/// when a request is answered in full (one 640 KB message fills a 1 MB request)
-/// before the client has booked that request as sent, it books it afterwards and
-/// then waits for an answer that never comes. A short heartbeat bounds that stall
-/// (at 2 s); while idle it costs one small message a second per read.
+/// The idle heartbeat a read asks of the server while it holds one of the read's
+/// pull requests and has nothing to send. Silence for two of them means the server
+/// holds no request: the read asks again once, and ends with an error the second
+/// time (a follower then reopens at its position). While idle it costs one small
+/// message a second per read.
 const READ_HEARTBEAT: Duration = Duration::from_secs(1);
 
 /// What a stream holds ([`JetStreamLog::stats`]).
@@ -176,11 +174,6 @@ fn bounds_of(info: &stream::Info) -> LogBounds {
     }
 }
 
-fn unix_ms(published: &async_nats::jetstream::message::Info<'_>) -> u64 {
-    let nanos = published.published.unix_timestamp_nanos();
-    u64::try_from(nanos / 1_000_000).unwrap_or_default()
-}
-
 impl EventLog for JetStreamLog {
     type PendingAck = BoxFuture<'static, Result<AppendAck, LogError>>;
 
@@ -276,40 +269,29 @@ impl EventLog for JetStreamLog {
             })
             .await
             .map_err(|e| LogError::other(&self.stream, e))?;
-        let messages = consumer
-            .stream()
-            .max_messages_per_batch(options.batch_messages.max(1))
-            .max_bytes_per_batch(options.batch_bytes.max(1))
-            .heartbeat(READ_HEARTBEAT)
-            .messages()
-            .await
-            .map_err(|e| LogError::other(&self.stream, e))?;
-        let name = self.stream.clone();
+        let consumer_name = consumer.cached_info().name.clone();
+        let reader = PullReader::open(
+            self.js.clone(),
+            &self.stream,
+            &consumer_name,
+            options.batch_messages,
+            options.batch_bytes,
+            READ_HEARTBEAT,
+        )
+        .await?;
         // Stop right after the last wanted entry instead of waiting for one more.
-        let entries = futures::stream::unfold((messages, false), move |(mut messages, done)| {
-            let name = name.clone();
-            async move {
+        let entries =
+            futures::stream::unfold((reader, false), move |(mut reader, done)| async move {
                 if done {
                     return None;
                 }
-                let item = messages.next().await?;
-                let entry = item
-                    .map_err(|e| LogError::other(&name, e))
-                    .and_then(|message| {
-                        let info = message.info().map_err(|e| LogError::other(&name, e))?;
-                        Ok(LogEntry {
-                            seq: info.stream_sequence,
-                            unix_ms: unix_ms(&info),
-                            payload: message.payload.clone(),
-                        })
-                    });
+                let entry = reader.next_entry().await;
                 let last = match &entry {
                     Ok(entry) => end.is_some_and(|end| entry.seq >= end),
                     Err(_) => true,
                 };
-                Some((entry, (messages, last)))
-            }
-        });
+                Some((entry, (reader, last)))
+            });
         Ok(gap_checked(self.stream.clone(), from, Box::pin(entries)))
     }
 }

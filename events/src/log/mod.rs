@@ -5,6 +5,7 @@
 mod error;
 mod jetstream;
 mod memory;
+mod pull;
 
 use std::future::Future;
 

@@ -7,9 +7,11 @@ mod log_contract;
 
 use std::sync::Arc;
 
+use futures::StreamExt as _;
+
 use async_nats::jetstream;
 use hkvm_events::commit::{CommitConfig, GroupCommitter};
-use hkvm_events::log::{EventLog, JetStreamLog, LogErrorKind, ReadOptions};
+use hkvm_events::log::{Append, EventLog, JetStreamLog, LogErrorKind, ReadOptions};
 use hkvm_events::stream::{ensure_stream, StreamSettings};
 use hkvm_events::{ProducerId, SubclusterId};
 
@@ -118,6 +120,81 @@ async fn a_full_stream_refuses_appends_instead_of_dropping_history() {
         (1, 3),
         "nothing was dropped"
     );
+}
+
+// ---- reads whose requests the server ends early ------------------------------------
+
+/// Appends `count` messages of `size` bytes to `log`, pipelined.
+async fn fill(log: &JetStreamLog, count: u64, size: usize) {
+    let body = bytes::Bytes::from(vec![b'x'; size]);
+    let mut acks = Vec::new();
+    for i in 0..count {
+        let message = Append {
+            expected_last_seq: Some(i),
+            msg_id: format!("f-{i}"),
+            payload: body.clone(),
+        };
+        acks.push(log.send(message).await.unwrap());
+    }
+    for ack in acks {
+        ack.await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_whose_every_request_one_message_fills_never_stall() {
+    // Each 700-byte message fills a 1000-byte request: the server sends one, then
+    // ends the request (the next does not fit) and says what was left. A reader
+    // that booked a request only after such an answer came would wait on a request
+    // the server no longer held. Several busy readers at once make that ordering
+    // likely; every read here must simply end, with every entry.
+    let fixture = server().await;
+    let log = fixture.stream("filled").await;
+    fill(&log, 3000, 700).await;
+    let options = ReadOptions {
+        batch_bytes: 1000,
+        ..ReadOptions::from(1)
+    };
+    let mut readers = tokio::task::JoinSet::new();
+    for _ in 0..6 {
+        let log = log.clone();
+        readers.spawn(async move {
+            let mut entries = log.read(options).await.unwrap();
+            let mut seqs = Vec::new();
+            while let Some(entry) = entries.next().await {
+                seqs.push(entry.unwrap().seq);
+                // Work on each entry, as a decoding reader does.
+                let busy = std::time::Instant::now();
+                while busy.elapsed() < std::time::Duration::from_micros(20) {
+                    std::hint::spin_loop();
+                }
+            }
+            seqs
+        });
+    }
+    while let Some(seqs) = readers.join_next().await {
+        let seqs = seqs.unwrap();
+        assert_eq!(seqs.len(), 3000);
+        assert!(seqs.iter().zip(1..).all(|(seq, expected)| *seq == expected));
+    }
+}
+
+#[tokio::test]
+async fn a_message_larger_than_a_whole_request_ends_the_read_with_an_error() {
+    let fixture = server().await;
+    let log = fixture.stream("oversized").await;
+    fill(&log, 2, 700).await;
+    let options = ReadOptions {
+        batch_bytes: 100,
+        ..ReadOptions::from(1)
+    };
+    let mut entries = log.read(options).await.unwrap();
+    let first = tokio::time::timeout(std::time::Duration::from_secs(10), entries.next())
+        .await
+        .expect("an answer, not a read asking again forever")
+        .expect("one item");
+    let error = first.expect_err("no request can hold the message");
+    assert!(error.to_string().contains("byte budget"), "{error}");
 }
 
 // ---- group commit ------------------------------------------------------------------
