@@ -32,6 +32,11 @@ const API_PREFIX: &str = "$JS.API";
 /// reader then asks again.
 const REQUEST_EXPIRY: Duration = Duration::from_secs(30);
 
+/// What a request's byte budget holds beyond the server's `max_payload`, for a
+/// message's subject and headers: every message the server accepts fits one
+/// request, however small a budget the caller asked for.
+const BUDGET_HEADROOM: usize = 16 << 10;
+
 /// Silent spells (two idle heartbeats without a message) a read survives by asking
 /// again; the next one ends it with an error.
 const SILENT_SPELLS_TOLERATED: u32 = 1;
@@ -129,23 +134,30 @@ pub(crate) enum Delivery {
 /// requests ask for `batch_bytes` each.
 pub(crate) fn classify(message: &async_nats::Message, batch_bytes: usize) -> Delivery {
     let status = message.status.unwrap_or(StatusCode::OK);
-    let description = message.description.as_deref().unwrap_or_default();
     match status {
-        StatusCode::OK => Delivery::Message,
-        StatusCode::IDLE_HEARTBEAT => Delivery::Heartbeat,
+        StatusCode::OK => return Delivery::Message,
+        StatusCode::IDLE_HEARTBEAT => return Delivery::Heartbeat,
+        _ => {}
+    }
+    let description = message
+        .description
+        .as_deref()
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    match status {
         // `404 No Messages` answers only requests that do not wait; none are sent.
         StatusCode::NOT_FOUND => Delivery::Ended(unspent(message)),
         StatusCode::TIMEOUT => Delivery::Ended(unspent(message)),
         StatusCode::REQUEST_TERMINATED
-            if description == "Consumer Deleted"
-                || description == "Consumer is push based"
-                || description.starts_with("Exceeded Max") =>
+            if description == "consumer deleted"
+                || description == "consumer is push based"
+                || description.starts_with("exceeded max") =>
         {
             Delivery::Fatal(format!("pull request refused: {description}"))
         }
         StatusCode::REQUEST_TERMINATED => match unspent(message) {
             Some(left)
-                if description == "Message Size Exceeds MaxBytes" && left.bytes >= batch_bytes =>
+                if description == "message size exceeds maxbytes" && left.bytes >= batch_bytes =>
             {
                 Delivery::Fatal(format!(
                     "the next message is larger than a read's byte budget ({batch_bytes} B)"
@@ -199,7 +211,8 @@ pub(crate) struct PullReader {
 
 impl PullReader {
     /// A reader of consumer `consumer` on stream `log`, asking for batches of
-    /// `batch_messages` and `batch_bytes` with idle heartbeats every `heartbeat`.
+    /// `batch_messages` and `batch_bytes` (raised to what the largest message the
+    /// server accepts needs) with idle heartbeats every `heartbeat`.
     ///
     /// # Errors
     /// A transport error when the inbox cannot be subscribed.
@@ -217,7 +230,8 @@ impl PullReader {
             .subscribe(inbox.clone())
             .await
             .map_err(|e| LogError::other(log, e))?;
-        let budget = PullBudget::new(batch_messages, batch_bytes);
+        let largest = client.server_info().max_payload + BUDGET_HEADROOM;
+        let budget = PullBudget::new(batch_messages, batch_bytes.max(largest));
         let request = PullRequest {
             batch: budget.batch_messages,
             max_bytes: budget.batch_bytes,

@@ -88,6 +88,9 @@ pub fn logs() {
         .try_init();
 }
 
+/// The node timeout of the sub-masters tests start (see [`Fixture::submaster_config`]).
+const NODE_TIMEOUT_MS: u64 = 600_000;
+
 /// A nats-server with JetStream, a connection to it, and the cluster name the
 /// test uses.
 pub struct Fixture {
@@ -319,11 +322,15 @@ impl Fixture {
 
     /// The configuration of sub-master `producer` of `subcluster`.
     pub fn submaster_config(&self, subcluster: &str, producer: &str) -> SubmasterConfig {
-        SubmasterConfig::new(
+        let mut config = SubmasterConfig::new(
             self.cluster.clone(),
             SubclusterId::new(subcluster).unwrap(),
             ProducerId::new(producer).unwrap(),
-        )
+        );
+        // Test nodes mount and never ping: on a loaded machine a test can run past
+        // the default 10 s node timeout, and its nodes must not be declared lost.
+        config.policy.node_timeout_ms = NODE_TIMEOUT_MS;
+        config
     }
 
     /// Runs a sub-master in this process on its own connection.
