@@ -276,7 +276,7 @@ impl PullReader {
                     if self.silent_spells > SILENT_SPELLS_TOLERATED {
                         return Err(LogError::other(&self.log, "missed idle heartbeat"));
                     }
-                    tracing::debug!(log = %self.log, ?silence, "no message or heartbeat: asking again");
+                    tracing::warn!(log = %self.log, ?silence, "no message or heartbeat: the server holds no request of this read; asking again");
                     self.budget.forget();
                     continue;
                 }

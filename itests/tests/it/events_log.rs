@@ -124,8 +124,9 @@ async fn a_full_stream_refuses_appends_instead_of_dropping_history() {
 
 // ---- reads whose requests the server ends early ------------------------------------
 
-/// Appends `count` messages of `size` bytes to `log`, pipelined.
-async fn fill(log: &JetStreamLog, count: u64, size: usize) {
+/// Stream `name` holding `count` messages of `size` bytes (appended pipelined).
+async fn filled(fixture: &Fixture, name: &str, count: u64, size: usize) -> JetStreamLog {
+    let log = fixture.stream(name).await;
     let body = bytes::Bytes::from(vec![b'x'; size]);
     let mut acks = Vec::new();
     for i in 0..count {
@@ -139,6 +140,15 @@ async fn fill(log: &JetStreamLog, count: u64, size: usize) {
     for ack in acks {
         ack.await.unwrap();
     }
+    log
+}
+
+/// A read from the start asking for `batch_bytes` per pull request.
+fn with_batch_bytes(batch_bytes: usize) -> ReadOptions {
+    ReadOptions {
+        batch_bytes,
+        ..ReadOptions::from(1)
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -149,12 +159,8 @@ async fn reads_whose_every_request_one_message_fills_never_stall() {
     // the server no longer held. Several busy readers at once make that ordering
     // likely; every read here must simply end, with every entry.
     let fixture = server().await;
-    let log = fixture.stream("filled").await;
-    fill(&log, 3000, 700).await;
-    let options = ReadOptions {
-        batch_bytes: 1000,
-        ..ReadOptions::from(1)
-    };
+    let log = filled(&fixture, "filled", 3000, 700).await;
+    let options = with_batch_bytes(1000);
     let mut readers = tokio::task::JoinSet::new();
     for _ in 0..6 {
         let log = log.clone();
@@ -184,13 +190,8 @@ async fn a_byte_budget_smaller_than_a_message_still_reads_it() {
     // A request whose byte budget no message fits would be refused again and again;
     // the reader raises its budget to what the server's largest message needs.
     let fixture = server().await;
-    let log = fixture.stream("oversized").await;
-    fill(&log, 3, 700).await;
-    let options = ReadOptions {
-        batch_bytes: 100,
-        ..ReadOptions::from(1)
-    };
-    let entries = read_all(&log, options).await;
+    let log = filled(&fixture, "oversized", 3, 700).await;
+    let entries = read_all(&log, with_batch_bytes(100)).await;
     assert_eq!(
         entries.iter().map(|entry| entry.seq).collect::<Vec<_>>(),
         [1, 2, 3]
