@@ -72,7 +72,8 @@ pub struct ReadOptions {
     pub follow: bool,
     /// Most messages in flight per batch: the backpressure bound.
     pub batch_messages: usize,
-    /// Most bytes in flight per batch.
+    /// Most bytes in flight per batch (a JetStream read raises it to the server's
+    /// `max_payload` plus 16 KiB when smaller, so that any message fits a batch).
     pub batch_bytes: usize,
 }
 
