@@ -88,9 +88,6 @@ pub fn logs() {
         .try_init();
 }
 
-/// The node timeout of the sub-masters tests start (see [`Fixture::submaster_config`]).
-const NODE_TIMEOUT_MS: u64 = 600_000;
-
 /// A nats-server with JetStream, a connection to it, and the cluster name the
 /// test uses.
 pub struct Fixture {
@@ -329,7 +326,7 @@ impl Fixture {
         );
         // Test nodes mount and never ping: on a loaded machine a test can run past
         // the default 10 s node timeout, and its nodes must not be declared lost.
-        config.policy.node_timeout_ms = NODE_TIMEOUT_MS;
+        config.policy.node_timeout_ms = 600_000;
         config
     }
 
