@@ -14,6 +14,7 @@ use hkvm_events::commit::{CommitConfig, GroupCommitter};
 use hkvm_events::log::{Append, EventLog, JetStreamLog, LogErrorKind, ReadOptions};
 use hkvm_events::stream::{ensure_stream, StreamSettings};
 use hkvm_events::{ProducerId, SubclusterId};
+use hkvm_testkit::ServerOptions;
 
 use log_contract::{
     a_follower_sees_later_appends, append, appends_are_fenced_and_deduplicated,
@@ -153,13 +154,21 @@ fn with_batch_bytes(batch_bytes: usize) -> ReadOptions {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_whose_every_request_one_message_fills_never_stall() {
-    // Each 700-byte message fills a 1000-byte request: the server sends one, then
-    // ends the request (the next does not fit) and says what was left. A reader
-    // that booked a request only after such an answer came would wait on a request
-    // the server no longer held. Several busy readers at once make that ordering
-    // likely; every read here must simply end, with every entry.
-    let fixture = server().await;
-    let log = filled(&fixture, "filled", 3000, 700).await;
+    // With a 64 KiB max_payload a read's requests hold 80 KiB, so each 50 KB
+    // message fills one: the server sends it, then ends the request (the next does
+    // not fit) and says what was left. A reader that booked a request only after
+    // such an answer came would wait on a request the server no longer held.
+    // Several busy readers at once make that ordering likely; every read here must
+    // simply end, with every entry.
+    let fixture = Fixture::with_server(
+        "test",
+        ServerOptions {
+            extra_config: "max_payload: 65536".into(),
+            ..ServerOptions::default()
+        },
+    )
+    .await;
+    let log = filled(&fixture, "filled", 600, 50_000).await;
     let options = with_batch_bytes(1000);
     let mut readers = tokio::task::JoinSet::new();
     for _ in 0..6 {
@@ -180,7 +189,7 @@ async fn reads_whose_every_request_one_message_fills_never_stall() {
     }
     while let Some(seqs) = readers.join_next().await {
         let seqs = seqs.unwrap();
-        assert_eq!(seqs.len(), 3000);
+        assert_eq!(seqs.len(), 600);
         assert!(seqs.iter().zip(1..).all(|(seq, expected)| *seq == expected));
     }
 }
