@@ -163,7 +163,6 @@ impl BenchCluster {
             checkpoint_interval_ms: 0,
             bloom_interval_ms: 0,
             restore_checkpoint: restore,
-            read_batch_messages: 16,
             ..hkvm_globalmaster::GlobalMasterConfig::default()
         }
     }

@@ -21,9 +21,8 @@ pub struct GlobalMasterConfig {
     /// Sub-clusters to follow even if not registered (tests, benchmarks, static
     /// deployments).
     pub static_sources: Vec<SubclusterId>,
-    /// Most messages per read batch (the backpressure bound).
-    pub read_batch_messages: usize,
-    /// Most bytes per read batch.
+    /// Most bytes per read batch (the backpressure bound; a read keeps at most
+    /// about one and a half batches asked for).
     pub read_batch_bytes: usize,
     /// Write a checkpoint this often, ms (0: never).
     pub checkpoint_interval_ms: u64,
@@ -53,7 +52,6 @@ impl Default for GlobalMasterConfig {
             replica: format!("global-{}", std::process::id()),
             registry_ttl_ms: 10_000,
             static_sources: Vec::new(),
-            read_batch_messages: 256,
             read_batch_bytes: 1 << 20,
             checkpoint_interval_ms: 60_000,
             restore_checkpoint: true,

@@ -31,7 +31,6 @@ pub(crate) async fn follow(
     source: usize,
 ) {
     let config = FollowConfig {
-        batch_messages: shared.config.read_batch_messages.max(1),
         batch_bytes: shared.config.read_batch_bytes.max(1),
         ..FollowConfig::default()
     };

@@ -33,7 +33,8 @@ pub use target::{FoldTarget, OutOfOrder, ResyncReason, Seed, StoredMessage};
 /// How a follower reads. Fill what you need and take the rest from `Default`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FollowConfig {
-    /// Most messages fetched in one batch.
+    /// Most messages fetched in one batch of an in-memory log (a JetStream read
+    /// is bounded by bytes alone: see [`ReadOptions::batch_messages`]).
     pub batch_messages: usize,
     /// Most bytes fetched in one batch.
     pub batch_bytes: usize,

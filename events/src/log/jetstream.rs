@@ -274,7 +274,6 @@ impl EventLog for JetStreamLog {
             self.js.clone(),
             &self.stream,
             &consumer_name,
-            options.batch_messages,
             options.batch_bytes,
             READ_HEARTBEAT,
         )

@@ -70,10 +70,14 @@ pub struct ReadOptions {
     pub until_seq: Option<u64>,
     /// Keep waiting for new messages instead of ending.
     pub follow: bool,
-    /// Most messages in flight per batch: the backpressure bound.
+    /// Most messages per batch of the in-memory log. A JetStream read is bounded
+    /// by `batch_bytes` alone: a pull request that could also end on its message
+    /// count would leave the reader unsure what the server still holds.
     pub batch_messages: usize,
-    /// Most bytes in flight per batch (a JetStream read raises it to the server's
-    /// `max_payload` plus 16 KiB when smaller, so that any message fits a batch).
+    /// Most bytes in flight per batch: the backpressure bound (a JetStream read
+    /// raises it to the server's `max_payload` plus 16 KiB when smaller, so that
+    /// any message fits a batch, and keeps at most about one and a half batches
+    /// asked for).
     pub batch_bytes: usize,
 }
 

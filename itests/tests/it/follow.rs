@@ -207,7 +207,7 @@ fn keys(range: std::ops::Range<u32>, prefix: &str) -> BTreeSet<String> {
 }
 
 #[tokio::test]
-async fn folds_everything_in_batches_of_the_configured_size() {
+async fn folds_everything_in_chunks_of_the_configured_size() {
     let fixture = Fixture::new("follow").await;
     let mut stream = Stream::create(&fixture, "batches").await;
     for i in 0..40 {
@@ -215,7 +215,6 @@ async fn folds_everything_in_batches_of_the_configured_size() {
     }
     let model = Model::default();
     let config = FollowConfig {
-        batch_messages: 7,
         chunk_messages: 5,
         ..quick()
     };
