@@ -208,6 +208,71 @@ async fn a_byte_budget_smaller_than_a_message_still_reads_it() {
     assert!(entries.iter().all(|entry| entry.payload.len() == 700));
 }
 
+/// Counts the warnings the event log's readers log (a read that heard nothing for
+/// two heartbeats and asked again logs one).
+struct ReadWarnings(Arc<std::sync::atomic::AtomicUsize>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for ReadWarnings {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        let metadata = event.metadata();
+        if *metadata.level() == tracing::Level::WARN
+            && metadata.target().starts_with("hkvm_events::log")
+        {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_read_of_messages_of_every_size_never_waits_on_a_request_the_server_dropped() {
+    // The reader's books hold exactly the bytes the server still owes only if the
+    // server charges a message what the client reads as its length. Were it to
+    // charge more, the books would claim budget the server no longer holds, and
+    // the read would go silent for two heartbeats and ask again (with a warning);
+    // over 8000 messages a charge off by even 2 bytes adds up to more than half a
+    // request's budget (4 KiB max_payload: 20 KiB per request).
+    use tracing_subscriber::layer::SubscriberExt as _;
+    let warnings = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let _capture = tracing::subscriber::set_default(
+        tracing_subscriber::registry().with(ReadWarnings(warnings.clone())),
+    );
+    let fixture = Fixture::with_server(
+        "test",
+        ServerOptions {
+            extra_config: "max_payload: 4096".into(),
+            ..ServerOptions::default()
+        },
+    )
+    .await;
+    let log = fixture.stream("sizes").await;
+    let size = |i: u64| usize::try_from(i * 7919 % 3500 + 1).unwrap();
+    // Pipelined a thousand at a time (a JetStream context bounds the acks in flight).
+    for first in (0..8000).step_by(1000) {
+        let mut acks = Vec::new();
+        for i in first..first + 1000 {
+            let message = Append {
+                expected_last_seq: Some(i),
+                msg_id: format!("s-{i}"),
+                payload: bytes::Bytes::from(vec![b's'; size(i)]),
+            };
+            acks.push(log.send(message).await.unwrap());
+        }
+        for ack in acks {
+            ack.await.unwrap();
+        }
+    }
+    let entries = read_all(&log, with_batch_bytes(1)).await;
+    assert_eq!(entries.len(), 8000);
+    for (i, entry) in (0..).zip(&entries) {
+        assert_eq!((entry.seq, entry.payload.len()), (i + 1, size(i)));
+    }
+    assert_eq!(
+        warnings.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "a read went silent and asked again"
+    );
+}
+
 // ---- group commit ------------------------------------------------------------------
 
 #[tokio::test]
