@@ -92,6 +92,11 @@ async fn killing_the_leader_process_loses_no_acknowledged_put() {
     .unwrap();
 
     let mut leader = submaster(&fixture, "sm-a", &config).await;
+    // Until the first sub-master has created the sub-cluster's stream, a client is
+    // right to call the sub-cluster unknown: wait for it to lead.
+    leader
+        .wait_for_line(Stream::Stderr, "leading the sub-cluster", WAIT)
+        .await;
     let client: SubmasterClient = fixture
         .submaster_client(
             "sc",
