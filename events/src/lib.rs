@@ -13,6 +13,7 @@ pub mod id;
 pub mod key_ops;
 pub mod limits;
 pub mod log;
+mod msgpack;
 pub mod objects;
 pub mod positions;
 pub mod registry;

@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use crate::event::Placement;
 use crate::id::{NodeId, SegmentId};
 
+mod canonical;
 mod encode;
 mod store;
 mod visit;

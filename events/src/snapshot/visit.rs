@@ -66,11 +66,25 @@ pub(super) fn decode_body<V: SnapshotVisitor>(
     body: &[u8],
     visitor: &mut V,
 ) -> Result<SnapshotHeader, SnapshotError> {
+    let max_objects = body.len() / MIN_OBJECT_BYTES;
+    if let Some(decoded) = super::canonical::decode_body(body, visitor, max_objects) {
+        return decoded;
+    }
+    decode_body_with_serde(body, visitor, max_objects)
+}
+
+/// [`decode_body`] through serde alone: the decoder of every form, and the
+/// reference the canonical reader is tested against.
+pub(super) fn decode_body_with_serde<V: SnapshotVisitor>(
+    body: &[u8],
+    visitor: &mut V,
+    max_objects: usize,
+) -> Result<SnapshotHeader, SnapshotError> {
     let mut failure = None;
     let seed = FileSeed {
         visitor,
         failure: &mut failure,
-        max_objects: body.len() / MIN_OBJECT_BYTES,
+        max_objects,
     };
     let mut deserializer = rmp_serde::Deserializer::from_read_ref(body);
     seed.deserialize(&mut deserializer)
@@ -177,42 +191,60 @@ impl<'de, V: SnapshotVisitor> Visitor<'de> for ObjectsSeed<'_, V> {
         while let Some(fields) = seq.next_element_seed(ObjectSeed {
             replicas: &mut replicas,
         })? {
-            if let Some(&(index, _)) = replicas
-                .iter()
-                .find(|(index, _)| *index as usize >= segments)
-            {
-                *self.failure = Some(SnapshotError::BadSegmentIndex {
-                    key: fields.key.chars().take(64).collect(),
-                    index,
-                    segments,
-                });
+            if let Err(error) = hand_over(&mut *self.visitor, &fields, &replicas, segments) {
+                *self.failure = Some(error);
                 return Err(de::Error::custom("bad segment index"));
             }
-            self.visitor.object(ObjectView {
-                key: fields.key,
-                size: fields.size,
-                checksum: fields.checksum,
-                replicas: &replicas,
-                flags: fields.flags,
-                put_id: fields.put_id,
-            });
         }
         Ok(())
     }
 }
 
-/// An object's fields but its replicas (which go to the reused buffer).
-struct ObjectFields<'de> {
-    key: &'de str,
-    size: u64,
-    checksum: u64,
-    flags: u32,
-    put_id: u64,
+/// Checks that every replica of an object names one of the `segments`
+/// segments, then hands the object to `visitor`.
+///
+/// # Errors
+/// [`SnapshotError::BadSegmentIndex`] (the visitor has not seen the object).
+#[inline]
+pub(super) fn hand_over<V: SnapshotVisitor>(
+    visitor: &mut V,
+    fields: &ObjectFields<'_>,
+    replicas: &[(u32, u64)],
+    segments: usize,
+) -> Result<(), SnapshotError> {
+    if let Some(&(index, _)) = replicas
+        .iter()
+        .find(|(index, _)| *index as usize >= segments)
+    {
+        return Err(SnapshotError::BadSegmentIndex {
+            key: fields.key.chars().take(64).collect(),
+            index,
+            segments,
+        });
+    }
+    visitor.object(ObjectView {
+        key: fields.key,
+        size: fields.size,
+        checksum: fields.checksum,
+        replicas,
+        flags: fields.flags,
+        put_id: fields.put_id,
+    });
+    Ok(())
 }
 
-/// One object.
-struct ObjectSeed<'b> {
-    replicas: &'b mut Vec<(u32, u64)>,
+/// An object's fields but its replicas (which go to the reused buffer).
+pub(super) struct ObjectFields<'de> {
+    pub(super) key: &'de str,
+    pub(super) size: u64,
+    pub(super) checksum: u64,
+    pub(super) flags: u32,
+    pub(super) put_id: u64,
+}
+
+/// One object, its replicas decoded into a buffer the caller reuses.
+pub(super) struct ObjectSeed<'b> {
+    pub(super) replicas: &'b mut Vec<(u32, u64)>,
 }
 
 impl<'de> DeserializeSeed<'de> for ObjectSeed<'_> {

@@ -9,6 +9,7 @@
 //! decoding thread builds each segment's allocator while the inserting thread
 //! finishes. Without a second thread the objects are inserted in line.
 
+use std::hash::BuildHasher as _;
 use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -17,7 +18,10 @@ use std::time::{Duration, Instant};
 use hkvm_events::snapshot::{ObjectView, SnapshotHeader, SnapshotVisitor};
 use hkvm_events::{KvEvent, PutFlags, SegmentMounted};
 
-use crate::state::{BulkRestore, Object, Replica, Replicas, Slot, State, UsedRanges, MAX_BATCH};
+use crate::keyhash::KeyHashBuilder;
+use crate::state::{
+    BulkRestore, Decoded, Object, Replica, Replicas, Slot, State, UsedRanges, MAX_BATCH,
+};
 
 /// Objects per batch handed to the inserting thread. A batch is inserted in
 /// the order of its keys' home buckets: the larger it is, the
@@ -31,7 +35,8 @@ const RESERVE_AFTER: u64 = 1 << 16;
 /// Batches decoded ahead of the inserting thread (bounds the memory in flight).
 const BATCHES_AHEAD: usize = 2;
 
-type Batch = Vec<(Arc<str>, Object)>;
+/// Decoded objects, each taken (left `None`) as it is inserted.
+type Batch = Vec<Option<Decoded>>;
 
 /// Builds a state while a snapshot is decoded ([`SnapshotVisitor`]): the
 /// segments through [`State::apply`] when the header arrives, then the objects
@@ -52,6 +57,8 @@ pub struct Restorer {
     waited: Duration,
     /// How many objects the snapshot announced (a hint).
     announced: usize,
+    /// The object table's hasher: keys are hashed here, on the decoding thread.
+    hasher: KeyHashBuilder,
 }
 
 /// Where decoded objects go.
@@ -93,6 +100,7 @@ impl Restorer {
             sink: Sink::Idle,
             waited: Duration::ZERO,
             announced: 0,
+            hasher: KeyHashBuilder::default(),
         }
     }
 
@@ -225,6 +233,7 @@ impl SnapshotVisitor for Restorer {
         self.ranges = Some(UsedRanges::new(&state));
         self.announced = objects;
         let restore = Box::new(BulkRestore::new(state, objects));
+        self.hasher = restore.hasher();
         self.batch = Vec::with_capacity(self.batch_size.min(objects.max(1)));
         // A small snapshot is not worth a thread.
         self.sink = if objects <= self.batch_size {
@@ -266,7 +275,12 @@ impl SnapshotVisitor for Restorer {
         if self.next_order == RESERVE_AFTER {
             ranges.reserve_like_so_far(RESERVE_AFTER as usize, self.announced);
         }
-        self.batch.push((Arc::from(object.key), restored));
+        let key: Arc<str> = Arc::from(object.key);
+        self.batch.push(Some(Decoded {
+            hash: self.hasher.hash_one(&*key),
+            key,
+            object: restored,
+        }));
         if self.batch.len() >= self.batch_size {
             self.flush();
         }

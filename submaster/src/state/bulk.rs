@@ -3,28 +3,38 @@
 //! home buckets) apart from the used ranges that become each segment's
 //! allocator ([`UsedRanges`]), so that the two can run on two threads.
 
-use std::hash::BuildHasher as _;
 use std::sync::Arc;
 
 use super::{Object, Replica, State};
 use crate::allocator::SegmentAllocator;
 use crate::keyhash::KeyHashBuilder;
 
+/// One decoded object on its way into a [`BulkRestore`]: its key's hash (from
+/// [`BulkRestore::hasher`], computed where it is decoded), its key and the
+/// object. A batch holds them as `Some` until each is taken in order.
+#[derive(Debug)]
+pub struct Decoded {
+    /// `hasher().hash_one(&*key)` of the restore's table.
+    pub hash: u64,
+    /// The key.
+    pub key: Arc<str>,
+    /// The object, admitted by [`UsedRanges::admit`].
+    pub object: Object,
+}
+
 /// The bulk form of folding a snapshot's objects into a state that holds its
 /// segments and nothing else: each object keeps the commit order it is given
 /// (its place in the snapshot), and each segment's allocator is built once
 /// from all its replicas' ranges ([`UsedRanges`], [`SegmentAllocator::with_used`]) instead of one
 /// reservation per replica. The two halves can run on two threads: the ranges
-/// where the snapshot is decoded, the inserts into the object table (the part
-/// that misses the cache) on another.
+/// and the keys' hashes where the snapshot is decoded, the inserts into the
+/// object table (the part that misses the cache) on another.
 #[derive(Debug)]
 pub struct BulkRestore {
     state: State,
     homes: HomeBuckets,
     /// A batch's sort keys: home bucket, then position (kept to reuse memory).
     sort_keys: Vec<u64>,
-    /// A batch while it is put in order (kept to reuse its memory).
-    taken: Vec<Option<(Arc<str>, Object)>>,
 }
 
 /// Most objects in one [`BulkRestore::insert_batch`] (2^24: a position fits below the home bucket in one sort key).
@@ -42,45 +52,48 @@ impl BulkRestore {
             state,
             homes,
             sort_keys: Vec::new(),
-            taken: Vec::new(),
         }
+    }
+
+    /// The hasher a [`Decoded`] key's hash comes from.
+    pub fn hasher(&self) -> KeyHashBuilder {
+        *self.state.objects.hasher()
     }
 
     /// Inserts a batch (at most [`MAX_BATCH`]) of objects admitted by
     /// [`UsedRanges::admit`], their commit order already given (their place in
     /// the snapshot: oldest first), and leaves `batch` empty. The batch goes in
-    /// the order of its keys' home buckets; batches may come in any order, and
-    /// of two records of one key the later (newer) one wins.
-    pub fn insert_batch(&mut self, batch: &mut Vec<(Arc<str>, Object)>) {
-        self.arrange(batch);
-        for (key, object) in batch.drain(..) {
+    /// the order of its keys' home buckets, each object moved once, from the
+    /// batch into the table; batches may come in any order, and of two records
+    /// of one key the later (newer) one wins.
+    pub fn insert_batch(&mut self, batch: &mut Vec<Option<Decoded>>) {
+        let homes = self.homes;
+        self.sort_keys.clear();
+        self.sort_keys
+            .extend(batch.iter().enumerate().filter_map(|(position, decoded)| {
+                let decoded = decoded.as_ref()?;
+                Some(homes.of(decoded.hash) << POSITION_BITS | position as u64)
+            }));
+        // Records of one key keep their order (the position breaks the tie).
+        self.sort_keys.sort_unstable();
+        let position_mask = (1u64 << POSITION_BITS) - 1;
+        for sort_key in &self.sort_keys {
+            let Some(Decoded { hash, key, object }) =
+                batch[(sort_key & position_mask) as usize].take()
+            else {
+                continue;
+            };
             self.state.next_order = self.state.next_order.max(object.order + 1);
-            if self.state.objects.insert(key, object).is_some() {
+            if self
+                .state
+                .objects
+                .insert_hashed(hash, key, object)
+                .is_some()
+            {
                 tracing::warn!("a snapshot holds a key twice; the newer record wins");
             }
         }
-    }
-
-    /// Puts `batch` in home-bucket order; records of one key keep their order.
-    fn arrange(&mut self, batch: &mut Vec<(Arc<str>, Object)>) {
-        let homes = self.homes;
-        self.sort_keys.clear();
-        self.sort_keys.extend(
-            batch
-                .iter()
-                .enumerate()
-                .map(|(position, (key, _))| homes.of(key) << POSITION_BITS | position as u64),
-        );
-        self.sort_keys.sort_unstable();
-        let taken = &mut self.taken;
-        taken.clear();
-        taken.extend(batch.drain(..).map(Some));
-        let position_mask = (1u64 << POSITION_BITS) - 1;
-        batch.extend(
-            self.sort_keys
-                .iter()
-                .filter_map(|sort_key| taken[(sort_key & position_mask) as usize].take()),
-        );
+        batch.clear();
     }
 
     /// The restored state, with the allocators built from every object's ranges.
@@ -104,7 +117,6 @@ impl BulkRestore {
 /// TLB reach, as inserting it in commit order does.
 #[derive(Debug, Clone, Copy)]
 struct HomeBuckets {
-    hasher: KeyHashBuilder,
     mask: u64,
 }
 
@@ -115,15 +127,12 @@ impl HomeBuckets {
         // The table's bucket count is a power of two holding `capacity` at a
         // load of 7/8; a wrong guess only costs locality, never correctness.
         let buckets = (capacity / 7 * 8).max(1).next_power_of_two();
-        Self {
-            hasher: *state.objects.hasher(),
-            mask: buckets - 1,
-        }
+        Self { mask: buckets - 1 }
     }
 
-    /// The bucket where a probe for `key` starts.
-    fn of(&self, key: &str) -> u64 {
-        self.hasher.hash_one(key) & self.mask
+    /// The bucket where a probe for a key of `hash` starts.
+    fn of(&self, hash: u64) -> u64 {
+        hash & self.mask
     }
 }
 

@@ -21,7 +21,7 @@ use crate::keyhash::KeyHashBuilder;
 mod bulk;
 mod table;
 
-pub use bulk::{BulkRestore, RestoredAllocators, UsedRanges, MAX_BATCH};
+pub use bulk::{BulkRestore, Decoded, RestoredAllocators, UsedRanges, MAX_BATCH};
 pub use table::ObjectTable;
 
 /// Index of a mounted segment in the state's segment table; objects refer to

@@ -89,6 +89,18 @@ impl ObjectTable {
     /// Puts `object` under `key`; returns the object it replaced.
     pub fn insert(&mut self, key: Arc<str>, object: Object) -> Option<Object> {
         let hash = self.hasher.hash_one(&*key);
+        self.insert_hashed(hash, key, object)
+    }
+
+    /// [`ObjectTable::insert`] of a key whose hash was computed already, with
+    /// this table's [`ObjectTable::hasher`] (`hasher().hash_one(&*key)`): a
+    /// bulk restore hashes each key once, on the thread that decodes it.
+    pub fn insert_hashed(&mut self, hash: u64, key: Arc<str>, object: Object) -> Option<Object> {
+        debug_assert_eq!(
+            hash,
+            self.hasher.hash_one(&*key),
+            "hashed by another hasher"
+        );
         let chunks = &self.chunks;
         if let Some(&position) = self
             .index
