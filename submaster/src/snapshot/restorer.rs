@@ -1,6 +1,6 @@
 //! Restoring a state while its snapshot is decoded: the decoding thread turns
-//! each record into an object, records the ranges its replicas use
-//! ([`UsedRanges`]) and hands batches of objects to an inserting thread, which
+//! each record into an object, hashes its key, records the ranges its replicas
+//! use ([`UsedRanges`]) and hands batches of objects to an inserting thread, which
 //! builds the object table ([`BulkRestore`]), each batch in the order of its
 //! keys' home buckets. In commit order every insert
 //! lands somewhere else in a table larger than any cache or TLB reach; in
