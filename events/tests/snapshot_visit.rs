@@ -23,14 +23,7 @@ impl SnapshotVisitor for Seen {
     }
 
     fn object(&mut self, object: ObjectView<'_>) {
-        self.objects.push(ObjectRecord {
-            key: object.key.into(),
-            size: object.size,
-            checksum: object.checksum,
-            replicas: object.replicas.to_vec(),
-            flags: object.flags,
-            put_id: object.put_id,
-        });
+        self.objects.push(object.to_record());
     }
 }
 

@@ -168,39 +168,9 @@ impl Serialize for Record<'_> {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use super::*;
-    use crate::snapshot::{SegmentRecord, SnapshotFile};
-    use crate::{NodeId, SegmentId};
-
-    /// A generated object: key, size, replicas, flags, put id.
-    type Generated = (String, u64, Vec<(u32, u64)>, u32, u64);
-
-    fn file(objects: &[Generated], segments: usize) -> SnapshotFile {
-        let mut file = SnapshotFile::new(17, 4);
-        file.segments = (0..segments)
-            .map(|i| SegmentRecord {
-                node: NodeId::new(format!("n{i}")).unwrap_or_else(|_| unreachable!()),
-                segment: SegmentId::new(format!("n{i}-seg")).unwrap_or_else(|_| unreachable!()),
-                size: 1 << 20,
-                endpoint: format!("10.0.0.{i}:7000"),
-                rdma: None,
-            })
-            .collect();
-        file.objects = objects
-            .iter()
-            .map(|(key, size, replicas, flags, put_id)| ObjectRecord {
-                key: Arc::from(key.as_str()),
-                size: *size,
-                checksum: size.wrapping_mul(31),
-                replicas: replicas.clone(),
-                flags: *flags,
-                put_id: *put_id,
-            })
-            .collect();
-        file
-    }
+    use crate::snapshot::generated::file;
+    use crate::snapshot::SnapshotFile;
 
     /// The derived serialization of the whole file: the format's definition.
     fn derived(file: &SnapshotFile) -> Vec<u8> {

@@ -292,14 +292,46 @@ impl SnapshotVisitor for Records {
     }
 
     fn object(&mut self, object: ObjectView<'_>) {
-        self.0.push(ObjectRecord {
-            key: Arc::from(object.key),
-            size: object.size,
-            checksum: object.checksum,
-            replicas: object.replicas.to_vec(),
-            flags: object.flags,
-            put_id: object.put_id,
-        });
+        self.0.push(object.to_record());
+    }
+}
+
+/// Snapshots made from generated objects, for the format's tests.
+#[cfg(test)]
+pub(crate) mod generated {
+    use std::sync::Arc;
+
+    use super::{ObjectRecord, SegmentRecord, SnapshotFile};
+    use crate::{NodeId, SegmentId};
+
+    /// A generated object: key, size, replicas, flags, put id.
+    pub(crate) type Generated = (String, u64, Vec<(u32, u64)>, u32, u64);
+
+    /// A snapshot of `objects` (each value's checksum derived from its size)
+    /// over `segments` segments.
+    pub(crate) fn file(objects: &[Generated], segments: usize) -> SnapshotFile {
+        let mut file = SnapshotFile::new(17, 4);
+        file.segments = (0..segments)
+            .map(|i| SegmentRecord {
+                node: NodeId::new(format!("n{i}")).unwrap_or_else(|_| unreachable!()),
+                segment: SegmentId::new(format!("n{i}-seg")).unwrap_or_else(|_| unreachable!()),
+                size: 1 << 20,
+                endpoint: format!("10.0.0.{i}:7000"),
+                rdma: None,
+            })
+            .collect();
+        file.objects = objects
+            .iter()
+            .map(|(key, size, replicas, flags, put_id)| ObjectRecord {
+                key: Arc::from(key.as_str()),
+                size: *size,
+                checksum: size.wrapping_mul(31),
+                replicas: replicas.clone(),
+                flags: *flags,
+                put_id: *put_id,
+            })
+            .collect();
+        file
     }
 }
 

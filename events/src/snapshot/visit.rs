@@ -50,6 +50,20 @@ pub struct ObjectView<'a> {
     pub put_id: u64,
 }
 
+impl ObjectView<'_> {
+    /// The object as an owned record.
+    pub fn to_record(&self) -> super::ObjectRecord {
+        super::ObjectRecord {
+            key: self.key.into(),
+            size: self.size,
+            checksum: self.checksum,
+            replicas: self.replicas.to_vec(),
+            flags: self.flags,
+            put_id: self.put_id,
+        }
+    }
+}
+
 /// What a streaming decode hands each part of a snapshot to.
 pub trait SnapshotVisitor {
     /// Called once, before any object, with the header and how many objects

@@ -3,16 +3,13 @@
 //! objects and end the same way.
 #![allow(clippy::unwrap_used)]
 
-use std::sync::Arc;
-
 use proptest::prelude::*;
 
+use crate::snapshot::generated::{file, Generated};
 use crate::snapshot::visit::decode_body_with_serde;
 use crate::snapshot::{
-    ObjectRecord, ObjectView, SegmentRecord, SnapshotError, SnapshotFile, SnapshotHeader,
-    SnapshotVisitor,
+    ObjectRecord, ObjectView, SnapshotError, SnapshotFile, SnapshotHeader, SnapshotVisitor,
 };
-use crate::{NodeId, SegmentId};
 
 /// What a decoder handed over, and how it ended.
 #[derive(Debug, Default, PartialEq)]
@@ -27,14 +24,7 @@ impl SnapshotVisitor for Seen {
     }
 
     fn object(&mut self, object: ObjectView<'_>) {
-        self.objects.push(ObjectRecord {
-            key: Arc::from(object.key),
-            size: object.size,
-            checksum: object.checksum,
-            replicas: object.replicas.to_vec(),
-            flags: object.flags,
-            put_id: object.put_id,
-        });
+        self.objects.push(object.to_record());
     }
 }
 
@@ -84,35 +74,7 @@ fn both_agree(body: &[u8]) -> Result<bool, TestCaseError> {
     Ok(took)
 }
 
-/// An object of a generated snapshot: key, size, replicas, flags, put id.
-type Spec = (String, u64, Vec<(u32, u64)>, u32, u64);
-
-fn file(objects: &[Spec], segments: usize) -> SnapshotFile {
-    let mut file = SnapshotFile::new(9, 2);
-    file.segments = (0..segments)
-        .map(|i| SegmentRecord {
-            node: NodeId::new(format!("n{i}")).unwrap(),
-            segment: SegmentId::new(format!("n{i}-seg")).unwrap(),
-            size: 1 << 30,
-            endpoint: format!("10.0.0.{i}:7000"),
-            rdma: None,
-        })
-        .collect();
-    file.objects = objects
-        .iter()
-        .map(|(key, size, replicas, flags, put_id)| ObjectRecord {
-            key: key.as_str().into(),
-            size: *size,
-            checksum: size.wrapping_mul(31),
-            replicas: replicas.clone(),
-            flags: *flags,
-            put_id: *put_id,
-        })
-        .collect();
-    file
-}
-
-fn spec() -> impl Strategy<Value = Spec> {
+fn spec() -> impl Strategy<Value = Generated> {
     (
         "[a-z0-9/]{0,40}",
         prop_oneof![0u64..200, any::<u64>()],
