@@ -286,9 +286,9 @@ impl KeyIndex {
     }
 
     /// Returns unused capacity to the allocator. The id table is rebuilt at its
-    /// size in one pass over the ids (their hashes read in order, the slots
-    /// loaded ahead: [`IdTable::build`]) instead of re-placing its slots, which
-    /// would read every hash at random.
+    /// size from the ids ([`IdTable::build`]: their hashes read in order, then
+    /// placed in the order of their home slots) instead of re-placing its
+    /// slots, which would read every hash at random.
     pub fn shrink_to_fit(&mut self) {
         self.hashes.shrink_to_fit();
         self.masks.shrink_to_fit();
