@@ -30,6 +30,7 @@ fn slot(hash: u64, id: u32) -> u64 {
 fn id_of(slot: u64) -> u32 {
     slot as u32
 }
+
 /// Home regions a build sorts ids into ([`in_home_order`]): at 10 M ids a
 /// region spans about 24,000 slots (195 KB of table, within a core's L2), and
 /// the 1,024 places the sort writes to stay within the TLB's reach. Measured
