@@ -36,6 +36,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::id::{NodeId, SegmentId, SubclusterId};
 
+mod reader;
+
+pub use reader::CheckpointReader;
+
 /// The first eight bytes of every checkpoint.
 pub const MAGIC: &[u8; 8] = b"HKVMPRJ1";
 
@@ -347,30 +351,10 @@ impl Checkpoint {
     /// A [`CheckpointError`] when the bytes are truncated, corrupt or malformed;
     /// never panics on bad input.
     pub fn decode(bytes: &[u8]) -> Result<Checkpoint, CheckpointError> {
-        let (header, mut reader) = open(bytes)?;
-        let hashes = reader.array("hashes", header.ids, u64::from_le_bytes)?;
-        let masks = reader.array("masks", header.ids, u32::from_le_bytes)?;
-        let free = reader.array("free ids", header.free, u32::from_le_bytes)?;
-        let mut bitmaps = Vec::with_capacity(header.sources.len());
-        for source in 0..header.sources.len() {
-            let len = reader.u32("bitmap length")? as usize;
-            let bitmap = RoaringBitmap::deserialize_from(reader.take("bitmap", len)?)
-                .map_err(|e| CheckpointError::Malformed(format!("bitmap {source}: {e}")))?;
-            bitmaps.push(bitmap);
-        }
-        if !reader.rest.is_empty() {
-            return Err(CheckpointError::Malformed(format!(
-                "{} trailing bytes",
-                reader.rest.len()
-            )));
-        }
-        Ok(Checkpoint {
-            sources: header.sources.into_iter().map(Into::into).collect(),
-            hashes,
-            masks,
-            free,
-            bitmaps,
-        })
+        verify(bytes)?;
+        let mut reader = CheckpointReader::checked(bytes.len() as u64)?;
+        reader.feed(bytes)?;
+        reader.finish()
     }
 }
 
@@ -381,7 +365,7 @@ impl CheckpointHeader {
     /// # Errors
     /// A [`CheckpointError`] when the bytes are not a valid checkpoint header.
     pub fn read(bytes: &[u8]) -> Result<CheckpointHeader, CheckpointError> {
-        let (header, _) = open(bytes)?;
+        let header = open(bytes)?;
         Ok(CheckpointHeader {
             sources: header.sources.into_iter().map(Into::into).collect(),
             ids: header.ids,
@@ -391,65 +375,9 @@ impl CheckpointHeader {
 }
 
 /// A cursor over checkpoint bytes that fails cleanly when they run out.
-struct Reader<'a> {
-    rest: &'a [u8],
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, section: &'static str, len: usize) -> Result<&'a [u8], CheckpointError> {
-        if len > self.rest.len() {
-            return Err(CheckpointError::Truncated {
-                section,
-                needed: len as u64,
-                available: self.rest.len() as u64,
-            });
-        }
-        let (head, rest) = self.rest.split_at(len);
-        self.rest = rest;
-        Ok(head)
-    }
-
-    fn u32(&mut self, section: &'static str) -> Result<u32, CheckpointError> {
-        let bytes = self.take(section, LENGTH_LEN)?;
-        Ok(u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]))
-    }
-
-    /// Reads `count` little-endian words of `N` bytes, after checking they are there.
-    fn array<const N: usize, T>(
-        &mut self,
-        section: &'static str,
-        count: u64,
-        convert: fn([u8; N]) -> T,
-    ) -> Result<Vec<T>, CheckpointError> {
-        let len = count
-            .checked_mul(N as u64)
-            .ok_or(CheckpointError::TooLarge {
-                section,
-                len: count,
-            })?;
-        if len > self.rest.len() as u64 {
-            return Err(CheckpointError::Truncated {
-                section,
-                needed: len,
-                available: self.rest.len() as u64,
-            });
-        }
-        // Fits: it is at most the length of a slice.
-        let bytes = self.take(section, len as usize)?;
-        Ok(bytes
-            .chunks_exact(N)
-            .map(|chunk| {
-                let mut word = [0u8; N];
-                word.copy_from_slice(chunk);
-                convert(word)
-            })
-            .collect())
-    }
-}
-
-/// Checks the magic and checksum and decodes the header; returns the reader
-/// positioned after the header, over the body without the checksum.
-fn open(bytes: &[u8]) -> Result<(HeaderIn, Reader<'_>), CheckpointError> {
+/// Checks the magic, the length and the checksum of a checkpoint held whole;
+/// returns the bytes after the magic and before the checksum.
+fn verify(bytes: &[u8]) -> Result<&[u8], CheckpointError> {
     if bytes.len() >= MAGIC.len() && &bytes[..MAGIC.len()] != MAGIC {
         return Err(CheckpointError::BadMagic);
     }
@@ -468,13 +396,34 @@ fn open(bytes: &[u8]) -> Result<(HeaderIn, Reader<'_>), CheckpointError> {
     if stored != computed {
         return Err(CheckpointError::ChecksumMismatch { stored, computed });
     }
-    let mut reader = Reader {
-        rest: &body[MAGIC.len()..],
-    };
-    let header_len = reader.u32("header length")? as usize;
-    let header: HeaderIn = rmp_serde::from_slice(reader.take("header", header_len)?)
-        .map_err(|e| CheckpointError::Malformed(format!("header: {e}")))?;
-    Ok((header, reader))
+    Ok(&body[MAGIC.len()..])
+}
+
+/// Reads the header of a checkpoint held whole (checks its checksum).
+fn open(bytes: &[u8]) -> Result<HeaderIn, CheckpointError> {
+    let rest = verify(bytes)?;
+    if rest.len() < LENGTH_LEN {
+        return Err(CheckpointError::Truncated {
+            section: "header length",
+            needed: LENGTH_LEN as u64,
+            available: rest.len() as u64,
+        });
+    }
+    let (len, rest) = rest.split_at(LENGTH_LEN);
+    let len = u32::from_le_bytes([len[0], len[1], len[2], len[3]]) as usize;
+    if len > rest.len() {
+        return Err(CheckpointError::Truncated {
+            section: "header",
+            needed: len as u64,
+            available: rest.len() as u64,
+        });
+    }
+    parse_header(&rest[..len])
+}
+
+/// Decodes the MessagePack header.
+fn parse_header(bytes: &[u8]) -> Result<HeaderIn, CheckpointError> {
+    rmp_serde::from_slice(bytes).map_err(|e| CheckpointError::Malformed(format!("header: {e}")))
 }
 
 #[cfg(test)]

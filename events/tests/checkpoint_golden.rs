@@ -4,7 +4,8 @@
 #![allow(clippy::unwrap_used)]
 
 use hkvm_events::checkpoint::{
-    Checkpoint, CheckpointErrorKind, CheckpointHeader, CheckpointSource, MAGIC,
+    Checkpoint, CheckpointError, CheckpointErrorKind, CheckpointHeader, CheckpointReader,
+    CheckpointSource, MAGIC,
 };
 use hkvm_events::{NodeId, SegmentId, SubclusterId};
 use proptest::prelude::*;
@@ -385,7 +386,89 @@ fn mutate(body: &mut Vec<u8>, mutation: &Mutation) {
     }
 }
 
+/// `bytes` fed to a [`CheckpointReader`] in pieces cut at `cuts` (positions,
+/// any order, repeats allowed), declared `len` bytes long.
+fn read_in_pieces(
+    bytes: &[u8],
+    len: u64,
+    cuts: &[prop::sample::Index],
+) -> Result<Checkpoint, CheckpointError> {
+    let mut cuts: Vec<usize> = cuts.iter().map(|cut| cut.index(bytes.len() + 1)).collect();
+    cuts.push(bytes.len());
+    cuts.sort_unstable();
+    let mut reader = CheckpointReader::new(len)?;
+    let mut from = 0;
+    for cut in cuts {
+        reader.feed(&bytes[from..cut])?;
+        from = cut;
+    }
+    reader.finish()
+}
+
+fn pieces() -> impl Strategy<Value = Vec<prop::sample::Index>> {
+    prop::collection::vec(any::<prop::sample::Index>(), 0..12)
+}
+
 proptest! {
+    /// Read in pieces, a checkpoint decodes to what it decodes to whole; any
+    /// bytes that fail whole fail in pieces (maybe as another kind: a piece
+    /// can show the damage before the checksum comes).
+    #[test]
+    fn reading_in_pieces_agrees_with_decoding_whole(
+        checkpoint in checkpoint(),
+        mutations in prop::collection::vec(mutation(), 0..3),
+        reseal in any::<bool>(),
+        cuts in pieces(),
+    ) {
+        let mut bytes = checkpoint.encode().unwrap();
+        if reseal {
+            bytes.truncate(bytes.len() - 8);
+            for mutation in &mutations {
+                mutate(&mut bytes, mutation);
+            }
+            bytes = seal(bytes);
+        } else {
+            for mutation in &mutations {
+                mutate(&mut bytes, mutation);
+            }
+        }
+        let whole = Checkpoint::decode(&bytes);
+        let pieces = read_in_pieces(&bytes, bytes.len() as u64, &cuts);
+        match (&whole, &pieces) {
+            (Ok(whole), Ok(pieces)) => prop_assert_eq!(whole, pieces),
+            (Err(_), Err(_)) => {}
+            _ => prop_assert!(false, "whole {:?}, in pieces {:?}", whole, pieces),
+        }
+        if mutations.is_empty() {
+            prop_assert_eq!(pieces.unwrap(), checkpoint);
+        }
+    }
+
+    /// A stream that ends early or runs on past its declared length is
+    /// refused, whatever its pieces.
+    #[test]
+    fn a_stream_of_another_length_than_declared_is_refused(
+        checkpoint in checkpoint(),
+        cut in any::<prop::sample::Index>(),
+        extra in 1u64..64,
+        cuts in pieces(),
+    ) {
+        let bytes = checkpoint.encode().unwrap();
+        let len = bytes.len() as u64;
+        let short = &bytes[..cut.index(bytes.len())];
+        let error = read_in_pieces(short, len, &cuts).unwrap_err();
+        prop_assert!(
+            matches!(error.kind(), CheckpointErrorKind::Truncated),
+            "{}", error
+        );
+        // Declared shorter than it is: the sections outrun the declared body,
+        // or bytes come after its checksum.
+        prop_assert!(read_in_pieces(&bytes, len - extra.min(len), &cuts).is_err());
+        let mut longer = bytes.clone();
+        longer.extend(std::iter::repeat_n(0u8, extra as usize));
+        prop_assert!(read_in_pieces(&longer, len, &cuts).is_err());
+    }
+
     #[test]
     fn generated_checkpoints_round_trip(checkpoint in checkpoint()) {
         let bytes = checkpoint.encode().unwrap();

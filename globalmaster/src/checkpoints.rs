@@ -8,6 +8,7 @@
 
 use async_nats::jetstream::{self, object_store};
 use futures::StreamExt as _;
+use hkvm_events::checkpoint::{Checkpoint, CheckpointError, CheckpointReader};
 use hkvm_events::objects;
 use hkvm_events::positions::{Positions, ReaderKind};
 use hkvm_events::subject::{bloom_object_name, checkpoint_object_name, Bucket};
@@ -62,6 +63,43 @@ async fn newest_first(
     Ok(infos)
 }
 
+/// Bytes asked of the object store at a time while a checkpoint streams in.
+const READ_PIECE: usize = 256 * 1024;
+
+/// Why one stored checkpoint was passed over.
+#[derive(Debug, thiserror::Error)]
+enum Unreadable {
+    #[error("reading: {0}")]
+    Read(String),
+    #[error(transparent)]
+    Format(#[from] CheckpointError),
+}
+
+/// Reads the checkpoint `info` names, decoding each piece as it arrives (its
+/// arrays are filled while the rest is still coming, and the whole blob is
+/// never held); checked against its checksum at the end.
+async fn read(
+    store: &object_store::ObjectStore,
+    info: &object_store::ObjectInfo,
+) -> Result<Checkpoint, Unreadable> {
+    let mut object = store
+        .get(&info.name)
+        .await
+        .map_err(|e| Unreadable::Read(e.to_string()))?;
+    let mut reader = CheckpointReader::new(info.size as u64)?;
+    let mut piece = vec![0u8; READ_PIECE];
+    loop {
+        let len = object
+            .read(&mut piece)
+            .await
+            .map_err(|e| Unreadable::Read(e.to_string()))?;
+        if len == 0 {
+            return Ok(reader.finish()?);
+        }
+        reader.feed(&piece[..len])?;
+    }
+}
+
 /// Loads the newest valid checkpoint; `None` when there is none.
 ///
 /// # Errors
@@ -71,40 +109,32 @@ pub async fn load_newest(
 ) -> Result<Option<(String, Projection)>, GlobalMasterError> {
     for info in newest_first(store).await? {
         let started = std::time::Instant::now();
-        let mut object = match store.get(&info.name).await {
-            Ok(object) => object,
+        let decoded = match read(store, &info).await {
+            Ok(decoded) => decoded,
             Err(error) => {
-                tracing::warn!(name = %info.name, %error, "reading a checkpoint");
+                tracing::warn!(name = %info.name, %error, "skipping a checkpoint");
                 continue;
             }
         };
-        // Sized once, plus one byte so that the end is seen without growing
-        // (which would copy the whole checkpoint into a buffer twice its size).
-        let mut bytes = Vec::with_capacity(info.size.saturating_add(1));
-        if let Err(error) = object.read_to_end(&mut bytes).await {
-            tracing::warn!(name = %info.name, %error, "reading a checkpoint");
-            continue;
-        }
         let read_ms = started.elapsed().as_millis() as u64;
-        let len = bytes.len();
-        // Rebuilding the index of millions of keys is seconds of CPU: not on a
+        // Rebuilding the index of millions of keys is CPU for a while: not on a
         // runtime worker, where it would hold up this process's NATS connection.
-        let decoded = tokio::task::spawn_blocking(move || checkpoint::decode(&bytes))
+        let restored = tokio::task::spawn_blocking(move || checkpoint::from_checkpoint(decoded))
             .await
             .map_err(|e| {
                 GlobalMasterError::caused(
                     crate::GlobalMasterErrorKind::Checkpoint,
-                    "decoding a checkpoint",
+                    "rebuilding the index of a checkpoint",
                     e,
                 )
             })?;
-        match decoded {
+        match restored {
             Ok(projection) => {
                 tracing::info!(
                     name = %info.name,
-                    bytes = len,
+                    bytes = info.size,
                     read_ms,
-                    decode_ms = started.elapsed().as_millis() as u64 - read_ms,
+                    index_ms = started.elapsed().as_millis() as u64 - read_ms,
                     "checkpoint loaded"
                 );
                 return Ok(Some((info.name, projection)));

@@ -203,6 +203,26 @@ mod tests {
     }
 
     #[test]
+    fn a_repeated_hash_or_an_id_out_of_range_is_a_bad_checkpoint() {
+        let malformed = |checkpoint: Checkpoint| {
+            let error = from_checkpoint(checkpoint).unwrap_err();
+            let ProjectorErrorKind::BadCheckpoint(inner) = error.kind() else {
+                panic!("{error}");
+            };
+            assert_eq!(inner.kind(), CheckpointErrorKind::Malformed);
+            inner.to_string()
+        };
+        let mut checkpoint = to_checkpoint(&projection());
+        let first = checkpoint.hashes[0];
+        checkpoint.hashes[1] = first;
+        assert!(malformed(checkpoint).contains("twice (id 1)"));
+        let mut checkpoint = to_checkpoint(&projection());
+        let ids = checkpoint.hashes.len() as u32;
+        checkpoint.bitmaps[0].insert(ids);
+        assert!(malformed(checkpoint).contains("out of range"));
+    }
+
+    #[test]
     fn format_errors_keep_their_kind() {
         let bytes = encode(&projection()).unwrap();
         let error = decode(&bytes[..bytes.len() - 1]).unwrap_err();

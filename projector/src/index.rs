@@ -12,7 +12,7 @@
 
 use roaring::RoaringBitmap;
 
-use crate::table::IdTable;
+use crate::table::{HomeOrder, IdTable};
 
 /// The mask bit meaning "held by some source at index [`OVERFLOW_BIT`] or more".
 pub const OVERFLOW_BIT: usize = 31;
@@ -328,24 +328,42 @@ impl KeyIndex {
             return Err("an id is out of range".to_owned());
         }
         u32::try_from(masks.len()).map_err(|_| "more ids than fit in 32 bits")?;
-        let table = IdTable::build(live_ids(&masks), live_ids(&masks).count(), &hashes)
-            .map_err(|id| format!("a hash appears twice (id {id})"))?;
-        let index = Self {
+        // Two threads: one sorts the ids into the table's order while the
+        // other allocates the table and checks the bitmaps against the masks.
+        let table = std::thread::scope(|scope| {
+            let other = scope.spawn(|| {
+                let table = IdTable::with_capacity(live_ids(&masks).count());
+                check_bitmaps(&masks, &bitmaps).map(|()| table)
+            });
+            let order = HomeOrder::new(live_ids(&masks), &hashes);
+            let table = other
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
+            table
+                .fill(&order, &hashes)
+                .map_err(|id| format!("a hash appears twice (id {id})"))
+        })?;
+        Ok(Self {
             hashes,
             masks,
             table,
             free,
             bitmaps,
             dropped: 0,
-        };
-        for (source, bitmap) in index.bitmaps.iter().enumerate() {
-            let bit = 1 << source.min(OVERFLOW_BIT);
-            if bitmap.iter().any(|id| index.masks[id as usize] & bit == 0) {
-                return Err(format!("source {source} holds ids its mask bit lacks"));
-            }
-        }
-        Ok(index)
+        })
     }
+}
+
+/// Checks that each source's bitmap holds only ids whose mask has the
+/// source's bit.
+fn check_bitmaps(masks: &[u32], bitmaps: &[RoaringBitmap]) -> Result<(), String> {
+    for (source, bitmap) in bitmaps.iter().enumerate() {
+        let bit = 1 << source.min(OVERFLOW_BIT);
+        if bitmap.iter().any(|id| masks[id as usize] & bit == 0) {
+            return Err(format!("source {source} holds ids its mask bit lacks"));
+        }
+    }
+    Ok(())
 }
 
 /// The ids in use (a mask that is not [`FREE`]), in order; `masks` holds at

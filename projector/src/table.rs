@@ -31,37 +31,49 @@ fn id_of(slot: u64) -> u32 {
     slot as u32
 }
 
-/// Home regions a build sorts ids into ([`in_home_order`]): at 10 M ids a
+/// Home regions a build sorts ids into ([`HomeOrder`]): at 10 M ids a
 /// region spans about 24,000 slots (195 KB of table, within a core's L2), and
 /// the 1,024 places the sort writes to stay within the TLB's reach. Measured
 /// on 10 M ids: 512 regions build in 0.60x the time of placing the ids in id
 /// order (290 against 490 ms), 4,096 in 0.82x, 64 in 0.78x.
 const BUILD_REGIONS: u64 = 512;
 
-/// `ids` and their hashes in the order of their home slots, to region
+/// Ids and their hashes in the order of their home slots, to region
 /// precision: a stable counting sort by the high bits of each hash (a home
 /// slot grows with its hash, whatever the table's size), so ids of one hash
 /// keep their order. The hashes are read in id order and carried along, so a
 /// build never reads them at random.
-fn in_home_order(ids: impl Iterator<Item = u32> + Clone, hashes: &[u64]) -> (Vec<u64>, Vec<u32>) {
-    let region = |hash: u64| ((u128::from(hash) * u128::from(BUILD_REGIONS)) >> 64) as usize;
-    let mut next = vec![0usize; BUILD_REGIONS as usize + 1];
-    for id in ids.clone() {
-        next[region(hashes[id as usize]) + 1] += 1;
+#[derive(Debug, Default)]
+pub(crate) struct HomeOrder {
+    hashes: Vec<u64>,
+    ids: Vec<u32>,
+}
+
+impl HomeOrder {
+    /// `ids` (each hashed by `hashes[id]`) sorted by home region.
+    pub fn new(ids: impl Iterator<Item = u32> + Clone, hashes: &[u64]) -> Self {
+        let region = |hash: u64| ((u128::from(hash) * u128::from(BUILD_REGIONS)) >> 64) as usize;
+        let mut next = vec![0usize; BUILD_REGIONS as usize + 1];
+        for id in ids.clone() {
+            next[region(hashes[id as usize]) + 1] += 1;
+        }
+        for at in 1..next.len() {
+            next[at] += next[at - 1];
+        }
+        let total = next[BUILD_REGIONS as usize];
+        let mut order = Self {
+            hashes: vec![0u64; total],
+            ids: vec![0u32; total],
+        };
+        for id in ids {
+            let hash = hashes[id as usize];
+            let place = &mut next[region(hash)];
+            order.hashes[*place] = hash;
+            order.ids[*place] = id;
+            *place += 1;
+        }
+        order
     }
-    for at in 1..next.len() {
-        next[at] += next[at - 1];
-    }
-    let total = next[BUILD_REGIONS as usize];
-    let (mut ordered_hashes, mut ordered_ids) = (vec![0u64; total], vec![0u32; total]);
-    for id in ids {
-        let hash = hashes[id as usize];
-        let place = &mut next[region(hash)];
-        ordered_hashes[*place] = hash;
-        ordered_ids[*place] = id;
-        *place += 1;
-    }
-    (ordered_hashes, ordered_ids)
 }
 
 /// Keys looked up together in [`IdTable::find_many`].
@@ -89,7 +101,7 @@ impl IdTable {
 
     /// A table of `ids` (each hashed by `hashes[id]`; about `count` of them).
     /// The ids are first put in the order of their home slots (by home
-    /// region, [`in_home_order`]), so that the build sweeps the table once
+    /// region, [`HomeOrder`]), so that the build sweeps the table once
     /// instead of placing each id somewhere else in a table larger than any
     /// cache; each id's home slot is also loaded [`BUILD_AHEAD`] ids before it
     /// is placed. `Err(id)` names an id whose hash an id before it (in `ids`'
@@ -98,19 +110,24 @@ impl IdTable {
     where
         I: Iterator<Item = u32> + Clone,
     {
-        let mut table = Self::with_capacity(count);
-        let (ordered_hashes, ordered_ids) = in_home_order(ids, hashes);
-        for (at, (&hash, &id)) in ordered_hashes.iter().zip(&ordered_ids).enumerate() {
-            if let Some(&ahead) = ordered_hashes.get(at + BUILD_AHEAD) {
-                table.prefetch_home(ahead);
+        Self::with_capacity(count).fill(&HomeOrder::new(ids, hashes), hashes)
+    }
+
+    /// Places the ids of `order` into this table (built as [`Self::build`]
+    /// does, for a caller that sorts and allocates on two threads). `Err(id)`
+    /// names an id whose hash is in the table already.
+    pub fn fill(mut self, order: &HomeOrder, hashes: &[u64]) -> Result<Self, u32> {
+        for (at, (&hash, &id)) in order.hashes.iter().zip(&order.ids).enumerate() {
+            if let Some(&ahead) = order.hashes.get(at + BUILD_AHEAD) {
+                self.prefetch_home(ahead);
             }
-            table.make_room_for_one(hashes);
-            if !table.place_new(hash, id, hashes) {
+            self.make_room_for_one(hashes);
+            if !self.place_new(hash, id, hashes) {
                 return Err(id);
             }
-            table.len += 1;
+            self.len += 1;
         }
-        Ok(table)
+        Ok(self)
     }
 
     /// Places `id`, whose hash is `hash`, unless the hash is in the table

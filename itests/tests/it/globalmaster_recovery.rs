@@ -4,6 +4,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use async_nats::jetstream::object_store;
 use hkvm_events::commit::{CommitConfig, GroupCommitter};
 use hkvm_events::key_hash;
 use hkvm_events::rpc::global::BloomFilter;
@@ -361,4 +362,55 @@ async fn only_the_newest_checkpoints_are_kept() {
     assert_eq!(names, newest);
     let (name, _) = checkpoints::load_newest(&store).await.unwrap().unwrap();
     assert_eq!(name, format!("projection-g{}", replicas - 1));
+}
+
+#[tokio::test]
+async fn a_damaged_newer_checkpoint_is_passed_over_for_the_newest_sound_one() {
+    let fixture = Fixture::new("t").await;
+    let a = fixture.subcluster("sc-a", &[]).await;
+    a.commit(vec![put("k1"), put("k2")]).await;
+    let first = fixture.start("g1").await;
+    assert!(first.checkpoint_now().await.unwrap() > 0);
+    let expected = first.with_projection(sorted_content);
+    drop(first);
+
+    let store = checkpoints::object_store(&fixture.js, &fixture.cluster, Bucket::Checkpoints)
+        .await
+        .unwrap();
+    let mut bytes = Vec::new();
+    let mut object = store.get("projection-g1").await.unwrap();
+    object.read_to_end(&mut bytes).await.unwrap();
+    // Newest first: a sound copy in 16-byte chunks (the reader decodes it
+    // piece by piece), then, newer still, copies that are damaged past their
+    // first chunk, so they fail only after some of their pieces were taken.
+    let store_as = |name: &'static str, bytes: Vec<u8>| {
+        let store = store.clone();
+        async move {
+            let meta = object_store::ObjectMetadata {
+                name: name.to_owned(),
+                chunk_size: Some(16),
+                ..Default::default()
+            };
+            store.put(meta, &mut bytes.as_slice()).await.unwrap();
+        }
+    };
+    store_as("projection-sound", bytes.clone()).await;
+    let mut flipped = bytes.clone();
+    let middle = flipped.len() / 2;
+    flipped[middle] ^= 0x10;
+    store_as("projection-flipped", flipped).await;
+    store_as("projection-cut", bytes[..bytes.len() - 9].to_vec()).await;
+
+    let (name, restored) = checkpoints::load_newest(&store).await.unwrap().unwrap();
+    assert_eq!(name, "projection-sound");
+    assert_eq!(sorted_content(&restored), expected);
+
+    let mut config = fixture.config("g2");
+    config.restore_checkpoint = true;
+    let second = fixture.start_with(config).await;
+    assert_eq!(second.restored_from(), Some("projection-sound"));
+    assert_eq!(
+        exists(&fixture, &["k1", "k2", "k3"]).await,
+        vec![vec!["sc-a"], vec!["sc-a"], vec![]]
+    );
 }
