@@ -476,7 +476,7 @@ async fn snapshot_under_load(
         BenchResult::new(
             WORKLOAD,
             format!(
-                "put p99 while a {objects}-object snapshot is written (as a standby process writes it: encode, store, read back)"
+                "put p99 while a {objects}-object snapshot is written (as a standby process writes it, paced at the defaults: encode, store, read back)"
             ),
             p99_ms(&during),
             "ms",
@@ -568,8 +568,8 @@ const STANDBY_WRITTEN: &str = "written";
 
 /// The standby process of the soak workload: folds the bench cluster
 /// `cluster`'s stream, says [`STANDBY_READY`], and on a line on stdin writes its
-/// snapshot as a hot standby does (encoded at low priority, then stored and read
-/// back on the writer thread), then says [`STANDBY_WRITTEN`].
+/// snapshot as a hot standby does (encoded at low priority and paced, then
+/// stored and read back on the writer thread), then says [`STANDBY_WRITTEN`].
 ///
 /// # Errors
 /// When NATS fails or stdin closes early.
@@ -578,20 +578,23 @@ pub async fn standby_snapshot(nats_url: &str, cluster: &str) -> anyhow::Result<(
     let js = jetstream::new(async_nats::connect(nats_url).await?);
     let config = Bench::config(cluster)?;
     let state = load_state(&js, &config, false).await?.state;
+    let pace = config.snapshot_pace;
     let store = SnapshotStore::open(
         &js,
         &config.cluster,
         &config.subcluster,
         config.stream.replicas,
     )
-    .await?;
+    .await?
+    .with_write_rate(Some(pace.write_bytes_per_sec));
     println!("{STANDBY_READY}");
     let mut stdin = tokio::io::BufReader::new(tokio::io::stdin()).lines();
     stdin
         .next_line()
         .await?
         .context("stdin closed before the snapshot was asked for")?;
-    let bytes = snapshot::encode_at_low_priority(&state)?;
+    let never = std::sync::atomic::AtomicBool::new(false);
+    let bytes = snapshot::encode_at_low_priority(&state, pace.cpu_share, &never)?;
     snapshot::store_verified(&store, bytes, state.applied_seq).await?;
     println!("{STANDBY_WRITTEN}");
     Ok(())

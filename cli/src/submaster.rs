@@ -58,6 +58,8 @@ struct FileConfig {
     leader_lease_ttl_ms: Option<u64>,
     snapshot_every_events: Option<u64>,
     snapshot_interval_ms: Option<u64>,
+    snapshot_cpu_share: Option<f64>,
+    snapshot_write_bytes_per_sec: Option<u64>,
     purge_history: Option<bool>,
     reader_ttl_ms: Option<u64>,
     request_queue: Option<usize>,
@@ -106,6 +108,11 @@ pub fn config(args: &SubmasterArgs) -> anyhow::Result<SubmasterConfig> {
     config.snapshot_every_events = file
         .snapshot_every_events
         .unwrap_or(config.snapshot_every_events);
+    let pace = &mut config.snapshot_pace;
+    pace.cpu_share = file.snapshot_cpu_share.unwrap_or(pace.cpu_share);
+    pace.write_bytes_per_sec = file
+        .snapshot_write_bytes_per_sec
+        .unwrap_or(pace.write_bytes_per_sec);
     config.history.purge = file.purge_history.unwrap_or(config.history.purge);
     if let Some(ms) = file.reader_ttl_ms {
         config.history.reader_ttl = Duration::from_millis(ms);

@@ -15,6 +15,7 @@ pub mod limits;
 pub mod log;
 mod msgpack;
 pub mod objects;
+pub mod pace;
 pub mod positions;
 pub mod registry;
 pub mod rpc;

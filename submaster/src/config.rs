@@ -33,6 +33,8 @@ pub struct SubmasterConfig {
     pub snapshot_every_events: u64,
     /// ...or this long after the last one, whichever comes first (if anything changed).
     pub snapshot_interval: Duration,
+    /// How hard writing a snapshot may press on this machine and NATS.
+    pub snapshot_pace: SnapshotPace,
     /// Bounded history: what may be purged from the stream after a snapshot.
     pub history: HistoryConfig,
     /// How often upkeep runs (liveness, put timeouts, eviction).
@@ -61,12 +63,38 @@ impl SubmasterConfig {
             leader_lease_ttl: Duration::from_secs(1),
             snapshot_every_events: 200_000,
             snapshot_interval: Duration::from_secs(60),
+            snapshot_pace: SnapshotPace::default(),
             history: HistoryConfig::default(),
             maintenance_interval: Duration::from_millis(500),
             request_queue: 16_384,
             busy_retry_after: Duration::from_millis(100),
             registry_ttl: Duration::from_secs(10),
             metrics_addr: None,
+        }
+    }
+}
+
+/// How a snapshot is paced so that the requests beside it keep their latency:
+/// the encoder works in slices of about a millisecond with rests between
+/// ([`hkvm_events::pace::CpuShare`]), and storing it and reading it back to
+/// verify it go at a bounded byte rate (the NATS server's work for 860 MB, at
+/// 10 M objects, is otherwise a burst that the leader's appends queue behind).
+/// A slower snapshot costs a standby a longer pause of its fold (it catches up
+/// after) and the purge a later start; a restore is never paced.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SnapshotPace {
+    /// The share of one core the encoder may use (1 or more: no rests).
+    pub cpu_share: f64,
+    /// Bytes per second at most while a snapshot is stored and read back (0:
+    /// unpaced).
+    pub write_bytes_per_sec: u64,
+}
+
+impl Default for SnapshotPace {
+    fn default() -> Self {
+        Self {
+            cpu_share: 0.5,
+            write_bytes_per_sec: 64 << 20,
         }
     }
 }

@@ -11,6 +11,7 @@ use super::{
 };
 use crate::id::{ClusterId, SubclusterId};
 use crate::objects;
+use crate::pace::{ByteRate, PacedSlice};
 use crate::subject::{bucket_name, snapshot_object_name, snapshot_object_prefix, Bucket};
 
 /// Bytes read at a time when a stored snapshot is verified.
@@ -95,12 +96,16 @@ pub struct SnapshotStore {
     store: object_store::ObjectStore,
     bucket: String,
     subcluster: SubclusterId,
+    /// Bytes per second at most while a snapshot is stored or read back to
+    /// verify it (`None`: unpaced); a restore reads unpaced.
+    write_rate: Option<u64>,
 }
 
 impl std::fmt::Debug for SnapshotStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SnapshotStore")
             .field("subcluster", &self.subcluster)
+            .field("write_rate", &self.write_rate)
             .finish()
     }
 }
@@ -136,7 +141,17 @@ impl SnapshotStore {
             store,
             bucket,
             subcluster: subcluster.clone(),
+            write_rate: None,
         })
+    }
+
+    /// Stores and verifies snapshots at `bytes_per_sec` at most (`None` or 0:
+    /// unpaced), so the NATS server's work for them is spread out instead of
+    /// holding up the leader's appends. A restore still reads at full speed.
+    #[must_use]
+    pub fn with_write_rate(mut self, bytes_per_sec: Option<u64>) -> Self {
+        self.write_rate = bytes_per_sec.filter(|&rate| rate > 0);
+        self
     }
 
     /// The names of this sub-cluster's snapshots, oldest first.
@@ -184,7 +199,7 @@ impl SnapshotStore {
         let checksum = xxhash_rust::xxh3::xxh3_64(&bytes);
         let name = snapshot_object_name(&self.subcluster, covers_seq);
         self.store
-            .put(name.as_str(), &mut bytes.as_slice())
+            .put(name.as_str(), &mut PacedSlice::new(&bytes, self.write_rate))
             .await
             .map_err(|e| SnapshotError::store(format!("storing {name}"), e))?;
         let names = self.names().await?;
@@ -225,12 +240,14 @@ impl SnapshotStore {
         // Checked as it streams in: the object is never held whole.
         let mut check = StoredCheck::new();
         let mut buffer = vec![0; VERIFY_READ];
+        let mut rate = ByteRate::new(self.write_rate);
         loop {
             let read = object.read(&mut buffer).await.map_err(failed)?;
             if read == 0 {
                 break;
             }
             check.update(&buffer[..read]);
+            rate.pass(read).await;
         }
         check.finish(checksum)
     }

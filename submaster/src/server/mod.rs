@@ -84,8 +84,9 @@ impl Context {
             replicas,
         )
         .await?;
-        let snapshots =
-            SnapshotStore::open(&js, &config.cluster, &config.subcluster, replicas).await?;
+        let snapshots = SnapshotStore::open(&js, &config.cluster, &config.subcluster, replicas)
+            .await?
+            .with_write_rate(Some(config.snapshot_pace.write_bytes_per_sec));
         let registry = match registry::ensure_replicated_registry_bucket(
             &js,
             &config.cluster,
@@ -140,6 +141,7 @@ impl Context {
             store: self.snapshots.clone(),
             purger: self.purger.clone(),
             metrics: self.metrics.clone(),
+            cpu_share: self.config.snapshot_pace.cpu_share,
         }
     }
 }

@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use hkvm_events::commit::{CommitError, GroupCommitter};
 use hkvm_events::log::JetStreamLog;
+use hkvm_events::pace::CpuShare;
 use hkvm_events::positions::{Positions, ReaderKind};
 use hkvm_events::registry::now_unix_ms;
 use hkvm_events::snapshot::SnapshotStore;
@@ -31,6 +32,7 @@ use tracing::Instrument as _;
 
 use super::purger::Purger;
 use super::{follower, Context};
+use crate::election::LeaderLease;
 use crate::error::{SubmasterError, SubmasterErrorKind};
 use crate::metrics::SubmasterMetrics;
 use crate::snapshot::{on_writer_thread, store_bytes_verify};
@@ -45,6 +47,8 @@ pub(super) struct SnapshotSink {
     pub purger: Option<Purger>,
     /// The sub-master's metrics.
     pub metrics: SubmasterMetrics,
+    /// The share of a core the encoder works at ([`crate::SnapshotPace`]).
+    pub cpu_share: f64,
 }
 
 /// One snapshot writer: at most one snapshot in progress.
@@ -88,6 +92,7 @@ impl Snapshotter {
             .swap(false, Ordering::Relaxed)
             .then(|| crate::snapshot::to_file(state));
         let (committer, sink, log) = (committer.clone(), sink.clone(), log.clone());
+        let cpu_share = sink.cpu_share;
         let copy_next = Arc::clone(&self.copy_next);
         self.running = Some(tokio::spawn(async move {
             let covers_seq = match boundary.await {
@@ -121,7 +126,11 @@ impl Snapshotter {
                             return Ok(None);
                         };
                         let objects = state.object_count();
-                        let bytes = crate::snapshot::encode(&state)?;
+                        let pace = CpuShare::new(cpu_share);
+                        // Not abandoned mid-way: a stopping leader drops this
+                        // job, which ends at its next await.
+                        let never = std::sync::atomic::AtomicBool::new(false);
+                        let bytes = crate::snapshot::encode_paced(&state, pace, &never)?;
                         drop(state);
                         let (object, checksum) =
                             store_bytes_verify(&store, bytes, covers_seq).await?;
@@ -160,9 +169,15 @@ impl Snapshotter {
     /// it covers exactly `state.applied_seq`. The standby's fold waits while the
     /// state is encoded, at a low priority; storing and verifying it happen in
     /// the background. No marker is appended (the leader is the stream's one
-    /// writer).
-    pub(super) fn start_standing_by(&mut self, sink: &SnapshotSink, state: &State) {
-        let bytes = match crate::snapshot::encode_at_low_priority(state) {
+    /// writer). The encoding stops early once `abandon` is set.
+    pub(super) fn start_standing_by(
+        &mut self,
+        sink: &SnapshotSink,
+        state: &State,
+        abandon: &AtomicBool,
+    ) {
+        let encoded = crate::snapshot::encode_at_low_priority(state, sink.cpu_share, abandon);
+        let bytes = match encoded {
             Ok(bytes) => bytes,
             Err(error) => return tracing::warn!(%error, "snapshot failed; will retry"),
         };
@@ -405,11 +420,54 @@ impl StandbySnapshots {
                 ctx.config.producer.clone(),
                 state.applied_seq,
             ));
+            // It also pauses this standby's look at the lease: another task
+            // looks meanwhile, and stops the encoding once the leader is gone,
+            // so a failover waits for no snapshot.
+            let abandon = Arc::new(AtomicBool::new(false));
+            let watch = tokio::spawn(abandon_when_leader_gone(
+                ctx.lease.clone(),
+                ctx.config.leader_lease_ttl,
+                Arc::clone(&abandon),
+            ));
             self.snapshotter
-                .start_standing_by(&ctx.snapshot_sink(), state);
+                .start_standing_by(&ctx.snapshot_sink(), state, &abandon);
             keepalive.abort();
+            watch.abort();
             self.events_since = 0;
             self.last = tokio::time::Instant::now();
+        }
+    }
+}
+
+/// Sets `abandon` once the leader lease is free or its holder's revision stood
+/// still for `ttl` (as the standby's own poll judges it). It only looks: the
+/// standby's poll takes the lease over once the encoding has stopped.
+async fn abandon_when_leader_gone(lease: LeaderLease, ttl: Duration, abandon: Arc<AtomicBool>) {
+    let mut poll = tokio::time::interval(super::LEASE_POLL);
+    let mut watched: Option<(u64, tokio::time::Instant)> = None;
+    loop {
+        poll.tick().await;
+        let gone = match lease.holder().await {
+            Ok(None) => true,
+            Ok(Some((_, revision))) => match watched {
+                Some((seen, since)) if seen == revision => since.elapsed() >= ttl,
+                _ => {
+                    watched = Some((revision, tokio::time::Instant::now()));
+                    false
+                }
+            },
+            // Judged over successful reads only, as the standby's poll does.
+            Err(_) => {
+                watched = None;
+                false
+            }
+        };
+        if gone {
+            tracing::info!(
+                "the leader's lease stands still: abandoning the snapshot being encoded"
+            );
+            abandon.store(true, Ordering::Relaxed);
+            return;
         }
     }
 }

@@ -3,11 +3,14 @@
 //! builds the state while the snapshot is decoded ([`Restorer`]): segments through
 //! [`State::apply`], objects in bulk; the result equals the fold of the same events.
 
+use hkvm_events::pace::CpuShare;
 use hkvm_events::snapshot::{
     encode_from, ObjectRecord, ObjectView, SegmentRecord, SnapshotFile, SnapshotHeader,
     SnapshotSource, SnapshotStore,
 };
+use std::cell::RefCell;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::error::{SubmasterError, SubmasterErrorKind};
@@ -23,7 +26,9 @@ pub(crate) use writer::{on_writer_thread, store_bytes_verify};
 /// The snapshot of the durable part of `state`, objects oldest first, as records
 /// of its own (a copy that outlives `state`).
 pub fn to_file(state: &State) -> SnapshotFile {
-    let source = StateSource::new(state);
+    let never = AtomicBool::new(false);
+    let source = StateSource::new(state, CpuShare::unlimited(), &never)
+        .expect("an encoding that is never abandoned completes");
     let mut file = SnapshotFile::new(state.applied_seq, state.max_epoch);
     file.segments = source.header.segments.clone();
     file.objects.reserve_exact(source.ordered.len());
@@ -47,24 +52,108 @@ pub fn to_file(state: &State) -> SnapshotFile {
 /// # Errors
 /// Only if serialization fails.
 pub fn encode(state: &State) -> Result<Vec<u8>, SubmasterError> {
-    let source = StateSource::new(state);
-    Ok(encode_from(&source.header, &source)?)
+    encode_paced(state, CpuShare::unlimited(), &AtomicBool::new(false))
+}
+
+/// As [`encode`], at the pace of `pace` (it rests between slices of work:
+/// ordering the objects and encoding each), stopping early once `abandon` is
+/// set.
+///
+/// # Errors
+/// [`SubmasterErrorKind::Snapshot`] when abandoned, or if serialization fails.
+pub fn encode_paced(
+    state: &State,
+    pace: CpuShare,
+    abandon: &AtomicBool,
+) -> Result<Vec<u8>, SubmasterError> {
+    let abandoned = || SubmasterError::new(SubmasterErrorKind::Snapshot, "snapshot abandoned");
+    let source = StateSource::new(state, pace, abandon).ok_or_else(abandoned)?;
+    let encoded = encode_from(&source.header, &source);
+    if abandon.load(Ordering::Relaxed) {
+        return Err(abandoned());
+    }
+    Ok(encoded?)
 }
 
 /// A state as a snapshot's source: its segments numbered in slot order, and
 /// small references to its objects sorted oldest first (sorting the objects
-/// themselves moved fat values; keys are shared, never copied).
+/// themselves moved fat values; keys are shared, never copied). Work is
+/// counted on `pace` as it goes.
 struct StateSource<'a> {
     header: SnapshotHeader,
     /// Each slot's index among the header's segments.
     index_of: HashMap<Slot, u32>,
-    ordered: Vec<(u64, &'a Arc<str>, &'a Object)>,
+    ordered: Vec<Ordered<'a>>,
     /// Total key bytes, for the encoder's buffer size.
     key_bytes: usize,
+    pace: RefCell<CpuShare>,
+    /// Stops the encoding early once set.
+    abandon: &'a AtomicBool,
+}
+
+/// An object with its order and key, as a snapshot lists it.
+type Ordered<'a> = (u64, &'a Arc<str>, &'a Object);
+
+/// Objects per bucket of [`oldest_first`]'s sort, on average: each bucket is
+/// sorted in tens of microseconds, between which the pace may rest.
+const OBJECTS_PER_BUCKET: usize = 1024;
+
+/// The objects of `state`, oldest first (by their order), and their key
+/// bytes: a counting sort into about one bucket per [`OBJECTS_PER_BUCKET`]
+/// objects by order (two passes over the table: the range of orders, then the
+/// counts), the objects placed by bucket in a third, then each bucket sorted on
+/// its own. Every step is small enough for `pace` to rest between, where one
+/// sort of millions ran for seconds without a break; the result is the same.
+/// `None` once `abandon` is set (looked at between steps).
+fn oldest_first<'a>(
+    state: &'a State,
+    pace: &mut CpuShare,
+    abandon: &AtomicBool,
+) -> Option<(Vec<Ordered<'a>>, usize)> {
+    let go_on = || (!abandon.load(Ordering::Relaxed)).then_some(());
+    let (mut low, mut high, mut key_bytes, mut count) = (u64::MAX, 0, 0, 0usize);
+    for (key, object) in state.objects_shared() {
+        (low, high) = (low.min(object.order), high.max(object.order));
+        key_bytes += key.len();
+        count += 1;
+        pace.tick();
+    }
+    go_on()?;
+    let Some((first_key, first_object)) = state.objects_shared().next() else {
+        return Some((Vec::new(), 0));
+    };
+    let buckets = (count / OBJECTS_PER_BUCKET).max(1);
+    let span = u128::from(high - low) + 1;
+    let bucket = |order: u64| (u128::from(order - low) * buckets as u128 / span) as usize;
+    let mut next = vec![0usize; buckets + 1];
+    for (_, object) in state.objects_shared() {
+        next[bucket(object.order) + 1] += 1;
+        pace.tick();
+    }
+    go_on()?;
+    for at in 1..next.len() {
+        next[at] += next[at - 1];
+    }
+    let starts = next.clone();
+    let mut ordered = vec![(0, first_key, first_object); count];
+    for (key, object) in state.objects_shared() {
+        let place = &mut next[bucket(object.order)];
+        ordered[*place] = (object.order, key, object);
+        *place += 1;
+        pace.tick();
+    }
+    for range in starts.windows(2) {
+        go_on()?;
+        let objects = &mut ordered[range[0]..range[1]];
+        objects.sort_unstable_by_key(|(order, _, _)| *order);
+        pace.ticks(u32::try_from(objects.len()).unwrap_or(u32::MAX));
+    }
+    Some((ordered, key_bytes))
 }
 
 impl<'a> StateSource<'a> {
-    fn new(state: &'a State) -> Self {
+    /// `None` when abandoned while ordering the objects.
+    fn new(state: &'a State, mut pace: CpuShare, abandon: &'a AtomicBool) -> Option<Self> {
         let mut index_of = HashMap::new();
         let mut segments = Vec::new();
         for (slot, segment) in state.segments() {
@@ -77,16 +166,8 @@ impl<'a> StateSource<'a> {
                 rdma: segment.rdma.clone(),
             });
         }
-        let mut key_bytes = 0;
-        let mut ordered: Vec<(u64, &Arc<str>, &Object)> = state
-            .objects_shared()
-            .map(|(key, object)| {
-                key_bytes += key.len();
-                (object.order, key, object)
-            })
-            .collect();
-        ordered.sort_unstable_by_key(|(order, _, _)| *order);
-        Self {
+        let (ordered, key_bytes) = oldest_first(state, &mut pace, abandon)?;
+        Some(Self {
             header: SnapshotHeader {
                 version: hkvm_events::snapshot::SNAPSHOT_VERSION,
                 covers_seq: state.applied_seq,
@@ -96,7 +177,9 @@ impl<'a> StateSource<'a> {
             index_of,
             ordered,
             key_bytes,
-        }
+            pace: RefCell::new(pace),
+            abandon,
+        })
     }
 
     /// Hands `each` every object oldest first, with its replicas as (segment
@@ -130,7 +213,12 @@ impl SnapshotSource for StateSource<'_> {
     }
 
     fn for_each_object(&self, each: &mut dyn FnMut(ObjectView<'_>) -> bool) {
+        let mut pace = self.pace.borrow_mut();
         self.each(|key, object, replicas| {
+            pace.tick();
+            if self.abandon.load(Ordering::Relaxed) {
+                return false;
+            }
             each(ObjectView {
                 key,
                 size: object.size,
@@ -316,5 +404,71 @@ mod tests {
             // Eviction goes oldest first: the commit order survives the restore.
             prop_assert_eq!(oldest_first(&restored), oldest_first(&whole));
         }
+    }
+
+    /// Thousands of objects (several buckets of the ordering sort), with
+    /// removes leaving gaps and puts again taking late orders: a paced
+    /// encoding is the unpaced one, and both list the objects oldest first.
+    #[test]
+    fn a_paced_encoding_lists_many_objects_oldest_first() {
+        let mut events = events(&[]);
+        let put = |name: String, n: u64| {
+            let placement = Placement {
+                segment: SegmentId::new("seg-0").unwrap(),
+                offset: n * 4096,
+            };
+            KvEvent::PutCommitted(PutCommitted::new(name, 64, n, vec![placement]))
+        };
+        let mut n = 0;
+        for i in 0..6_000u64 {
+            n += 1;
+            events.push(put(format!("obj-{i}"), n));
+        }
+        events.push(KvEvent::Removed(Removed {
+            keys: (0..6_000).step_by(5).map(|i| format!("obj-{i}")).collect(),
+        }));
+        for i in (0..6_000u64).step_by(3) {
+            n += 1;
+            events.push(put(format!("obj-{i}"), n));
+        }
+        let mut state = State::new();
+        for (seq, event) in events.iter().enumerate() {
+            state.apply_message(seq as u64 + 1, 1, [event]);
+        }
+        assert!(
+            state.object_count() > 4 * OBJECTS_PER_BUCKET,
+            "{}",
+            state.object_count()
+        );
+        let bytes = encode(&state).unwrap();
+        let never = AtomicBool::new(false);
+        assert_eq!(
+            encode_paced(&state, CpuShare::new(0.2), &never).unwrap(),
+            bytes
+        );
+        let listed: Vec<String> = SnapshotFile::decode(&bytes)
+            .unwrap()
+            .objects
+            .iter()
+            .map(|object| object.key.to_string())
+            .collect();
+        assert_eq!(listed, oldest_first(&state));
+        // The late puts come last, in their order.
+        assert_eq!(listed.last().map(String::as_str), Some("obj-5997"));
+        // Abandoned before or during: an error, never a shorter snapshot.
+        let abandoned = AtomicBool::new(true);
+        let error = encode_paced(&state, CpuShare::unlimited(), &abandoned).unwrap_err();
+        assert_eq!(error.kind(), SubmasterErrorKind::Snapshot);
+        let abandon = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            let encoding = scope.spawn(|| encode_paced(&state, CpuShare::new(0.01), &abandon));
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            abandon.store(true, Ordering::Relaxed);
+            let started = std::time::Instant::now();
+            assert!(encoding.join().unwrap().is_err());
+            // At 1% of a core a whole encoding takes seconds; it stops at
+            // its next look at the flag.
+            assert!(started.elapsed() < std::time::Duration::from_secs(2));
+        });
     }
 }

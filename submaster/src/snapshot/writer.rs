@@ -6,10 +6,13 @@
 //! instead of slowing down the requests beside it.
 
 use std::future::Future;
+use std::sync::atomic::AtomicBool;
 
 use hkvm_events::snapshot::SnapshotStore;
 
-use super::encode;
+use hkvm_events::pace::CpuShare;
+
+use super::encode_paced;
 use crate::error::SubmasterError;
 use crate::state::State;
 use crate::SubmasterErrorKind::Snapshot;
@@ -35,27 +38,33 @@ pub async fn store_verified(
         .await
 }
 
-/// Encodes the durable part of `state` ([`encode`]: covering
-/// `state.applied_seq`) on a thread at [`WRITER_NICE`], the caller waiting: a
-/// hot standby pauses its fold for it either way, and its CPU then goes to
-/// whoever serves first. Without a thread it runs on the caller's.
+/// Encodes the durable part of `state` ([`encode_paced`]: covering
+/// `state.applied_seq`) on a thread at [`WRITER_NICE`] working at `cpu_share`
+/// of a core ([`CpuShare`]), the caller waiting: a hot standby pauses its fold
+/// for it either way, and its CPU then goes to whoever serves first. Without a
+/// thread it runs on the caller's. It stops early once `abandon` is set (a
+/// standby whose leader is gone has better things to do).
 ///
 /// # Errors
-/// Only if serialization fails.
-pub fn encode_at_low_priority(state: &State) -> Result<Vec<u8>, SubmasterError> {
+/// When abandoned, or if serialization fails.
+pub fn encode_at_low_priority(
+    state: &State,
+    cpu_share: f64,
+    abandon: &AtomicBool,
+) -> Result<Vec<u8>, SubmasterError> {
     std::thread::scope(|scope| {
         let encoded = std::thread::Builder::new()
             .name("hkvm-snapshot-encode".into())
             .spawn_scoped(scope, || {
                 lower_priority();
-                encode(state)
+                encode_paced(state, CpuShare::new(cpu_share), abandon)
             });
         match encoded.map(|thread| thread.join()) {
             Ok(Ok(bytes)) => bytes,
             Ok(Err(panic)) => std::panic::resume_unwind(panic),
             Err(error) => {
                 tracing::debug!(%error, "encoding the snapshot at normal priority");
-                encode(state)
+                encode_paced(state, CpuShare::new(cpu_share), abandon)
             }
         }
     })
@@ -198,7 +207,8 @@ mod tests {
         let mut state = State::new();
         state.applied_seq = 7;
         let (nice, policy) = (own_nice(), own_policy());
-        let bytes = encode_at_low_priority(&state).unwrap_or_default();
+        let bytes =
+            encode_at_low_priority(&state, 0.5, &AtomicBool::new(false)).unwrap_or_default();
         let decoded = hkvm_events::snapshot::SnapshotFile::decode(&bytes);
         assert_eq!(decoded.map(|file| file.covers_seq).ok(), Some(7));
         assert_eq!((own_nice(), own_policy()), (nice, policy));
