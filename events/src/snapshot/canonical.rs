@@ -55,7 +55,7 @@ pub(super) fn decode_body<V: SnapshotVisitor>(
 /// The header: a fixmap of five entries, `v`, `q`, `e` and `g` in any order,
 /// then `o` (whose array the reader is left at); `None` for anything else, or
 /// a version this build does not read (serde names it).
-fn read_header(reader: &mut Reader<'_>) -> Option<SnapshotHeader> {
+pub(super) fn read_header(reader: &mut Reader<'_>) -> Option<SnapshotHeader> {
     if reader.fixmap_len()? != 5 {
         return None;
     }
@@ -100,7 +100,7 @@ fn read_header(reader: &mut Reader<'_>) -> Option<SnapshotHeader> {
 /// of `[segment index, offset]` pairs, into `replicas`), `f` and optionally
 /// `i`, in any order; `None` for anything else.
 #[inline]
-fn read_object<'a>(
+pub(super) fn read_object<'a>(
     reader: &mut Reader<'a>,
     replicas: &mut Vec<(u32, u64)>,
 ) -> Option<ObjectFields<'a>> {
@@ -162,7 +162,7 @@ fn read_replicas(reader: &mut Reader<'_>, replicas: &mut Vec<(u32, u64)>) -> Opt
 }
 
 /// The last `left` objects, from `rest` on, read by serde.
-fn serde_objects<V: SnapshotVisitor>(
+pub(super) fn serde_objects<V: SnapshotVisitor>(
     rest: &[u8],
     left: u64,
     header: &SnapshotHeader,

@@ -23,10 +23,12 @@ use crate::id::{NodeId, SegmentId};
 
 mod canonical;
 mod encode;
+mod pieces;
 mod store;
 mod visit;
 
 pub use encode::{encode_from, SnapshotSource};
+pub use pieces::decode_pieces;
 pub use store::{SnapshotStore, StoredCheck};
 pub use visit::{ObjectView, SnapshotHeader, SnapshotVisitor};
 

@@ -6,8 +6,8 @@ use futures::StreamExt as _;
 use tokio::io::AsyncReadExt as _;
 
 use super::{
-    covered_seq_of, Records, SnapshotError, SnapshotFile, SnapshotHeader, SnapshotVisitor,
-    SNAPSHOTS_KEPT,
+    covered_seq_of, decode_pieces, Records, SnapshotError, SnapshotFile, SnapshotHeader,
+    SnapshotVisitor, SNAPSHOTS_KEPT,
 };
 use crate::id::{ClusterId, SubclusterId};
 use crate::objects;
@@ -16,6 +16,10 @@ use crate::subject::{bucket_name, snapshot_object_name, snapshot_object_prefix, 
 
 /// Bytes read at a time when a stored snapshot is verified.
 const VERIFY_READ: usize = 1 << 20;
+/// Bytes asked of the object store at a time while a snapshot is restored.
+const READ_PIECE: usize = 256 << 10;
+/// Pieces read ahead of the decoder while a snapshot is restored.
+const PIECES_AHEAD: usize = 16;
 
 /// Checks a stored snapshot's bytes as they arrive, in pieces of any size: the
 /// xxh3-64 of all of them (what the writer computed) and of the body after the
@@ -87,6 +91,18 @@ impl std::fmt::Debug for StoredCheck {
             .field("len", &self.len)
             .finish()
     }
+}
+
+/// A snapshot decoded as it was read.
+struct Streamed<V> {
+    /// How the decode ended.
+    decoded: Result<SnapshotHeader, SnapshotError>,
+    /// The visitor, with what it was handed.
+    visitor: V,
+    /// When the last byte had arrived, ms after the start.
+    read_ms: u64,
+    /// The object's size.
+    len: u64,
 }
 
 /// The snapshot store of one sub-cluster.
@@ -296,33 +312,25 @@ impl SnapshotStore {
     {
         for name in self.names().await?.into_iter().rev() {
             let started = std::time::Instant::now();
-            let bytes = match self.read(&name).await {
-                Ok(bytes) => bytes,
+            let streamed = match self.decode_streamed(&name, fresh()).await {
+                Ok(streamed) => streamed,
                 Err(error) => {
                     tracing::warn!(%error, name, "skipping an unreadable snapshot");
                     continue;
                 }
             };
-            let read_ms = started.elapsed().as_millis() as u64;
-            let mut visitor = fresh();
-            let len = bytes.len();
-            let (decoded, visitor) = tokio::task::spawn_blocking(move || {
-                let decoded = SnapshotFile::decode_with(&bytes, &mut visitor);
-                (decoded, visitor)
-            })
-            .await
-            .map_err(|e| SnapshotError::store(format!("decoding {name}"), e))?;
-            match decoded {
+            match streamed.decoded {
                 Ok(header) => {
                     tracing::info!(
                         name,
                         covers_seq = header.covers_seq,
-                        bytes = len,
-                        read_ms,
-                        decode_ms = started.elapsed().as_millis() as u64 - read_ms,
+                        bytes = streamed.len,
+                        read_ms = streamed.read_ms,
+                        decode_ms =
+                            (started.elapsed().as_millis() as u64).saturating_sub(streamed.read_ms),
                         "snapshot loaded"
                     );
-                    return Ok(Some((name, header, visitor)));
+                    return Ok(Some((name, header, streamed.visitor)));
                 }
                 Err(error) => tracing::warn!(%error, name, "skipping an invalid snapshot"),
             }
@@ -330,20 +338,58 @@ impl SnapshotStore {
         Ok(None)
     }
 
-    /// The stored bytes of the object `name`.
-    async fn read(&self, name: &str) -> Result<Vec<u8>, SnapshotError> {
+    /// Reads the object `name` in pieces and decodes them on a blocking thread
+    /// as they arrive ([`decode_pieces`]), into `visitor`; `Err` when it
+    /// could not be opened.
+    async fn decode_streamed<V>(
+        &self,
+        name: &str,
+        mut visitor: V,
+    ) -> Result<Streamed<V>, SnapshotError>
+    where
+        V: SnapshotVisitor + Send + 'static,
+    {
+        let started = std::time::Instant::now();
+        let failed = |e: std::io::Error| SnapshotError::store(format!("reading {name}"), e);
         let mut object = self
             .store
             .get(name)
             .await
             .map_err(|e| SnapshotError::store(format!("reading {name}"), e))?;
-        // Sized once (the stored size; growing by doubling would copy most of
-        // it again), plus one byte so the end is seen without growing.
-        let mut bytes = Vec::with_capacity(object.info.size.saturating_add(1));
-        object
-            .read_to_end(&mut bytes)
+        let len = object.info.size as u64;
+        let (pieces, received) = tokio::sync::mpsc::channel(PIECES_AHEAD);
+        let decoding = tokio::task::spawn_blocking(move || {
+            let mut received = received;
+            let pieces = std::iter::from_fn(move || received.blocking_recv());
+            let decoded = decode_pieces(len, pieces, &mut visitor);
+            (decoded, visitor)
+        });
+        loop {
+            let mut piece = vec![0; READ_PIECE];
+            let piece = match object.read(&mut piece).await {
+                Ok(0) => break,
+                Ok(len) => {
+                    piece.truncate(len);
+                    Ok(piece)
+                }
+                Err(error) => Err(failed(error)),
+            };
+            let last = piece.is_err();
+            // A decoder that stopped (an error) takes no more.
+            if pieces.send(piece).await.is_err() || last {
+                break;
+            }
+        }
+        let read_ms = started.elapsed().as_millis() as u64;
+        drop(pieces);
+        let (decoded, visitor) = decoding
             .await
-            .map_err(|e| SnapshotError::store(format!("reading {name}"), e))?;
-        Ok(bytes)
+            .map_err(|e| SnapshotError::store(format!("decoding {name}"), e))?;
+        Ok(Streamed {
+            decoded,
+            visitor,
+            read_ms,
+            len,
+        })
     }
 }

@@ -17,7 +17,7 @@ use super::{SegmentRecord, SnapshotError, SNAPSHOT_VERSION};
 /// The fewest bytes one encoded object takes (a map of its five required
 /// fields, each a one-letter name and at least a one-byte value): a count
 /// announced by the body is trusted only up to what its length can hold.
-const MIN_OBJECT_BYTES: usize = 16;
+pub(super) const MIN_OBJECT_BYTES: usize = 16;
 
 /// Everything in a snapshot but its objects.
 #[derive(Debug, Clone, PartialEq, Eq)]

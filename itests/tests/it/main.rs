@@ -28,6 +28,7 @@ mod history;
 mod library;
 mod object_retention;
 mod rdma;
+mod snapshot_restore;
 mod submaster_failover;
 mod submaster_server;
 mod tidy;

@@ -1,6 +1,7 @@
 //! The canonical reader against the serde decoder: on every body, canonical
 //! or not, intact or damaged, both hand the visitor the same header and
-//! objects and end the same way.
+//! objects and end the same way. Likewise the decoder of pieces
+//! ([`crate::snapshot::decode_pieces`]) against the decoder of whole bytes.
 #![allow(clippy::unwrap_used)]
 
 use proptest::prelude::*;
@@ -180,6 +181,140 @@ proptest! {
         body.extend_from_slice(&tail);
         both_agree(&body)?;
     }
+}
+
+/// `body` sealed with its checksum, decoded whole and in pieces cut at
+/// `cuts`: the same objects and the same end.
+fn pieces_agree(body: &[u8], cuts: &[prop::sample::Index]) -> Result<(), TestCaseError> {
+    let mut bytes = xxhash_rust::xxh3::xxh3_64(body).to_be_bytes().to_vec();
+    bytes.extend_from_slice(body);
+    let mut whole = Seen::default();
+    let whole_end = ended(SnapshotFile::decode_with(&bytes, &mut whole));
+    let mut streamed = Seen::default();
+    let streamed_end = ended(decode_in_pieces(
+        &bytes,
+        bytes.len() as u64,
+        cuts,
+        &mut streamed,
+    ));
+    prop_assert_eq!(&streamed_end, &whole_end);
+    prop_assert_eq!(streamed, whole);
+    Ok(())
+}
+
+fn decode_in_pieces(
+    bytes: &[u8],
+    len: u64,
+    cuts: &[prop::sample::Index],
+    visitor: &mut Seen,
+) -> Result<SnapshotHeader, SnapshotError> {
+    let mut cuts: Vec<usize> = cuts.iter().map(|cut| cut.index(bytes.len() + 1)).collect();
+    cuts.push(0);
+    cuts.push(bytes.len());
+    cuts.sort_unstable();
+    let pieces = cuts.windows(2).map(|at| Ok(bytes[at[0]..at[1]].to_vec()));
+    crate::snapshot::decode_pieces(len, pieces, visitor)
+}
+
+fn cuts() -> impl Strategy<Value = Vec<prop::sample::Index>> {
+    proptest::collection::vec(any::<prop::sample::Index>(), 0..10)
+}
+
+proptest! {
+    /// The writer's own snapshots, and ones with loose objects anywhere (bad
+    /// segment indices included), read in pieces of any sizes as whole.
+    #[test]
+    fn a_snapshot_reads_the_same_in_pieces_as_whole(
+        objects in proptest::collection::vec(spec(), 0..20),
+        loose in proptest::collection::vec(0usize..20, 0..3),
+        segments in 1usize..5,
+        cuts in cuts(),
+    ) {
+        let file = file(&objects, segments);
+        let body = body_with_loose_objects(&file, &loose);
+        pieces_agree(&body, &cuts)?;
+    }
+
+    /// Damaged but sealed bodies end the same way in pieces as whole, after
+    /// the same objects; unsealed damage is refused in pieces too.
+    #[test]
+    fn a_damaged_snapshot_reads_the_same_in_pieces_as_whole(
+        objects in proptest::collection::vec(spec(), 0..12),
+        segments in 0usize..4,
+        changes in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..4),
+        cut in proptest::option::of(any::<prop::sample::Index>()),
+        cuts in cuts(),
+    ) {
+        let bytes = file(&objects, segments).encode().unwrap();
+        let mut body = bytes[8..].to_vec();
+        for (at, byte) in &changes {
+            let at = at.index(body.len());
+            body[at] = *byte;
+        }
+        if let Some(cut) = cut {
+            body.truncate(cut.index(body.len() + 1));
+        }
+        pieces_agree(&body, &cuts)?;
+        let mut unsealed = bytes[..8].to_vec();
+        unsealed.extend_from_slice(&body);
+        if unsealed != bytes {
+            let mut seen = Seen::default();
+            let len = unsealed.len() as u64;
+            prop_assert!(decode_in_pieces(&unsealed, len, &cuts, &mut seen).is_err());
+        }
+    }
+
+    /// Pieces that add up to another length than declared are refused.
+    #[test]
+    fn pieces_of_another_length_than_declared_are_refused(
+        objects in proptest::collection::vec(spec(), 0..8),
+        short in 1u64..40,
+        cuts in cuts(),
+    ) {
+        let bytes = file(&objects, 1).encode().unwrap();
+        let len = bytes.len() as u64;
+        let mut seen = Seen::default();
+        prop_assert!(decode_in_pieces(&bytes, len + short, &cuts, &mut seen).is_err());
+        let mut seen = Seen::default();
+        prop_assert!(decode_in_pieces(&bytes, len.saturating_sub(short), &cuts, &mut seen).is_err());
+    }
+}
+
+#[test]
+fn a_large_snapshot_is_read_through_a_window_that_moves() {
+    // Far more than one window of objects, with keys of many sizes.
+    let objects: Vec<Generated> = (0..20_000u64)
+        .map(|i| {
+            (
+                format!("key/{i}/{}", "x".repeat((i % 97) as usize)),
+                i,
+                vec![(0, i)],
+                0,
+                i,
+            )
+        })
+        .collect();
+    let bytes = file(&objects, 1).encode().unwrap();
+    let pieces = bytes.chunks(128 << 10).map(|piece| Ok(piece.to_vec()));
+    let mut streamed = Seen::default();
+    let header = crate::snapshot::decode_pieces(bytes.len() as u64, pieces, &mut streamed).unwrap();
+    let mut whole = Seen::default();
+    assert_eq!(
+        SnapshotFile::decode_with(&bytes, &mut whole).unwrap(),
+        header
+    );
+    assert_eq!(streamed.objects.len(), 20_000);
+    assert_eq!(streamed, whole);
+    // A failing piece fails the decode.
+    let failing = bytes.chunks(1 << 16).enumerate().map(|(at, piece)| {
+        if at == 3 {
+            Err(SnapshotError::Truncated { len: 0 })
+        } else {
+            Ok(piece.to_vec())
+        }
+    });
+    let mut seen = Seen::default();
+    assert!(crate::snapshot::decode_pieces(bytes.len() as u64, failing, &mut seen).is_err());
 }
 
 #[test]
