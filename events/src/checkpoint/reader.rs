@@ -17,6 +17,9 @@ use super::{
     parse_header, Checkpoint, CheckpointError, HeaderIn, CHECKSUM_LEN, LENGTH_LEN, MAGIC, MIN_LEN,
 };
 
+/// Picks an array of the reader and its partial-word buffer.
+type Pick<W> = fn(&mut CheckpointReader) -> (&mut Vec<u8>, &mut Vec<W>);
+
 /// Where the reader is in the layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Section {
@@ -216,31 +219,19 @@ impl CheckpointReader {
         while !body.is_empty() {
             let used = match self.section {
                 Section::Hashes(left) => {
-                    let (used, words) = take_words(&mut self.partial, body, left, &mut self.hashes);
-                    self.taken += used as u64;
-                    self.section = Section::Hashes(left - words);
-                    if words == left {
-                        self.enter(Section::Masks(self.header().ids))?;
-                    }
-                    used
+                    let next = Section::Masks(self.header().ids);
+                    let pick: Pick<_> = |r| (&mut r.partial, &mut r.hashes);
+                    self.take_array(body, left, pick, Section::Hashes, next)?
                 }
                 Section::Masks(left) => {
-                    let (used, words) = take_words(&mut self.partial, body, left, &mut self.masks);
-                    self.taken += used as u64;
-                    self.section = Section::Masks(left - words);
-                    if words == left {
-                        self.enter(Section::Free(self.header().free))?;
-                    }
-                    used
+                    let next = Section::Free(self.header().free);
+                    let pick: Pick<_> = |r| (&mut r.partial, &mut r.masks);
+                    self.take_array(body, left, pick, Section::Masks, next)?
                 }
                 Section::Free(left) => {
-                    let (used, words) = take_words(&mut self.partial, body, left, &mut self.free);
-                    self.taken += used as u64;
-                    self.section = Section::Free(left - words);
-                    if words == left {
-                        self.enter(Section::BitmapLength(0))?;
-                    }
-                    used
+                    let next = Section::BitmapLength(0);
+                    let pick: Pick<_> = |r| (&mut r.partial, &mut r.free);
+                    self.take_array(body, left, pick, Section::Free, next)?
                 }
                 Section::End => {
                     return Err(CheckpointError::Malformed(format!(
@@ -270,6 +261,27 @@ impl CheckpointReader {
             body = &body[used..];
         }
         Ok(())
+    }
+
+    /// Takes from `body` words of the array section `section(left)` into the
+    /// array `array` picks (beside the partial-word buffer), and moves on to
+    /// `next` once the section is whole. Returns the bytes of `body` used.
+    fn take_array<W: Word>(
+        &mut self,
+        body: &[u8],
+        left: u64,
+        array: Pick<W>,
+        section: fn(u64) -> Section,
+        next: Section,
+    ) -> Result<usize, CheckpointError> {
+        let (partial, words_out) = array(self);
+        let (used, words) = take_words(partial, body, left, words_out);
+        self.taken += used as u64;
+        self.section = section(left - words);
+        if words == left {
+            self.enter(next)?;
+        }
+        Ok(used)
     }
 
     /// Moves to `section`: checks that its declared length fits in the bytes

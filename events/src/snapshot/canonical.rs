@@ -29,10 +29,7 @@ pub(super) fn decode_body<V: SnapshotVisitor>(
     let mut reader = Reader::new(body);
     let header = read_header(&mut reader)?;
     let count = reader.array_len()?;
-    let announced = usize::try_from(count)
-        .unwrap_or(usize::MAX)
-        .min(max_objects);
-    visitor.header(&header, announced);
+    announce(visitor, &header, count, max_objects);
     let segments = header.segments.len();
     let mut replicas = Vec::new();
     for read in 0..count {
@@ -50,6 +47,20 @@ pub(super) fn decode_body<V: SnapshotVisitor>(
         }
     }
     Some(Ok(header))
+}
+
+/// Hands `visitor` the header and how many objects follow: `count`, but at
+/// most `max_objects` (what the body's length can hold).
+pub(super) fn announce<V: SnapshotVisitor>(
+    visitor: &mut V,
+    header: &SnapshotHeader,
+    count: u64,
+    max_objects: usize,
+) {
+    let announced = usize::try_from(count)
+        .unwrap_or(usize::MAX)
+        .min(max_objects);
+    visitor.header(header, announced);
 }
 
 /// The header: a fixmap of five entries, `v`, `q`, `e` and `g` in any order,

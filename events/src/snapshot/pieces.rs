@@ -16,7 +16,7 @@
 
 use xxhash_rust::xxh3::Xxh3Default;
 
-use super::canonical::{read_header, read_object, serde_objects};
+use super::canonical::{announce, read_header, read_object, serde_objects};
 use super::visit::{decode_body, hand_over, MIN_OBJECT_BYTES};
 use super::{SnapshotError, SnapshotHeader, SnapshotVisitor};
 use crate::msgpack::CanonicalReader as Reader;
@@ -63,10 +63,7 @@ where
     };
     let used = input.rest().len() - reader.rest.len();
     input.consume(used);
-    let announced = usize::try_from(count)
-        .unwrap_or(usize::MAX)
-        .min(max_objects);
-    visitor.header(&header, announced);
+    announce(visitor, &header, count, max_objects);
     let segments = header.segments.len();
     let mut replicas = Vec::new();
     for read in 0..count {
