@@ -593,8 +593,7 @@ pub async fn standby_snapshot(nats_url: &str, cluster: &str) -> anyhow::Result<(
         .next_line()
         .await?
         .context("stdin closed before the snapshot was asked for")?;
-    let never = std::sync::atomic::AtomicBool::new(false);
-    let bytes = snapshot::encode_at_low_priority(&state, pace.cpu_share, &never)?;
+    let bytes = snapshot::encode_at_low_priority(&state, pace.cpu_share, &AtomicBool::new(false))?;
     snapshot::store_verified(&store, bytes, state.applied_seq).await?;
     println!("{STANDBY_WRITTEN}");
     Ok(())

@@ -172,6 +172,18 @@ impl LeaseWatch {
         }
     }
 
+    /// Notes the holder's `revision`; whether it has stood still for `ttl`
+    /// (since it was first seen).
+    fn stood_still(&mut self, revision: u64, ttl: Duration) -> bool {
+        match self.watched {
+            Some((seen, since)) if seen == revision => since.elapsed() >= ttl,
+            _ => {
+                self.watched = Some((revision, tokio::time::Instant::now()));
+                false
+            }
+        }
+    }
+
     /// Whether a free lease may be taken: not within a TTL of the bucket coming
     /// back, when the entry of a live leader that could not renew has expired and
     /// that leader is about to take it again.
@@ -194,23 +206,14 @@ async fn poll_lease(
     Ok(match current {
         None if view.may_take_free(ttl) => ctx.lease.try_acquire(holder).await?,
         None => None,
-        Some((_, revision)) => match view.watched {
-            Some((seen, since)) if seen == revision => {
-                if since.elapsed() >= ttl {
-                    tracing::warn!(
-                        revision,
-                        "the leader stopped renewing its lease; taking over"
-                    );
-                    ctx.lease.take_over_stale(holder, revision).await?
-                } else {
-                    None
-                }
-            }
-            _ => {
-                view.watched = Some((revision, tokio::time::Instant::now()));
-                None
-            }
-        },
+        Some((_, revision)) if view.stood_still(revision, ttl) => {
+            tracing::warn!(
+                revision,
+                "the leader stopped renewing its lease; taking over"
+            );
+            ctx.lease.take_over_stale(holder, revision).await?
+        }
+        Some(_) => None,
     })
 }
 

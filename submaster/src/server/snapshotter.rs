@@ -444,21 +444,15 @@ impl StandbySnapshots {
 /// standby's poll takes the lease over once the encoding has stopped.
 async fn abandon_when_leader_gone(lease: LeaderLease, ttl: Duration, abandon: Arc<AtomicBool>) {
     let mut poll = tokio::time::interval(super::LEASE_POLL);
-    let mut watched: Option<(u64, tokio::time::Instant)> = None;
+    let mut view = super::LeaseWatch::default();
     loop {
         poll.tick().await;
         let gone = match lease.holder().await {
             Ok(None) => true,
-            Ok(Some((_, revision))) => match watched {
-                Some((seen, since)) if seen == revision => since.elapsed() >= ttl,
-                _ => {
-                    watched = Some((revision, tokio::time::Instant::now()));
-                    false
-                }
-            },
+            Ok(Some((_, revision))) => view.stood_still(revision, ttl),
             // Judged over successful reads only, as the standby's poll does.
             Err(_) => {
-                watched = None;
+                view.unreadable();
                 false
             }
         };
