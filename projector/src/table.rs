@@ -10,6 +10,8 @@
 
 use crate::prefetch::prefetch;
 
+mod halves;
+
 /// An empty id.
 const EMPTY: u32 = u32::MAX;
 /// An empty slot.
@@ -29,6 +31,13 @@ fn slot(hash: u64, id: u32) -> u64 {
 
 fn id_of(slot: u64) -> u32 {
     slot as u32
+}
+
+/// The home slot of `hash` in a table of `slots` slots: the hash's high bits
+/// scaled to the slot count, so homes grow with hashes.
+fn home_slot(hash: u64, slots: usize) -> usize {
+    // xxh3 mixes well: the high half places, the low half tags.
+    ((u128::from(hash) * slots as u128) >> 64) as usize
 }
 
 /// Home regions a build sorts ids into ([`HomeOrder`]): at 10 M ids a
@@ -114,9 +123,17 @@ impl IdTable {
     }
 
     /// Places the ids of `order` into this table (built as [`Self::build`]
-    /// does, for a caller that sorts and allocates on two threads). `Err(id)`
-    /// names an id whose hash is in the table already.
+    /// does, for a caller that sorts and allocates on two threads). An empty
+    /// table with room for them all is filled on two threads, one per half of
+    /// the slots ([`IdTable::fill_in_halves`]). `Err(id)` names an id whose
+    /// hash is in the table already.
     pub fn fill(mut self, order: &HomeOrder, hashes: &[u64]) -> Result<Self, u32> {
+        if self.len == 0
+            && order.ids.len() >= halves::FILL_IN_HALVES_FROM
+            && self.slots.len() >= Self::slots_for(order.ids.len())
+        {
+            return self.fill_in_halves(order, hashes);
+        }
         for (at, (&hash, &id)) in order.hashes.iter().zip(&order.ids).enumerate() {
             if let Some(&ahead) = order.hashes.get(at + BUILD_AHEAD) {
                 self.prefetch_home(ahead);
@@ -155,8 +172,7 @@ impl IdTable {
     }
 
     fn home(&self, hash: u64) -> usize {
-        // xxh3 mixes well: the high half places, the low half tags.
-        ((u128::from(hash) * self.slots.len() as u128) >> 64) as usize
+        home_slot(hash, self.slots.len())
     }
 
     fn next(&self, at: usize) -> usize {
