@@ -225,22 +225,27 @@ struct Restore {
     seconds: f64,
     /// Objects in the state the last rebuild made.
     objects: usize,
+    /// Events the last rebuild folded after its snapshot: a restore's cost
+    /// grows with them (up to `snapshot_every_events`) as with the objects.
+    tail: u64,
 }
 
 /// Rebuilds the state as a restarting sub-master does (newest snapshot plus
 /// the tail), [`RESTORES_TIMED`] times.
 async fn restore(js: &jetstream::Context, config: &SubmasterConfig) -> anyhow::Result<Restore> {
     let mut seconds = Vec::with_capacity(RESTORES_TIMED);
-    let mut objects = 0;
+    let (mut objects, mut tail) = (0, 0);
     for _ in 0..RESTORES_TIMED {
         let started = Instant::now();
-        objects = load_state(js, config, true).await?.state.object_count();
+        let loaded = load_state(js, config, true).await?;
         seconds.push(started.elapsed().as_secs_f64());
+        (objects, tail) = (loaded.state.object_count(), loaded.replayed);
     }
     seconds.sort_by(f64::total_cmp);
     Ok(Restore {
         seconds: seconds[RESTORES_TIMED / 2],
         objects,
+        tail,
     })
 }
 
@@ -379,14 +384,14 @@ async fn churn(nats: &BenchNats, sizes: &Sizes, printer: &mut Printer) -> anyhow
         BenchResult::new(
             WORKLOAD,
             format!(
-                "restore (snapshot + tail) at the end of the run ({} objects; median of 5, under the load)",
-                end_restore.objects
+                "restore (snapshot + tail) at the end of the run ({} objects, {} tail events; median of 5, under the load)",
+                end_restore.objects, end_restore.tail
             ),
             end_restore.seconds,
             "s",
             format!(
-                "restore after the first window ({} objects)",
-                first_restore.objects
+                "restore after the first window ({} objects, {} tail events)",
+                first_restore.objects, first_restore.tail
             ),
             first_restore.seconds,
         ),
