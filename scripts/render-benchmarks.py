@@ -80,9 +80,12 @@ HOW_TO_READ = {
     "the standby is a process of its own at the lowest CPU priority, but on this "
     "machine's two cores with the leader, the clients and nats-server, where a "
     "standby would have a host of its own) against the same load without (target: "
-    "at most 2x), and p50 beside it: "
-    "a p99 that moves while the p50 does not is the snapshot's tail, not a slower "
-    "leader.",
+    "at most 2x): a window before the snapshot and one after it, the load's first "
+    "seconds and the standby's exit counted on neither side; the row comparing the "
+    "two windows shows how much the baseline moves by itself. Then p50 beside it "
+    "(a p99 that moves while the p50 does not is the snapshot's tail, not a slower "
+    "leader) and p99 in each phase of the snapshot, with its length and puts: "
+    "encoding, storing, reading back.",
     "recover": "Sub-master time from start to its first served request (an `exist` "
     "answered by the leader): by full replay against a raw JetStream replay of the "
     "same stream (the floor: reading the bytes), and from a snapshot plus a tail "

@@ -10,20 +10,23 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::Context as _;
 use async_nats::jetstream;
 use hkvm_client::SubmasterClient;
 use hkvm_events::rpc::submaster::{ItemError, ItemResult, MountSegment, PutEndItem, PutStartItem};
-use hkvm_events::snapshot::SnapshotStore;
 use hkvm_events::subject::Bucket;
 use hkvm_events::{NodeId, SegmentId};
 use hkvm_submaster::server::load_state;
-use hkvm_submaster::{snapshot, SubmasterConfig};
+use hkvm_submaster::SubmasterConfig;
 
 use super::latency::quantile_ms;
 use super::recover::{put_until_served, serving, Bench, Hosted};
 use super::report::{BenchResult, Printer};
 use super::BenchNats;
+
+mod standby;
+
+use standby::{Phase, StandbyProcess};
+pub use standby::standby_snapshot;
 
 const WORKLOAD: &str = "soak";
 /// Value size of every churned object.
@@ -460,24 +463,43 @@ async fn snapshot_under_load(
         bench.config.subcluster.clone(),
     );
     put_until_served(&client, "soak/warm".to_owned()).await?;
-    let mut standby = StandbyProcess::start(&nats.url).await?;
+    let mut standby = StandbyProcess::start(&nats.url, BIG_CLUSTER).await?;
 
     let load = Load::start(&client, "soak-big", 1);
+    // The load's first moments (connections, first allocations) count on
+    // neither side; the baseline is a window before the snapshot and one after.
+    tokio::time::sleep(sizes.window / 4).await;
+    let _ = load.take();
     tokio::time::sleep(sizes.window).await;
-    let without = load.take();
+    let before = load.take();
     let started = Instant::now();
-    standby.write_snapshot().await?;
+    standby.ask_for_snapshot().await?;
+    let mut phases = Vec::new();
+    let mut phase_started = started;
+    for phase in Phase::ALL {
+        standby.phase_done(phase).await?;
+        phases.push((phase, load.take(), phase_started.elapsed().as_secs_f64()));
+        phase_started = Instant::now();
+    }
     let snapshot_seconds = started.elapsed().as_secs_f64();
-    let during = load.take();
-    let (failed, _) = load.stop().await;
+    // The standby's exit (the kernel taking its pages back) is not a snapshot's
+    // cost, and not a quiet baseline either.
     standby.finish().await?;
+    let _ = load.take();
+    tokio::time::sleep(sizes.window).await;
+    let after = load.take();
+    let (failed, _) = load.stop().await;
     anyhow::ensure!(failed == 0, "{failed} puts failed during the snapshot");
+    let mut without: Vec<Duration> = before.iter().chain(&after).copied().collect();
+    without.sort_unstable();
+    let mut during: Vec<Duration> = phases.iter().flat_map(|(_, taken, _)| taken).copied().collect();
+    during.sort_unstable();
     eprintln!(
         "bench soak: {} puts without a snapshot, {} while one was written ({snapshot_seconds:.1} s)",
         without.len(),
         during.len()
     );
-    for result in [
+    let mut results = vec![
         BenchResult::new(
             WORKLOAD,
             format!(
@@ -498,108 +520,39 @@ async fn snapshot_under_load(
         ),
         BenchResult::new(
             WORKLOAD,
-            format!("snapshot written under that load ({objects} objects)"),
-            snapshot_seconds,
-            "s",
-            "none",
-            0.0,
+            "put p99 without a snapshot, the window after it",
+            p99_ms(&after),
+            "ms",
+            "the window before it (how much the baseline itself moves)",
+            p99_ms(&before),
         ),
-    ] {
+    ];
+    for (phase, taken, seconds) in &phases {
+        results.push(BenchResult::new(
+            WORKLOAD,
+            format!(
+                "put p99 while that snapshot is {} ({seconds:.1} s, {} puts)",
+                phase.describe(),
+                taken.len()
+            ),
+            p99_ms(taken),
+            "ms",
+            "put p99, same load, no snapshot",
+            p99_ms(&without),
+        ));
+    }
+    results.push(BenchResult::new(
+        WORKLOAD,
+        format!("snapshot written under that load ({objects} objects)"),
+        snapshot_seconds,
+        "s",
+        "none",
+        0.0,
+    ));
+    for result in results {
         printer.print(&result);
     }
     leader.shutdown().await?;
     let _ = js.delete_stream(bench.log.stream_name()).await;
-    Ok(())
-}
-
-/// A hot standby's snapshot writer in a child process (this binary's hidden
-/// `soak-standby` command): a standby runs in a process of its own, so neither
-/// its memory traffic nor its allocator's page returns land in the leader's.
-struct StandbyProcess {
-    child: tokio::process::Child,
-    stdin: tokio::process::ChildStdin,
-    lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
-}
-
-impl StandbyProcess {
-    /// Starts the child and waits until it has folded the stream.
-    async fn start(nats_url: &str) -> anyhow::Result<Self> {
-        use tokio::io::AsyncBufReadExt as _;
-        let mut child = tokio::process::Command::new(std::env::current_exe()?)
-            .args(["soak-standby", "--nats", nats_url, "--cluster", BIG_CLUSTER])
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()?;
-        let stdin = child.stdin.take().context("the standby's stdin")?;
-        let stdout = child.stdout.take().context("the standby's stdout")?;
-        let mut standby = Self {
-            child,
-            stdin,
-            lines: tokio::io::BufReader::new(stdout).lines(),
-        };
-        standby.expect(STANDBY_READY).await?;
-        Ok(standby)
-    }
-
-    /// Asks for the snapshot and waits until it is stored and verified.
-    async fn write_snapshot(&mut self) -> anyhow::Result<()> {
-        use tokio::io::AsyncWriteExt as _;
-        self.stdin.write_all(b"go\n").await?;
-        self.stdin.flush().await?;
-        self.expect(STANDBY_WRITTEN).await
-    }
-
-    /// Waits for the child to exit (it frees its state first: not part of the
-    /// snapshot).
-    async fn finish(mut self) -> anyhow::Result<()> {
-        let status = self.child.wait().await?;
-        anyhow::ensure!(status.success(), "the standby process ended with {status}");
-        Ok(())
-    }
-
-    async fn expect(&mut self, line: &str) -> anyhow::Result<()> {
-        match self.lines.next_line().await? {
-            Some(got) if got == line => Ok(()),
-            got => anyhow::bail!("the standby process said {got:?}, not {line:?}"),
-        }
-    }
-}
-
-/// What the standby process prints once it has folded the stream.
-const STANDBY_READY: &str = "ready";
-/// What it prints once the snapshot is stored and verified.
-const STANDBY_WRITTEN: &str = "written";
-
-/// The standby process of the soak workload: folds the bench cluster
-/// `cluster`'s stream, says [`STANDBY_READY`], and on a line on stdin writes its
-/// snapshot as a hot standby does (encoded at low priority and paced, then
-/// stored and read back on the writer thread), then says [`STANDBY_WRITTEN`].
-///
-/// # Errors
-/// When NATS fails or stdin closes early.
-pub async fn standby_snapshot(nats_url: &str, cluster: &str) -> anyhow::Result<()> {
-    use tokio::io::AsyncBufReadExt as _;
-    let js = jetstream::new(async_nats::connect(nats_url).await?);
-    let config = Bench::config(cluster)?;
-    let state = load_state(&js, &config, false).await?.state;
-    let pace = config.snapshot_pace;
-    let store = SnapshotStore::open(
-        &js,
-        &config.cluster,
-        &config.subcluster,
-        config.stream.replicas,
-    )
-    .await?
-    .with_write_rate(Some(pace.write_bytes_per_sec));
-    println!("{STANDBY_READY}");
-    let mut stdin = tokio::io::BufReader::new(tokio::io::stdin()).lines();
-    stdin
-        .next_line()
-        .await?
-        .context("stdin closed before the snapshot was asked for")?;
-    let bytes = snapshot::encode_at_low_priority(&state, pace.cpu_share, &AtomicBool::new(false))?;
-    snapshot::store_verified(&store, bytes, state.applied_seq).await?;
-    println!("{STANDBY_WRITTEN}");
     Ok(())
 }

@@ -76,7 +76,7 @@ pub fn encode_at_low_priority(
 ///
 /// # Errors
 /// When the thread or its runtime cannot be started, or the job's own error.
-pub(crate) async fn on_writer_thread<T, F, Fut>(work: F) -> Result<T, SubmasterError>
+pub async fn on_writer_thread<T, F, Fut>(work: F) -> Result<T, SubmasterError>
 where
     T: Send + 'static,
     F: FnOnce() -> Fut + Send + 'static,
