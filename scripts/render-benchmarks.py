@@ -76,7 +76,7 @@ HOW_TO_READ = {
     "messages held against messages ever appended show what purging removed, put p99 "
     "stays flat. Then put p99 while a large state's snapshot is written as a hot "
     "standby writes it (encode, store, read back, paced at the sub-master's "
-    "defaults: the encoder at half a core, storing and reading back at 64 MiB/s; "
+    "defaults: the encoder at half a core, storing and reading back at 32 MiB/s; "
     "the standby is a process of its own at the lowest CPU priority, but on this "
     "machine's two cores with the leader, the clients and nats-server, where a "
     "standby would have a host of its own) against the same load without (target: "

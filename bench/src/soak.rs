@@ -25,8 +25,8 @@ use super::BenchNats;
 
 mod standby;
 
-use standby::{Phase, StandbyProcess};
 pub use standby::standby_snapshot;
+use standby::{Phase, StandbyProcess};
 
 const WORKLOAD: &str = "soak";
 /// Value size of every churned object.
@@ -78,7 +78,9 @@ impl Sizes {
 /// [`REMOVE_EVERY`] puts, and records every put's latency.
 struct Load {
     stop: Arc<AtomicBool>,
-    latencies: Arc<Mutex<Vec<Duration>>>,
+    latencies: Arc<Mutex<Vec<(Instant, Duration)>>>,
+    /// What [`Load::take`] handed out: (start, latency) of each put.
+    taken: Mutex<Vec<(Instant, Duration)>>,
     failed: Arc<AtomicU64>,
     refused: Arc<AtomicU64>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -108,7 +110,7 @@ impl Load {
                         attempt += 1;
                         let put_id = (worker as u64) << 48 | attempt;
                         match put(&client, &key, replicas, put_id).await {
-                            Ok(Put::Done) => lock(&latencies).push(started.elapsed()),
+                            Ok(Put::Done) => lock(&latencies).push((started, started.elapsed())),
                             Ok(Put::NoSpace) => {
                                 refused.fetch_add(1, Ordering::Relaxed);
                                 first_try = None;
@@ -134,17 +136,38 @@ impl Load {
         Self {
             stop,
             latencies,
+            taken: Mutex::default(),
             failed,
             refused,
             tasks,
         }
     }
 
-    /// The latencies since the last call, sorted.
+    /// The latencies since the last call, sorted (and kept for [`Load::timeline`]).
     fn take(&self) -> Vec<Duration> {
-        let mut taken = std::mem::take(&mut *lock(&self.latencies));
-        taken.sort_unstable();
-        taken
+        let taken = std::mem::take(&mut *lock(&self.latencies));
+        let mut sorted: Vec<Duration> = taken.iter().map(|&(_, latency)| latency).collect();
+        lock(&self.taken).extend(taken);
+        sorted.sort_unstable();
+        sorted
+    }
+
+    /// Every put taken so far, as (seconds from `from`, p99 in ms) per `slice`
+    /// of their start times: where in a run the tail is.
+    fn timeline(&self, from: Instant, slice: Duration) -> Vec<(f64, f64)> {
+        let mut slices: std::collections::BTreeMap<u64, Vec<Duration>> = Default::default();
+        for &(started, latency) in lock(&self.taken).iter() {
+            let at = started.saturating_duration_since(from).as_millis() as u64;
+            let index = at / slice.as_millis().max(1) as u64;
+            slices.entry(index).or_default().push(latency);
+        }
+        slices
+            .into_iter()
+            .map(|(index, mut latencies)| {
+                latencies.sort_unstable();
+                (index as f64 * slice.as_secs_f64(), p99_ms(&latencies))
+            })
+            .collect()
     }
 
     /// Stops the clients; returns how many puts failed and how many found the
@@ -443,6 +466,9 @@ async fn churn(nats: &BenchNats, sizes: &Sizes, printer: &mut Printer) -> anyhow
 /// The cluster name of the large state whose snapshot is written under load.
 const BIG_CLUSTER: &str = "bsoaksnap";
 
+/// The slices of the snapshot-under-load run whose put p99 is printed.
+const TIMELINE_SLICE: Duration = Duration::from_secs(5);
+
 /// Put p99 while a large state's snapshot is written as a hot standby writes it
 /// (in a process of its own, [`standby_snapshot`]), against the same load without.
 async fn snapshot_under_load(
@@ -466,6 +492,7 @@ async fn snapshot_under_load(
     let mut standby = StandbyProcess::start(&nats.url, BIG_CLUSTER).await?;
 
     let load = Load::start(&client, "soak-big", 1);
+    let load_started = Instant::now();
     // The load's first moments (connections, first allocations) count on
     // neither side; the baseline is a window before the snapshot and one after.
     tokio::time::sleep(sizes.window / 4).await;
@@ -488,11 +515,25 @@ async fn snapshot_under_load(
     let _ = load.take();
     tokio::time::sleep(sizes.window).await;
     let after = load.take();
+    let timeline = load.timeline(load_started, TIMELINE_SLICE);
     let (failed, _) = load.stop().await;
     anyhow::ensure!(failed == 0, "{failed} puts failed during the snapshot");
+    let snapshot_at = started.duration_since(load_started).as_secs_f64();
+    eprintln!(
+        "bench soak: put p99 (ms) per {} s of the load; the snapshot ran from {snapshot_at:.0} s to {:.0} s:",
+        TIMELINE_SLICE.as_secs(),
+        snapshot_at + snapshot_seconds
+    );
+    for (at, p99) in timeline {
+        eprintln!("bench soak:   {at:>5.0} s  {p99:>8.3}");
+    }
     let mut without: Vec<Duration> = before.iter().chain(&after).copied().collect();
     without.sort_unstable();
-    let mut during: Vec<Duration> = phases.iter().flat_map(|(_, taken, _)| taken).copied().collect();
+    let mut during: Vec<Duration> = phases
+        .iter()
+        .flat_map(|(_, taken, _)| taken)
+        .copied()
+        .collect();
     during.sort_unstable();
     eprintln!(
         "bench soak: {} puts without a snapshot, {} while one was written ({snapshot_seconds:.1} s)",

@@ -78,7 +78,9 @@ impl SubmasterConfig {
 /// the encoder works in slices of about a millisecond with rests between
 /// ([`hkvm_events::pace::CpuShare`]), and storing it and reading it back to
 /// verify it go at a bounded byte rate (the NATS server's work for 860 MB, at
-/// 10 M objects, is otherwise a burst that the leader's appends queue behind).
+/// 10 M objects, is otherwise a burst that the leader's appends queue behind;
+/// at 64 MiB/s its share alone took put p99 beside it from about 2 ms to 4.6-5.2
+/// ms on a busy two-core host, at 32 MiB/s to 3.8 ms: `hkvm bench soak`).
 /// A slower snapshot costs a standby a longer pause of its fold (it catches up
 /// after) and the purge a later start; a restore is never paced.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -94,7 +96,7 @@ impl Default for SnapshotPace {
     fn default() -> Self {
         Self {
             cpu_share: 0.5,
-            write_bytes_per_sec: 64 << 20,
+            write_bytes_per_sec: 32 << 20,
         }
     }
 }

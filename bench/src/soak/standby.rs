@@ -143,10 +143,13 @@ pub async fn standby_snapshot(nats_url: &str, cluster: &str) -> anyhow::Result<(
     let covers = state.applied_seq;
     let writer = store.clone();
     let (name, checksum) =
-        snapshot::on_writer_thread(move || async move { Ok(writer.save_encoded(covers, bytes).await?) })
-            .await?;
+        snapshot::on_writer_thread(
+            move || async move { Ok(writer.save_encoded(covers, bytes).await?) },
+        )
+        .await?;
     println!("{}", Phase::Store.done_line());
-    snapshot::on_writer_thread(move || async move { Ok(store.verify(&name, checksum).await?) }).await?;
+    snapshot::on_writer_thread(move || async move { Ok(store.verify(&name, checksum).await?) })
+        .await?;
     println!("{}", Phase::Verify.done_line());
     Ok(())
 }

@@ -20,8 +20,8 @@ mod restorer;
 mod writer;
 
 pub use restorer::Restorer;
-pub use writer::{encode_at_low_priority, on_writer_thread, store_verified, WRITER_NICE};
 pub(crate) use writer::store_bytes_verify;
+pub use writer::{encode_at_low_priority, on_writer_thread, store_verified, WRITER_NICE};
 
 /// The snapshot of the durable part of `state`, objects oldest first, as records
 /// of its own (a copy that outlives `state`).
