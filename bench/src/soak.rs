@@ -520,7 +520,7 @@ async fn snapshot_under_load(
     anyhow::ensure!(failed == 0, "{failed} puts failed during the snapshot");
     let snapshot_at = started.duration_since(load_started).as_secs_f64();
     eprintln!(
-        "bench soak: put p99 (ms) per {} s of the load; the snapshot ran from {snapshot_at:.0} s to {:.0} s:",
+        "bench soak: put p99 (ms) per {} s of the load; the snapshot ran from {snapshot_at:.1} s to {:.1} s:",
         TIMELINE_SLICE.as_secs(),
         snapshot_at + snapshot_seconds
     );
