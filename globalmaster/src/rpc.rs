@@ -29,23 +29,61 @@ use crate::GlobalMasterError;
 /// The queue group every replica joins.
 pub const QUEUE_GROUP: &str = "hkvm-global";
 
-/// Subscribes and serves until the task is aborted.
+/// Subscribes and serves until the task is aborted: one queue subscription per
+/// core (at most [`MAX_SUBSCRIPTIONS`]), each with its own task, so that
+/// lookups run on every core. A request the projection answers alone is answered
+/// in line by its subscription's task (no task spawned, no wake-up of another
+/// thread); a proxied `get_replica_list`, which waits on a sub-master, gets a
+/// task of its own.
 pub(crate) async fn serve(
     shared: Arc<Shared>,
     client: async_nats::Client,
 ) -> Result<tokio::task::JoinHandle<()>, GlobalMasterError> {
     let subject = global_rpc_subject(&shared.config.cluster, "*");
-    let mut requests = client
-        .queue_subscribe(subject, QUEUE_GROUP.to_owned())
-        .await
-        .map_err(GlobalMasterError::nats("subscribing to queries"))?;
+    let count = std::thread::available_parallelism()
+        .map_or(1, std::num::NonZero::get)
+        .clamp(1, MAX_SUBSCRIPTIONS);
+    let mut subscriptions = Vec::with_capacity(count);
+    for _ in 0..count {
+        subscriptions.push(
+            client
+                .queue_subscribe(subject.clone(), QUEUE_GROUP.to_owned())
+                .await
+                .map_err(GlobalMasterError::nats("subscribing to queries"))?,
+        );
+    }
     Ok(tokio::spawn(async move {
-        while let Some(message) = requests.next().await {
+        let mut loops = tokio::task::JoinSet::new();
+        for requests in subscriptions {
+            loops.spawn(serve_subscription(
+                Arc::clone(&shared),
+                client.clone(),
+                requests,
+            ));
+        }
+        // Aborting this task drops the set, which aborts every loop.
+        while loops.join_next().await.is_some() {}
+    }))
+}
+
+/// Most query subscriptions a replica opens.
+pub const MAX_SUBSCRIPTIONS: usize = 8;
+
+async fn serve_subscription(
+    shared: Arc<Shared>,
+    client: async_nats::Client,
+    mut requests: async_nats::Subscriber,
+) {
+    while let Some(message) = requests.next().await {
+        let name = message.subject.rsplit('.').next().unwrap_or_default();
+        if GlobalOp::from_name(name) == Some(GlobalOp::GetReplicaList) {
             let shared = Arc::clone(&shared);
             let client = client.clone();
             tokio::spawn(async move { handle(shared, client, message).await });
+        } else {
+            handle(Arc::clone(&shared), client.clone(), message).await;
         }
-    }))
+    }
 }
 
 fn reply_bytes<T: Serialize>(reply: Result<T, RpcError>) -> Vec<u8> {
