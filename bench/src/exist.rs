@@ -162,7 +162,8 @@ async fn second_replica(
     cores: usize,
 ) -> anyhow::Result<BenchResult> {
     eprintln!("bench exist: a second replica folds the streams");
-    let second = GlobalMaster::start(cluster.config("bench-2", false), nats.connect().await?).await?;
+    let second =
+        GlobalMaster::start(cluster.config("bench-2", false), nats.connect().await?).await?;
     second.wait_serving().await;
     eprintln!("bench exist: 4 clients x {per_client} batches of {BATCH}, 2 replicas");
     let work = work(cluster.keys, 4, per_client);

@@ -11,6 +11,7 @@ use hkvm_events::rpc::global::{
 };
 use hkvm_events::rpc::RpcError;
 use hkvm_events::{key_hash, Limits, SubclusterId};
+use hkvm_projector::index::OVERFLOW_BIT;
 use hkvm_projector::Projection;
 
 /// How one source looks to a query.
@@ -131,21 +132,45 @@ pub fn batch_is_exist_hashed(
             subclusters.push(subcluster.clone());
         }
     }
+    // The same for the sources below the overflow bit, as bit sets, so that a
+    // key none of the others holds is answered from its mask alone.
+    let (mut preferred_low, mut other_low) = (0u32, 0u32);
+    for (source, view) in views.iter().enumerate().take(OVERFLOW_BIT) {
+        if slot[source].is_some() {
+            if view.preferred {
+                preferred_low |= 1 << source;
+            } else {
+                other_low |= 1 << source;
+            }
+        }
+    }
     let mut counts = Vec::with_capacity(hashes.len());
     let mut flat = Vec::with_capacity(hashes.len());
     let mut found = Vec::with_capacity(hashes.len());
     projection.index().holders_many(hashes, &mut found);
     for holders in found {
         let before = flat.len();
-        if !holders.is_empty() {
-            // Preferred sources first, each group in source order.
-            for preferred in [true, false] {
-                flat.extend(
-                    holders
-                        .iter()
-                        .filter(|&s| views.get(s).is_some_and(|v| v.preferred == preferred))
-                        .filter_map(|s| slot.get(s).copied().flatten()),
-                );
+        match holders.low_mask() {
+            Some(0) => {}
+            Some(mask) => {
+                // Preferred sources first, each group in source order.
+                for mut bits in [mask & preferred_low, mask & other_low] {
+                    while bits != 0 {
+                        let source = bits.trailing_zeros() as usize;
+                        bits &= bits - 1;
+                        flat.extend(slot[source]);
+                    }
+                }
+            }
+            None => {
+                for preferred in [true, false] {
+                    flat.extend(
+                        holders
+                            .iter()
+                            .filter(|&s| views.get(s).is_some_and(|v| v.preferred == preferred))
+                            .filter_map(|s| slot.get(s).copied().flatten()),
+                    );
+                }
             }
         }
         counts.push(u16::try_from(flat.len() - before).unwrap_or(u16::MAX));
@@ -364,6 +389,45 @@ mod tests {
 
     fn names(list: Vec<&SubclusterId>) -> Vec<&str> {
         list.into_iter().map(SubclusterId::as_str).collect()
+    }
+
+    proptest::proptest! {
+        /// The batch answer (from masks, or source by source past the overflow
+        /// bit) lists each key's holders as the one-key ranking does.
+        #[test]
+        fn batch_answers_rank_holders_as_one_key_lookups_do(
+            held in proptest::collection::vec(proptest::collection::vec(0usize..40, 0..6), 1..24),
+            rules in proptest::collection::vec((proptest::bool::ANY, proptest::bool::ANY), 40),
+        ) {
+            let mut projection = Projection::new();
+            let names: Vec<SubclusterId> = (0..40).map(|s| sc(&format!("s{s:02}"))).collect();
+            for name in &names {
+                projection.source_index(name, "s");
+            }
+            let keys: Vec<String> = (0..held.len()).map(|k| format!("key-{k}")).collect();
+            for (key, sources) in keys.iter().zip(&held) {
+                for &source in sources {
+                    projection.apply(source, &put(key));
+                }
+            }
+            let views: Vec<SourceView> = names
+                .iter()
+                .zip(&rules)
+                .map(|(name, &(allowed, preferred))| SourceView {
+                    subcluster: Some(name.clone()),
+                    allowed,
+                    preferred,
+                })
+                .collect();
+            let reply = batch_is_exist(&projection, &views, &keys, Staleness::default()).unwrap();
+            for (index, key) in keys.iter().enumerate() {
+                let expected: Vec<&SubclusterId> = ranked_holders(&projection, &views, key_hash(key))
+                    .into_iter()
+                    .map(|s| &names[s])
+                    .collect();
+                proptest::prop_assert_eq!(reply.holders_of(index), expected);
+            }
+        }
     }
 
     #[test]

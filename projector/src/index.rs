@@ -79,6 +79,13 @@ impl Holders<'_> {
         low.chain((OVERFLOW_BIT..high_count).filter(|&s| self.contains(s)))
     }
 
+    /// The holding sources below [`OVERFLOW_BIT`] as a bit set (bit `s` for
+    /// source `s`), when no source at or past it holds the key; `None`
+    /// otherwise (then [`Holders::iter`] lists them).
+    pub fn low_mask(&self) -> Option<u32> {
+        (self.mask & (1 << OVERFLOW_BIT) == 0).then_some(self.mask)
+    }
+
     /// How many sources hold the key.
     pub fn count(&self) -> usize {
         if self.mask & (1 << OVERFLOW_BIT) == 0 {

@@ -5,7 +5,7 @@
 use hkvm_events::{KvEvent, Placement, ProducerId, PutCommitted, SegmentId};
 
 use crate::fixture::Fixture;
-use crate::process::{run_hkvm, Process};
+use crate::process::{hkvm_bin_async, run_hkvm, Process};
 
 /// `hkvm <args> --nats <url> --cluster demo`: its stdout, and whether it succeeded.
 async fn hkvm(fixture: &Fixture, args: &[&str]) -> (String, bool) {
@@ -19,6 +19,9 @@ async fn hkvm(fixture: &Fixture, args: &[&str]) -> (String, bool) {
 
 #[tokio::test]
 async fn locate_and_status_answer_through_a_running_global_master() {
+    // The binary first: building it here can take longer than the registry
+    // entry written below lives (10 s) without heartbeats.
+    hkvm_bin_async().await;
     let fixture = Fixture::new("demo").await;
     // sc-0's stream and the registry entry of its (stand-in) sub-master sm-0.
     let mut sc = fixture.subcluster("sc-0", &[("pool", "prefill")]).await;
