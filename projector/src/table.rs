@@ -4,9 +4,8 @@
 //! keys never touches the side array, and a hit reads it once to confirm. The slot
 //! count is not a power of two (the home slot is the hash's high half scaled to
 //! it), so the table stays at 64-80% load instead of dropping to 40% after growing.
-//! Lookups can be made in groups, issuing the memory loads of several keys before
-//! using any of them, or prefetched a few keys ahead, so that their cache misses
-//! overlap.
+//! Lookups of many keys are pipelined, each key's loads issued a few keys before
+//! it is resolved, so that their cache misses overlap.
 
 use crate::prefetch::prefetch;
 
@@ -85,8 +84,11 @@ impl HomeOrder {
     }
 }
 
-/// Keys looked up together in [`IdTable::find_many`].
-const GROUP: usize = 16;
+/// How many keys ahead [`IdTable::find_many`] fetches a candidate's hash (and
+/// twice as far, a home slot). Measured on 10 M keys in 1000-key batches, mean
+/// of three runs: 8 ahead 52.5 ns a key, 16 ahead 55.2 ns, and the groups of
+/// 16 keys this replaced (each group waiting for its slowest) 69.5 ns.
+const FIND_AHEAD: usize = 8;
 /// How many ids ahead [`IdTable::build`] loads home slots: placing an id takes
 /// a few nanoseconds, a load from memory a hundred or more.
 const BUILD_AHEAD: usize = 64;
@@ -241,44 +243,26 @@ impl IdTable {
     }
 
     /// Looks up every hash of `wanted`, writing its id (or `u32::MAX`) to `out`.
-    /// Keys go in groups: first every group member's home slot is loaded, then
-    /// every candidate's hash, so the cache misses of a group overlap.
+    /// A pipeline over the keys: while a key is resolved, the home slot of the
+    /// key `2 * FIND_AHEAD` places on is fetched, and the candidate hash of the
+    /// key `FIND_AHEAD` places on (its slot fetched by then), so the two
+    /// dependent cache misses of every lookup overlap with those of the keys
+    /// around it instead of a group of keys waiting for its slowest.
     pub fn find_many(&self, wanted: &[u64], hashes: &[u64], out: &mut Vec<u32>) {
         out.clear();
         if self.slots.is_empty() {
             out.resize(wanted.len(), EMPTY);
             return;
         }
-        for group in wanted.chunks(GROUP) {
-            let mut homes = [0usize; GROUP];
-            let mut first = [EMPTY_SLOT; GROUP];
-            for (i, &hash) in group.iter().enumerate() {
-                homes[i] = self.home(hash);
+        out.reserve(wanted.len());
+        for (i, &hash) in wanted.iter().enumerate() {
+            if let Some(&ahead) = wanted.get(i + 2 * FIND_AHEAD) {
+                prefetch(&self.slots[self.home(ahead)]);
             }
-            for i in 0..group.len() {
-                first[i] = self.slots[homes[i]];
+            if let Some(&ahead) = wanted.get(i + FIND_AHEAD) {
+                self.prefetch_candidate(ahead, hashes);
             }
-            let mut seen = [0u64; GROUP];
-            for i in 0..group.len() {
-                if first[i] != EMPTY_SLOT && slot_tag(first[i]) == tag(group[i]) {
-                    seen[i] = hashes
-                        .get(id_of(first[i]) as usize)
-                        .copied()
-                        .unwrap_or(!group[i]);
-                }
-            }
-            for (i, &hash) in group.iter().enumerate() {
-                let id = if first[i] == EMPTY_SLOT {
-                    EMPTY
-                } else if seen[i] == hash && slot_tag(first[i]) == tag(hash) {
-                    id_of(first[i])
-                } else {
-                    // Another key at the home slot: probe on, one key at a time.
-                    self.probe(hash, hashes, self.next(homes[i]))
-                        .unwrap_or(EMPTY)
-                };
-                out.push(id);
-            }
+            out.push(self.probe(hash, hashes, self.home(hash)).unwrap_or(EMPTY));
         }
     }
 
