@@ -13,6 +13,8 @@ use crate::event::key_hash;
 use crate::id::{ProducerId, SubclusterId};
 use crate::rpc::submaster::GetReplicaListReply;
 
+pub use crate::rpc::key_hashes::KeyHashes;
+
 /// Most keys in one `prefix_hit` request (how SGLang/vLLM probe prefixes).
 pub const MAX_PREFIX_KEYS: usize = 256;
 /// Most keys in one `batch_is_exist`, `locate` or proxied `get_replica_list`.
@@ -131,14 +133,14 @@ pub struct BatchIsExist {
 }
 
 /// [`BatchIsExist`] with each key sent as its key hash (`crate::key_hash`,
-/// unseeded xxh3-64, what the index is keyed by): 9 bytes a key on the wire
-/// instead of the key, and nothing for the global master to decode, check or
-/// hash. The reply is a [`BatchIsExistReply`], in the same order. Two keys with
+/// unseeded xxh3-64, what the index is keyed by): 8 bytes a key on the wire,
+/// packed ([`KeyHashes`]), instead of the key, and nothing for the global master
+/// to check or hash. The reply is a [`BatchIsExistReply`], in the same order. Two keys with
 /// the same 64-bit hash are one key to the index either way.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BatchIsExistHashed {
     /// The key hashes.
-    pub hashes: Vec<u64>,
+    pub hashes: KeyHashes,
     /// Restrict or rank by labels; the server's default when absent.
     #[serde(default)]
     pub labels: Option<LabelFilter>,

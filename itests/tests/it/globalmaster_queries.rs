@@ -201,7 +201,7 @@ async fn hashed_batches_past_the_limit_are_refused() {
     let fixture = Fixture::new("t").await;
     let _master = fixture.start("g1").await;
     let request = BatchIsExistHashed {
-        hashes: vec![7; MAX_BATCH_KEYS + 1],
+        hashes: vec![7; MAX_BATCH_KEYS + 1].into(),
         labels: None,
     };
     let error = fixture
