@@ -1,8 +1,8 @@
-//! The query server: one queue-group subscription on
-//! `hkvm.<cluster>.global.rpc.*` shared by every replica; each request is decoded,
-//! answered from the projection (or forwarded, for `get_replica_list`) and replied
-//! to on its own task. A replica still replaying answers `Busy`; a malformed body
-//! gets `InvalidRequest`, never a panic.
+//! The query server: queue-group subscriptions on `hkvm.<cluster>.global.rpc.*`
+//! shared by every replica, one per core; each request is decoded and answered
+//! from the projection by its subscription's task, or forwarded on a task of its
+//! own (`get_replica_list`). A replica still replaying answers `Busy`; a malformed
+//! body gets `InvalidRequest`, never a panic.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
