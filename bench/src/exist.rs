@@ -175,9 +175,12 @@ async fn second_replica(
         rate,
         "keys/s",
         if cores >= 4 {
-            "1 replica, same batches (target >= 1.7)"
+            "1 replica, same batches (target >= 1.7)".to_owned()
         } else {
-            "1 replica, same batches (the >= 1.7x target needs cores for each replica; here both share 2)"
+            format!(
+                "1 replica, same batches (the >= 1.7x target needs cores for each replica; \
+                 here both share {cores})"
+            )
         },
         one_replica_rate,
     ))

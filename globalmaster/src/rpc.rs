@@ -29,6 +29,9 @@ use crate::GlobalMasterError;
 /// The queue group every replica joins.
 pub const QUEUE_GROUP: &str = "hkvm-global";
 
+/// Most query subscriptions a replica opens.
+pub const MAX_SUBSCRIPTIONS: usize = 8;
+
 /// Subscribes and serves until the task is aborted: one queue subscription per
 /// core (at most [`MAX_SUBSCRIPTIONS`]), each with its own task, so that
 /// lookups run on every core. A request the projection answers alone is answered
@@ -66,9 +69,7 @@ pub(crate) async fn serve(
     }))
 }
 
-/// Most query subscriptions a replica opens.
-pub const MAX_SUBSCRIPTIONS: usize = 8;
-
+/// Answers the requests of one subscription until it ends.
 async fn serve_subscription(
     shared: Arc<Shared>,
     client: async_nats::Client,

@@ -135,8 +135,8 @@ pub struct BatchIsExist {
 /// [`BatchIsExist`] with each key sent as its key hash (`crate::key_hash`,
 /// unseeded xxh3-64, what the index is keyed by): 8 bytes a key on the wire,
 /// packed ([`KeyHashes`]), instead of the key, and nothing for the global master
-/// to check or hash. The reply is a [`BatchIsExistReply`], in the same order. Two keys with
-/// the same 64-bit hash are one key to the index either way.
+/// to check or hash. The reply is a [`BatchIsExistReply`], in the same order.
+/// Two keys with the same 64-bit hash are one key to the index either way.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BatchIsExistHashed {
     /// The key hashes.
