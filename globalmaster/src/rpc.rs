@@ -76,32 +76,42 @@ async fn serve_subscription(
     mut requests: async_nats::Subscriber,
 ) {
     while let Some(message) = requests.next().await {
-        let name = message.subject.rsplit('.').next().unwrap_or_default();
-        if GlobalOp::from_name(name) == Some(GlobalOp::GetReplicaList) {
+        let op = GlobalOp::from_name(op_name(&message));
+        if op == Some(GlobalOp::GetReplicaList) {
             let shared = Arc::clone(&shared);
             let client = client.clone();
-            tokio::spawn(async move { handle(shared, client, message).await });
+            tokio::spawn(async move { handle(&shared, &client, message, op).await });
         } else {
-            handle(Arc::clone(&shared), client.clone(), message).await;
+            handle(&shared, &client, message, op).await;
         }
     }
+}
+
+/// The operation token of a request's subject (its last token).
+fn op_name(message: &Message) -> &str {
+    message.subject.rsplit('.').next().unwrap_or_default()
 }
 
 fn reply_bytes<T: Serialize>(reply: Result<T, RpcError>) -> Vec<u8> {
     encode(&RpcReply::from(reply)).unwrap_or_default()
 }
 
-async fn handle(shared: Arc<Shared>, client: async_nats::Client, message: Message) {
+/// Answers one request of operation `op` (`None`: an unknown operation).
+async fn handle(
+    shared: &Shared,
+    client: &async_nats::Client,
+    message: Message,
+    op: Option<GlobalOp>,
+) {
     let Some(reply_to) = message.reply.clone() else {
         return;
     };
     let started = Instant::now();
     let arrived = tokio::time::Instant::now();
-    let name = message.subject.rsplit('.').next().unwrap_or_default();
-    let label = op_label(GlobalOp::from_name(name).map_or("unknown", GlobalOp::name));
-    let body = match answer_locally(&shared, name, &message.payload) {
+    let label = op_label(op.map_or("unknown", GlobalOp::name));
+    let body = match answer_locally(shared, op, op_name(&message), &message.payload) {
         Some(body) => body,
-        None => reply_bytes(proxy(&shared, &client, &message.payload, arrived).await),
+        None => reply_bytes(proxy(shared, client, &message.payload, arrived).await),
     };
     let body = hkvm_events::rpc::fit_reply(body, client.server_info().max_payload);
     if let Err(error) = client.publish(reply_to, body.into()).await {
@@ -114,10 +124,15 @@ async fn handle(shared: Arc<Shared>, client: async_nats::Client, message: Messag
         .observe(started.elapsed().as_secs_f64());
 }
 
-/// The encoded reply to operation `name`, when the projection answers it alone;
-/// `None` for the proxied `get_replica_list`, which asks a sub-master.
-fn answer_locally(shared: &Shared, name: &str, payload: &[u8]) -> Option<Vec<u8>> {
-    let op = GlobalOp::from_name(name);
+/// The encoded reply to operation `op` (subject token `name`), when the
+/// projection answers it alone; `None` for the proxied `get_replica_list`, which
+/// asks a sub-master.
+fn answer_locally(
+    shared: &Shared,
+    op: Option<GlobalOp>,
+    name: &str,
+    payload: &[u8],
+) -> Option<Vec<u8>> {
     let body = match op {
         None => reply_bytes::<()>(Err(RpcError::invalid(format!("unknown operation {name}")))),
         Some(op) if op != GlobalOp::Status && shared.is_replaying() => {
@@ -353,7 +368,7 @@ mod tests {
         request: &impl Serialize,
     ) -> RpcReply<Rep> {
         let body = encode(request).unwrap();
-        let reply = answer_locally(shared, op.name(), &body).unwrap();
+        let reply = answer_locally(shared, Some(op), op.name(), &body).unwrap();
         decode(&reply).unwrap()
     }
 
@@ -387,14 +402,20 @@ mod tests {
     #[test]
     fn an_unknown_operation_is_an_invalid_request() {
         let shared = Shared::new(GlobalMasterConfig::default(), Projection::new());
-        let reply = answer_locally(&shared, "no_such_op", b"").unwrap();
+        let reply = answer_locally(&shared, None, "no_such_op", b"").unwrap();
         let reply: RpcReply<()> = decode(&reply).unwrap();
         assert!(
             matches!(&reply, RpcReply::Err(e) if e.code == RpcErrorCode::InvalidRequest),
             "{reply:?}"
         );
         // While replaying, even the proxied call is answered here: Busy.
-        let proxied = answer_locally(&shared, GlobalOp::GetReplicaList.name(), b"").unwrap();
+        let proxied = answer_locally(
+            &shared,
+            Some(GlobalOp::GetReplicaList),
+            GlobalOp::GetReplicaList.name(),
+            b"",
+        )
+        .unwrap();
         let proxied: RpcReply<()> = decode(&proxied).unwrap();
         assert!(
             matches!(&proxied, RpcReply::Err(e) if matches!(e.code, RpcErrorCode::Busy { .. })),
