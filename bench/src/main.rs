@@ -24,6 +24,7 @@ mod recover;
 mod report;
 mod scale;
 mod soak;
+mod stages;
 mod target;
 mod transfer;
 

@@ -18,6 +18,7 @@ use hkvm_transfer::TcpTransport;
 
 use super::latency::quantile_us;
 use super::report::{BenchResult, Printer};
+use super::stages::StageReading;
 use super::BenchNats;
 
 const WORKLOAD: &str = "put";
@@ -114,6 +115,39 @@ async fn run_clients(
         starts,
         ends,
     })
+}
+
+/// The sub-master's write stages, in the order a request passes them.
+const STAGES: [&str; 5] = ["queued", "handled", "batched", "stored", "replied"];
+
+/// Where one client's put_end spends its time: the mean of each of the sub-master's
+/// stages, and what is left outside it (NATS both ways and the client), each as a
+/// share of the mean put_end the client saw.
+fn print_stages(ends: &[Duration], stages: &[(String, f64)], printer: &mut Printer) {
+    if ends.is_empty() {
+        return;
+    }
+    let mean = ends.iter().map(Duration::as_secs_f64).sum::<f64>() / ends.len() as f64 * 1e6;
+    let baseline = "put_end mean, 1 client, as the client sees it";
+    for (stage, value) in stages {
+        printer.print(&BenchResult::new(
+            WORKLOAD,
+            format!("put_end, 1 client: sub-master stage {stage} (mean)"),
+            *value,
+            "us",
+            baseline,
+            mean,
+        ));
+    }
+    let inside: f64 = stages.iter().map(|(_, value)| value).sum();
+    printer.print(&BenchResult::new(
+        WORKLOAD,
+        "put_end, 1 client: outside the sub-master (NATS both ways, the client; mean)",
+        mean - inside,
+        "us",
+        baseline,
+        mean,
+    ));
 }
 
 /// Requests to a responder that answers at once (in this process, as the
@@ -265,7 +299,9 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     .await?;
 
     let (raw_1, raw_1_latencies) = raw_publish(&js, "bench.raw.put", 1, duration).await?;
+    let stages_before = StageReading::parse(&master.metrics_text());
     let one = run_clients(&client, 1, 1, duration, "one").await?;
+    let stages = StageReading::parse(&master.metrics_text()).means_since(&stages_before, &STAGES);
     printer.print(&BenchResult::new(
         WORKLOAD,
         "put_start+put_end, 1 client",
@@ -320,6 +356,8 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
             baseline_value,
         ));
     }
+
+    print_stages(&one.ends, &stages, printer);
 
     let (raw_64, _) = raw_publish(&js, "bench.raw.put", 64, duration).await?;
     let many = run_clients(&client, 64, 1, duration, "many").await?.rate;

@@ -14,7 +14,7 @@
 //! before writing again.
 
 use std::collections::VecDeque;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use futures::stream::FuturesOrdered;
@@ -75,6 +75,10 @@ pub struct Committed {
     pub first_index: usize,
     /// How many events the submission had.
     pub count: usize,
+    /// When the message was handed to the log (its last send, if sent again).
+    pub sent: Instant,
+    /// When the log's acknowledgement reached the commit task.
+    pub acknowledged: Instant,
 }
 
 /// Why a submission was not committed.
@@ -230,6 +234,8 @@ type Ack = futures::future::BoxFuture<'static, Result<AppendAck, LogError>>;
 struct Sent {
     append: Append,
     waiters: Vec<Waiter>,
+    /// When it was last handed to the log.
+    at: Instant,
 }
 
 /// Whether an append failed without a definite answer from the stream, so that
@@ -288,7 +294,7 @@ impl<L: EventLog> CommitTask<L> {
                                 );
                             }
                             self.durable_seq.send_replace(ack.seq);
-                            reply_committed(head.waiters, ack.seq);
+                            reply_committed(head, ack.seq);
                         }
                         // Acknowledged after an earlier failure: cannot happen with
                         // fencing, but never report success out of order.
@@ -307,7 +313,7 @@ impl<L: EventLog> CommitTask<L> {
                             // in order (their pending answers are dropped).
                             sent.push_front(head);
                             tokio::time::sleep(RESEND_PAUSE).await;
-                            acks = self.resend(&sent).await;
+                            acks = self.resend(&mut sent).await;
                         }
                         Err(error) => {
                             tracing::error!(%error, "append failed; the committer stops");
@@ -325,8 +331,9 @@ impl<L: EventLog> CommitTask<L> {
                         continue;
                     }
                     if let Some((append, waiters)) = self.pack(first, &mut queue) {
+                        let at = Instant::now();
                         acks.push_back(self.send(append.clone()).await);
-                        sent.push_back(Sent { append, waiters });
+                        sent.push_back(Sent { append, waiters, at });
                     }
                 }
                 else => break,
@@ -336,7 +343,7 @@ impl<L: EventLog> CommitTask<L> {
         while let Some(ack) = acks.next().await {
             let Some(head) = sent.pop_front() else { break };
             match ack {
-                Ok(ack) if failure.is_none() => reply_committed(head.waiters, ack.seq),
+                Ok(ack) if failure.is_none() => reply_committed(head, ack.seq),
                 _ => fail_all(head.waiters, failure.as_ref()),
             }
         }
@@ -357,9 +364,10 @@ impl<L: EventLog> CommitTask<L> {
     }
 
     /// Sends every unacknowledged append again, in order.
-    async fn resend(&self, sent: &VecDeque<Sent>) -> FuturesOrdered<Ack> {
+    async fn resend(&self, sent: &mut VecDeque<Sent>) -> FuturesOrdered<Ack> {
         let mut acks = FuturesOrdered::new();
         for entry in sent {
+            entry.at = Instant::now();
             acks.push_back(self.send(entry.append.clone()).await);
         }
         acks
@@ -473,12 +481,15 @@ async fn next_submission(
     }
 }
 
-fn reply_committed(waiters: Vec<Waiter>, seq: u64) {
-    for waiter in waiters {
+fn reply_committed(sent: Sent, seq: u64) {
+    let acknowledged = Instant::now();
+    for waiter in sent.waiters {
         let _ = waiter.reply.send(Ok(Committed {
             seq,
             first_index: waiter.first_index,
             count: waiter.count,
+            sent: sent.at,
+            acknowledged,
         }));
     }
 }

@@ -16,6 +16,55 @@ pub struct OpLabels {
     pub result: &'static str,
 }
 
+/// Labels of the durable-write stage histogram.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StageLabels {
+    /// One of [`WriteStage::name`]'s values.
+    pub stage: &'static str,
+}
+
+/// The stages of a write request that appends, from its receipt to its reply; their
+/// times add up to the sub-master's part of the request's latency.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteStage {
+    /// Received by the RPC front (decoded) until the request loop takes it.
+    Queued,
+    /// Taken by the request loop until its events are submitted to the group
+    /// commit: the state transition and the reply's encoding.
+    Handled,
+    /// Submitted until its message is handed to the event log: the commit task's
+    /// wake-up, packing, and any wait for an in-flight slot.
+    Batched,
+    /// Handed to the event log until the commit task has JetStream's
+    /// acknowledgement: the append's round trip.
+    Stored,
+    /// Acknowledged until the reply is handed to NATS: waking the task that
+    /// replies, and the send.
+    Replied,
+}
+
+impl WriteStage {
+    /// Every stage, in order.
+    pub const ALL: [Self; 5] = [
+        Self::Queued,
+        Self::Handled,
+        Self::Batched,
+        Self::Stored,
+        Self::Replied,
+    ];
+
+    /// The stage's label value.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::Handled => "handled",
+            Self::Batched => "batched",
+            Self::Stored => "stored",
+            Self::Replied => "replied",
+        }
+    }
+}
+
 /// Every metric the sub-master exports.
 #[derive(Debug, Clone)]
 pub struct SubmasterMetrics {
@@ -23,6 +72,8 @@ pub struct SubmasterMetrics {
     pub requests: Family<OpLabels, Counter>,
     /// Request latency (receipt to reply), by operation.
     pub latency: Family<OpLabels, Histogram>,
+    /// Where the time of write requests that append goes, by stage.
+    pub write_stages: Family<StageLabels, Histogram>,
     /// Events appended.
     pub events_appended: Counter,
     /// Events per commit submission.
@@ -66,12 +117,17 @@ fn latency_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.000_05, 2.0, 16))
 }
 
+fn stage_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.000_002, 2.0, 18))
+}
+
 impl SubmasterMetrics {
     /// Creates the metrics and registers them under `hkvm_submaster_`.
     pub fn register(registry: &mut Registry) -> Self {
         let metrics = Self {
             requests: Family::default(),
             latency: Family::new_with_constructor(latency_histogram),
+            write_stages: Family::new_with_constructor(stage_histogram),
             events_appended: Counter::default(),
             commit_events: Histogram::new(exponential_buckets(1.0, 2.0, 14)),
             objects: Gauge::default(),
@@ -97,6 +153,11 @@ impl SubmasterMetrics {
             "request_seconds",
             "Request latency",
             metrics.latency.clone(),
+        );
+        sub.register(
+            "write_stage_seconds",
+            "Time a write request that appends spends in each stage, receipt to reply",
+            metrics.write_stages.clone(),
         );
         sub.register(
             "events_appended",
@@ -172,6 +233,15 @@ impl SubmasterMetrics {
         self.requests.get_or_create(&OpLabels { op, result }).inc();
         self.latency
             .get_or_create(&OpLabels { op, result })
+            .observe(seconds);
+    }
+
+    /// Records the time one write request spent in `stage`.
+    pub fn write_stage(&self, stage: WriteStage, seconds: f64) {
+        self.write_stages
+            .get_or_create(&StageLabels {
+                stage: stage.name(),
+            })
             .observe(seconds);
     }
 }

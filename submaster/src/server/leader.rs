@@ -7,11 +7,11 @@
 //! changes that are not durable, so it is rebuilt from the log.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant as StdInstant};
 
 use bytes::Bytes;
 use hkvm_events::codec::{encode_message, Header};
-use hkvm_events::commit::{CommitError, GroupCommitter, PendingCommit};
+use hkvm_events::commit::{CommitError, Committed, GroupCommitter, PendingCommit};
 use hkvm_events::connection::ConnectionEpoch;
 use hkvm_events::log::{Append, EventLog, LogErrorKind};
 use hkvm_events::registry::{self, SubmasterInfo};
@@ -30,7 +30,7 @@ use crate::command::{self, ServingInfo};
 use crate::election::LeaseHolder;
 use crate::error::{SubmasterError, SubmasterErrorKind};
 use crate::liveness::{collect_pings, LiveNodes};
-use crate::metrics::gauge_value;
+use crate::metrics::{gauge_value, SubmasterMetrics, WriteStage};
 use crate::state::State;
 
 /// Why a leadership ended.
@@ -141,36 +141,51 @@ impl Leadership<'_> {
         Ok(pending)
     }
 
-    /// Spawns the task that waits for `pending` and then sends `body` (or an error).
+    /// Spawns the task that waits for `pending` and then sends `body` (or an error)
+    /// to `job`'s requester, whom the request loop took at `picked`.
     fn reply_when_durable(
         &mut self,
         pending: Vec<PendingCommit>,
-        job: Option<Requester>,
+        job: Option<(Requester, StdInstant)>,
         body: Vec<u8>,
     ) {
+        let submitted = StdInstant::now();
         self.write_index += 1;
         let index = self.write_index;
         let (durable, failures) = (Arc::clone(&self.durable), self.failures.clone());
         let (client, metrics) = (self.ctx.client.clone(), self.ctx.metrics.clone());
         tokio::spawn(async move {
             let mut failed = None;
+            let mut last = None;
             for commit in pending {
-                if let Err(error) = commit.await {
-                    failed = Some(error);
-                    break;
+                match commit.await {
+                    Ok(committed) => last = Some(committed),
+                    Err(error) => {
+                        failed = Some(error);
+                        break;
+                    }
                 }
             }
             match failed {
                 None => {
                     durable.send_modify(|done| *done = (*done).max(index));
-                    if let Some(job) = job {
+                    if let Some((job, picked)) = job {
                         metrics.request(job.op.name(), "ok", job.received.elapsed().as_secs_f64());
                         rpc::send(&client, job.reply_to, body).await;
+                        if let Some(committed) = last {
+                            record_stages(
+                                &metrics,
+                                job.received.into_std(),
+                                picked,
+                                submitted,
+                                &committed,
+                            );
+                        }
                     }
                 }
                 Some(error) => {
                     let _ = failures.send(error.to_string());
-                    if let Some(job) = job {
+                    if let Some((job, _)) = job {
                         metrics.request(
                             job.op.name(),
                             "error",
@@ -228,6 +243,7 @@ impl Leadership<'_> {
     }
 
     async fn handle(&mut self, state: &mut State, job: Job) -> Result<(), CommitError> {
+        let picked = StdInstant::now();
         let Job { requester, request } = job;
         tracing::trace!(op = requester.op.name(), "handling");
         let now = self.now_ms();
@@ -266,7 +282,7 @@ impl Leadership<'_> {
                     }
                 } else {
                     let pending = self.submit(outcome.events).await?;
-                    self.reply_when_durable(pending, Some(requester), body);
+                    self.reply_when_durable(pending, Some((requester, picked)), body);
                 }
             }
         }
@@ -385,6 +401,26 @@ impl Leadership<'_> {
 
 /// Tells the clients waiting out a failover that this sub-master serves now
 /// (best effort: a client that misses it retries after its back-off anyway).
+/// Records where a durable write's time went, stage by stage, once it is answered.
+fn record_stages(
+    metrics: &SubmasterMetrics,
+    received: StdInstant,
+    picked: StdInstant,
+    submitted: StdInstant,
+    committed: &Committed,
+) {
+    let replied = StdInstant::now();
+    for (stage, from, to) in [
+        (WriteStage::Queued, received, picked),
+        (WriteStage::Handled, picked, submitted),
+        (WriteStage::Batched, submitted, committed.sent),
+        (WriteStage::Stored, committed.sent, committed.acknowledged),
+        (WriteStage::Replied, committed.acknowledged, replied),
+    ] {
+        metrics.write_stage(stage, to.saturating_duration_since(from).as_secs_f64());
+    }
+}
+
 async fn announce(ctx: &Context, holder: &LeaseHolder) {
     let subject = leader_subject(&ctx.config.cluster, &ctx.config.subcluster);
     let body = match hkvm_events::rpc::encode(holder) {

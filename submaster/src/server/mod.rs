@@ -285,13 +285,24 @@ async fn stand_by(
 pub async fn run(
     client: async_nats::Client,
     config: SubmasterConfig,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) -> Result<(), SubmasterError> {
     let mut registry = Registry::default();
     let metrics = SubmasterMetrics::register(&mut registry);
+    run_observed(client, config, Arc::new(registry), metrics, shutdown).await
+}
+
+/// [`run`] with metrics registered in `registry` by the caller, who can read them.
+async fn run_observed(
+    client: async_nats::Client,
+    config: SubmasterConfig,
+    registry: Arc<Registry>,
+    metrics: SubmasterMetrics,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<(), SubmasterError> {
     let _metrics_server = match config.metrics_addr {
         Some(addr) => Some(
-            MetricsServer::start(addr, Arc::new(registry))
+            MetricsServer::start(addr, registry)
                 .await
                 .map_err(|e| setup_error("metrics endpoint", e))?,
         ),
@@ -397,14 +408,37 @@ async fn pause(shutdown: &mut watch::Receiver<bool>, delay: Duration) {
 pub struct SubmasterHandle {
     shutdown: watch::Sender<bool>,
     task: JoinHandle<Result<(), SubmasterError>>,
+    registry: Arc<Registry>,
 }
 
 impl SubmasterHandle {
     /// Starts a sub-master task.
     pub fn spawn(client: async_nats::Client, config: SubmasterConfig) -> Self {
         let (shutdown, watch) = watch::channel(false);
-        let task = tokio::spawn(run(client, config, watch));
-        Self { shutdown, task }
+        let mut registry = Registry::default();
+        let metrics = SubmasterMetrics::register(&mut registry);
+        let registry = Arc::new(registry);
+        let task = tokio::spawn(run_observed(
+            client,
+            config,
+            Arc::clone(&registry),
+            metrics,
+            watch,
+        ));
+        Self {
+            shutdown,
+            task,
+            registry,
+        }
+    }
+
+    /// The sub-master's metrics in the Prometheus text format, as its metrics
+    /// endpoint would serve them.
+    pub fn metrics_text(&self) -> String {
+        let mut text = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut text, &self.registry);
+        text
     }
 
     /// Stops gracefully (hands the lease over) and waits.
