@@ -23,6 +23,12 @@ pub fn quantile_ms(sorted: &[Duration], q: f64) -> f64 {
     quantile(sorted, q).as_secs_f64() * 1e3
 }
 
+/// The median of `values` (the upper one of an even count); zero when empty.
+pub fn median(values: &mut [f64]) -> f64 {
+    values.sort_unstable_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -36,5 +42,12 @@ mod tests {
         assert_eq!(quantile(&sorted, 1.0), ms(101));
         assert_eq!(quantile(&[], 0.99), Duration::ZERO);
         assert_eq!(quantile_ms(&sorted, 0.0), 1.0);
+    }
+
+    #[test]
+    fn the_median_is_the_middle_value_and_zero_when_empty() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0]), 4.0);
+        assert_eq!(median(&mut []), 0.0);
     }
 }
