@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use async_nats::jetstream;
+use async_nats::jetstream::message::PublishMessage;
 use bytes::Bytes;
 use hkvm_client::{KvClient, NodeConfig, NodeHandle, SubmasterClient};
 use hkvm_events::rpc::submaster::{ItemResult, MountSegment, Ping, PutEndItem, PutStartItem};
@@ -127,7 +128,7 @@ fn print_stages(ends: &[Duration], stages: &[(String, f64)], printer: &mut Print
     if ends.is_empty() {
         return;
     }
-    let mean = ends.iter().map(Duration::as_secs_f64).sum::<f64>() / ends.len() as f64 * 1e6;
+    let mean = mean_us(ends);
     let baseline = "put_end mean, 1 client, as the client sees it";
     for (stage, value) in stages {
         printer.print(&BenchResult::new(
@@ -240,6 +241,47 @@ async fn raw_publish(
     latencies.sort_unstable();
     let rate = done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
     Ok((rate, latencies))
+}
+
+/// One publisher's raw JetStream publish+ack latencies for `duration`, each
+/// message carrying what the sub-master's appends carry: a message id (the
+/// stream deduplicates on it) and the expected last sequence (the fence).
+async fn raw_fenced_publish(
+    js: &jetstream::Context,
+    subject: &str,
+    duration: Duration,
+) -> anyhow::Result<Vec<Duration>> {
+    let payload = Bytes::from(vec![0x5a; 140]);
+    let mut last = js
+        .publish(subject.to_owned(), payload.clone())
+        .await?
+        .await?
+        .sequence;
+    let deadline = Instant::now() + duration;
+    let mut latencies = Vec::new();
+    while Instant::now() < deadline {
+        let sent = Instant::now();
+        let message = PublishMessage::build()
+            .payload(payload.clone())
+            .message_id(format!("bench-fenced-{last}"))
+            .expected_last_sequence(last);
+        last = js
+            .send_publish(subject.to_owned(), message)
+            .await?
+            .await?
+            .sequence;
+        latencies.push(sent.elapsed());
+    }
+    latencies.sort_unstable();
+    Ok(latencies)
+}
+
+/// The mean of `latencies` in microseconds (0 when there are none).
+fn mean_us(latencies: &[Duration]) -> f64 {
+    if latencies.is_empty() {
+        return 0.0;
+    }
+    latencies.iter().map(Duration::as_secs_f64).sum::<f64>() / latencies.len() as f64 * 1e6
 }
 
 /// Runs the workload.
@@ -358,6 +400,17 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     }
 
     print_stages(&one.ends, &stages, printer);
+    // What the stored stage compares with: the same append's round trip from a
+    // client that publishes nothing else.
+    let fenced = raw_fenced_publish(&js, "bench.raw.put", duration).await?;
+    printer.print(&BenchResult::new(
+        WORKLOAD,
+        "raw JetStream publish+ack mean, 1 publisher, with a message id and an expected last sequence (as the sub-master appends)",
+        mean_us(&fenced),
+        "us",
+        "raw JetStream publish+ack mean, 1 publisher",
+        mean_us(&raw_1_latencies),
+    ));
 
     let (raw_64, _) = raw_publish(&js, "bench.raw.put", 64, duration).await?;
     let many = run_clients(&client, 64, 1, duration, "many").await?.rate;
