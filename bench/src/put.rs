@@ -124,26 +124,26 @@ const STAGES: [&str; 5] = ["queued", "handled", "batched", "stored", "replied"];
 /// Where one client's put_end spends its time: the mean of each of the sub-master's
 /// stages, and what is left outside it (NATS both ways and the client), each as a
 /// share of the mean put_end the client saw.
-fn print_stages(ends: &[Duration], stages: &[(String, f64)], printer: &mut Printer) {
+fn print_stages(label: &str, ends: &[Duration], stages: &[(String, f64)], printer: &mut Printer) {
     if ends.is_empty() {
         return;
     }
     let mean = mean_us(ends);
-    let baseline = "put_end mean, 1 client, as the client sees it";
+    let baseline = format!("put_end mean, {label}, as the clients see it");
     for (stage, value) in stages {
         printer.print(&BenchResult::new(
             WORKLOAD,
-            format!("put_end, 1 client: sub-master stage {stage} (mean)"),
+            format!("put_end, {label}: sub-master stage {stage} (mean)"),
             *value,
             "us",
-            baseline,
+            baseline.clone(),
             mean,
         ));
     }
     let inside: f64 = stages.iter().map(|(_, value)| value).sum();
     printer.print(&BenchResult::new(
         WORKLOAD,
-        "put_end, 1 client: outside the sub-master (NATS both ways, the client; mean)",
+        format!("put_end, {label}: outside the sub-master (NATS both ways, the clients; mean)"),
         mean - inside,
         "us",
         baseline,
@@ -399,7 +399,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
         ));
     }
 
-    print_stages(&one.ends, &stages, printer);
+    print_stages("1 client", &one.ends, &stages, printer);
     // What the stored stage compares with: the same append's round trip from a
     // client that publishes nothing else.
     let fenced = raw_fenced_publish(&js, "bench.raw.put", duration).await?;
@@ -413,15 +413,18 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     ));
 
     let (raw_64, _) = raw_publish(&js, "bench.raw.put", 64, duration).await?;
-    let many = run_clients(&client, 64, 1, duration, "many").await?.rate;
+    let stages_before = StageReading::parse(&master.metrics_text());
+    let many = run_clients(&client, 64, 1, duration, "many").await?;
+    let stages = StageReading::parse(&master.metrics_text()).means_since(&stages_before, &STAGES);
     printer.print(&BenchResult::new(
         WORKLOAD,
         "put_start+put_end, 64 clients",
-        many,
+        many.rate,
         "ops/s",
         "raw JetStream publish+ack, 64 publishers",
         raw_64,
     ));
+    print_stages("64 clients", &many.ends, &stages, printer);
 
     let batched = run_clients(&client, 8, 256, duration, "batch").await?.rate;
     printer.print(&BenchResult::new(
