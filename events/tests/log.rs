@@ -296,9 +296,14 @@ async fn an_append_waiting_past_its_ack_timeout_is_sent_again() {
             ..CommitConfig::default()
         },
     );
+    let started = std::time::Instant::now();
     let committed = committer.commit(vec![put("k")]).await.unwrap();
     assert_eq!(committed.seq, 1);
     assert_eq!(keys_in(&log.inner).await, vec!["k".to_owned()]);
+    // Its times are those of the send that was answered: the second one, made
+    // only after the first had waited out its acknowledgement timeout.
+    assert!(committed.sent >= started + std::time::Duration::from_millis(50));
+    assert!(committed.acknowledged >= committed.sent);
 }
 
 #[tokio::test]
