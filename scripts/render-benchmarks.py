@@ -70,7 +70,10 @@ HOW_TO_READ = {
     "global-master part of recovery).",
     "exist": "Global batch_is_exist over NATS against in-process lookups of the very "
     "same batches on the same projection: the ratio is what NATS and the RPC layer "
-    "cost. The clients send the keys as their 64-bit hashes, as the Rust client and "
+    "cost. A client phase lasts about a second and moves by 15% or more from run to "
+    "run here, so each runs three times, alternating with the in-process lookup, and "
+    "the run of median rate is reported (its latencies and CPU; the in-process "
+    "baseline likewise). The clients send the keys as their 64-bit hashes, as the Rust client and "
     "the Python package do (hashing counted in the client's time); the last rows send "
     "the same 4-client batches as strings for comparison. The 2-replica row sends the "
     "4-client batches again with a second global-master replica in the query group "

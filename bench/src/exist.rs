@@ -21,6 +21,9 @@ use super::BenchNats;
 
 const WORKLOAD: &str = "exist";
 const BATCH: usize = 1000;
+/// Runs of each client phase (alternating with the in-process baseline) whose
+/// medians are reported.
+const ROUNDS: usize = 3;
 
 /// `count` batches of keys spread over the key space; about one key in ten is
 /// absent (its index is past the last key).
@@ -133,6 +136,32 @@ async fn over_nats(
     Ok((keys as f64 / seconds, latencies, cpu_spent))
 }
 
+/// What one run of a client phase over NATS measured: keys/s, the sorted
+/// per-batch latencies and the CPU seconds spent.
+type NatsRun = (f64, Vec<Duration>, f64);
+
+/// Runs `work` over NATS and in process `rounds` times, alternating (one run of
+/// about a second moves by 15% or more here); returns the NATS run of median
+/// rate, and the in-process run of median rate (keys/s, microseconds per batch):
+/// the in-process baseline looks up the very same batches.
+async fn median_runs(
+    nats: &BenchNats,
+    cluster: &BenchCluster,
+    master: &GlobalMaster,
+    work: &[Vec<Vec<String>>],
+    rounds: usize,
+) -> anyhow::Result<(NatsRun, (f64, f64))> {
+    let (mut over, mut local) = (Vec::new(), Vec::new());
+    for _ in 0..rounds.max(1) {
+        over.push(over_nats(nats, cluster, work, Wire::Hashes).await?);
+        local.push(in_process(master, work));
+    }
+    over.sort_by(|a, b| a.0.total_cmp(&b.0));
+    local.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let middle = over.len() / 2;
+    Ok((over.swap_remove(middle), local[middle]))
+}
+
 /// Keys/s and microseconds per batch of the in-process lookup of `work` on the
 /// global master's own projection (the same lookup code the RPC runs).
 fn in_process(master: &GlobalMaster, work: &[Vec<Vec<String>>]) -> (f64, f64) {
@@ -203,15 +232,17 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     let master = GlobalMaster::start(cluster.config("bench", false), client.clone()).await?;
     master.wait_serving().await;
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    let rounds = if quick { 1 } else { ROUNDS };
 
     let mut one_client_rate = 0.0;
     let mut four_clients = None;
     for clients in [1, 4] {
-        eprintln!("bench exist: {clients} client(s) x {per_client} batches of {BATCH}");
+        eprintln!(
+            "bench exist: {clients} client(s) x {per_client} batches of {BATCH}, {rounds} runs"
+        );
         let work = work(cluster.keys, clients, per_client);
-        let (rate, latencies, cpu) = over_nats(nats, &cluster, &work, Wire::Hashes).await?;
-        // The in-process baseline: the very same batches, looked up in line.
-        let (local_rate, local_batch_us) = in_process(&master, &work);
+        let ((rate, latencies, cpu), (local_rate, local_batch_us)) =
+            median_runs(nats, &cluster, &master, &work, rounds).await?;
         let label = format!("{clients} client{}", if clients == 1 { "" } else { "s" });
         let total_keys = (clients * per_client * BATCH) as f64;
         let mut results = vec![
