@@ -47,7 +47,8 @@ fn batches(keys: usize, count: usize, seed: u64) -> Vec<Vec<String>> {
 /// How a client sends its keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Wire {
-    /// As 64-bit key hashes (`batch_is_exist_hashed`): what the client sends.
+    /// As 64-bit key hashes, the answer packed (`batch_is_exist_packed`): what
+    /// the client sends.
     Hashes,
     /// As strings (`batch_is_exist`): the older form, still served.
     Strings,

@@ -57,10 +57,12 @@ impl GlobalClient {
     }
 
     /// Which sub-clusters hold each of `keys`, asked once (the reply may be
-    /// `Busy`). The keys go as their 64-bit hashes (`batch_is_exist_hashed`);
-    /// a replica too old to know that operation refuses it as invalid, and the
-    /// keys are then asked again as strings (`batch_is_exist`), which gives the
-    /// same answer.
+    /// `Busy`). The keys go as their 64-bit hashes and the answer comes back
+    /// packed (`batch_is_exist_packed`). A replica too old to know that
+    /// operation refuses it as invalid; the hashes are then asked again with
+    /// the older reply form (`batch_is_exist_hashed`), and a replica older still
+    /// is asked with the keys as strings (`batch_is_exist`). Every form gives
+    /// the same answer.
     ///
     /// # Errors
     /// As [`GlobalClient::call_once`].
@@ -70,9 +72,14 @@ impl GlobalClient {
         labels: Option<LabelFilter>,
     ) -> Result<RpcReply<BatchIsExistReply>, ClientError> {
         let hashed = BatchIsExistHashed::of_keys(keys, labels);
-        let reply = self
-            .call_once(GlobalOp::BatchIsExistHashed, &hashed)
+        let mut reply = self
+            .call_once(GlobalOp::BatchIsExistPacked, &hashed)
             .await?;
+        if matches!(&reply, RpcReply::Err(error) if error.code == RpcErrorCode::InvalidRequest) {
+            reply = self
+                .call_once(GlobalOp::BatchIsExistHashed, &hashed)
+                .await?;
+        }
         match reply {
             RpcReply::Err(error) if error.code == RpcErrorCode::InvalidRequest => {
                 let request = BatchIsExist {

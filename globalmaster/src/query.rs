@@ -177,8 +177,8 @@ pub fn batch_is_exist_hashed(
     }
     Ok(BatchIsExistReply {
         subclusters,
-        counts,
-        holders: flat,
+        counts: counts.into(),
+        holders: flat.into(),
         staleness,
     })
 }

@@ -12,8 +12,9 @@ use async_nats::Message;
 use futures::StreamExt as _;
 use hkvm_client::{ClientError, RetryPolicy, RpcCaller, SubmasterClient};
 use hkvm_events::rpc::global::{
-    BatchIsExistHashed, GlobalOp, GlobalStatusReply, LabelFilter, Locate, LocateReply, PrefixHit,
-    PrefixHitReply, ProxyGetReplicaList, ProxyGetReplicaListReply, MAX_BATCH_KEYS,
+    BatchIsExistHashed, BatchIsExistReply, GlobalOp, GlobalStatusReply, LabelFilter, Locate,
+    LocateReply, PrefixHit, PrefixHitReply, ProxyGetReplicaList, ProxyGetReplicaListReply,
+    MAX_BATCH_KEYS,
 };
 use hkvm_events::rpc::submaster::{GetReplicaListReply, ItemError, ItemResult};
 use hkvm_events::rpc::{decode, encode, RpcError, RpcErrorCode, RpcReply};
@@ -96,6 +97,17 @@ fn reply_bytes<T: Serialize>(reply: Result<T, RpcError>) -> Vec<u8> {
     encode(&RpcReply::from(reply)).unwrap_or_default()
 }
 
+/// A `batch_is_exist` reply in the older wire form, counts and holders as
+/// integer arrays, which clients from before packed replies decode.
+fn array_reply_bytes(reply: &Result<BatchIsExistReply, RpcError>) -> Vec<u8> {
+    reply_bytes(
+        reply
+            .as_ref()
+            .map(BatchIsExistReply::as_arrays)
+            .map_err(Clone::clone),
+    )
+}
+
 /// Answers one request of operation `op` (`None`: an unknown operation).
 async fn handle(
     shared: &Shared,
@@ -143,8 +155,11 @@ fn answer_locally(
                 "replaying the event streams",
             )))
         }
-        Some(GlobalOp::BatchIsExist) => reply_bytes(batch_is_exist(shared, payload)),
-        Some(GlobalOp::BatchIsExistHashed) => reply_bytes(batch_is_exist_hashed(shared, payload)),
+        Some(GlobalOp::BatchIsExist) => array_reply_bytes(&batch_is_exist(shared, payload)),
+        Some(GlobalOp::BatchIsExistHashed) => {
+            array_reply_bytes(&batch_is_exist_hashed(shared, payload))
+        }
+        Some(GlobalOp::BatchIsExistPacked) => reply_bytes(batch_is_exist_hashed(shared, payload)),
         Some(GlobalOp::PrefixHit) => reply_bytes(prefix_hit(shared, payload)),
         Some(GlobalOp::Locate) => reply_bytes(locate(shared, payload)),
         Some(GlobalOp::Status) => reply_bytes(Ok::<_, RpcError>(status(shared))),
@@ -178,20 +193,14 @@ fn filter<'a>(shared: &'a Shared, asked: &'a Option<LabelFilter>) -> Option<&'a 
     asked.as_ref().or(shared.config.default_labels.as_ref())
 }
 
-fn batch_is_exist(
-    shared: &Shared,
-    body: &[u8],
-) -> Result<hkvm_events::rpc::global::BatchIsExistReply, RpcError> {
+fn batch_is_exist(shared: &Shared, body: &[u8]) -> Result<BatchIsExistReply, RpcError> {
     let request: BatchIsExistRef<'_> = decode_borrowed(body)?;
     query::check_keys(&request.keys, MAX_BATCH_KEYS)?;
     let hashes: Vec<u64> = request.keys.iter().map(|key| key_hash(key)).collect();
     holders_of_hashes(shared, &request.labels, &hashes)
 }
 
-fn batch_is_exist_hashed(
-    shared: &Shared,
-    body: &[u8],
-) -> Result<hkvm_events::rpc::global::BatchIsExistReply, RpcError> {
+fn batch_is_exist_hashed(shared: &Shared, body: &[u8]) -> Result<BatchIsExistReply, RpcError> {
     let request: BatchIsExistHashed = decode(body)?;
     holders_of_hashes(shared, &request.labels, &request.hashes)
 }

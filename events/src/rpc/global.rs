@@ -13,7 +13,7 @@ use crate::event::key_hash;
 use crate::id::{ProducerId, SubclusterId};
 use crate::rpc::submaster::GetReplicaListReply;
 
-pub use crate::rpc::key_hashes::KeyHashes;
+pub use crate::rpc::packed::{KeyHashes, Packed};
 
 /// Most keys in one `prefix_hit` request (how SGLang/vLLM probe prefixes).
 pub const MAX_PREFIX_KEYS: usize = 256;
@@ -27,6 +27,8 @@ pub enum GlobalOp {
     BatchIsExist,
     /// [`BatchIsExistHashed`].
     BatchIsExistHashed,
+    /// [`BatchIsExistHashed`] answered with its counts and holders packed.
+    BatchIsExistPacked,
     /// [`PrefixHit`].
     PrefixHit,
     /// [`Locate`].
@@ -39,9 +41,10 @@ pub enum GlobalOp {
 
 impl GlobalOp {
     /// Every operation.
-    pub const ALL: [GlobalOp; 6] = [
+    pub const ALL: [GlobalOp; 7] = [
         GlobalOp::BatchIsExist,
         GlobalOp::BatchIsExistHashed,
+        GlobalOp::BatchIsExistPacked,
         GlobalOp::PrefixHit,
         GlobalOp::Locate,
         GlobalOp::GetReplicaList,
@@ -53,6 +56,7 @@ impl GlobalOp {
         match self {
             GlobalOp::BatchIsExist => "batch_is_exist",
             GlobalOp::BatchIsExistHashed => "batch_is_exist_hashed",
+            GlobalOp::BatchIsExistPacked => "batch_is_exist_packed",
             GlobalOp::PrefixHit => "prefix_hit",
             GlobalOp::Locate => "locate",
             GlobalOp::GetReplicaList => "get_replica_list",
@@ -135,7 +139,9 @@ pub struct BatchIsExist {
 /// [`BatchIsExist`] with each key sent as its key hash (`crate::key_hash`,
 /// unseeded xxh3-64, what the index is keyed by): 8 bytes a key on the wire,
 /// packed ([`KeyHashes`]), instead of the key, and nothing for the global master
-/// to check or hash. The reply is a [`BatchIsExistReply`], in the same order.
+/// to check or hash. The reply is a [`BatchIsExistReply`], in the same order:
+/// as integer arrays to `batch_is_exist_hashed` (what clients before packed
+/// replies decode, [`BatchIsExistArrays`]), packed to `batch_is_exist_packed`.
 /// Two keys with the same 64-bit hash are one key to the index either way.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BatchIsExistHashed {
@@ -158,23 +164,50 @@ impl BatchIsExistHashed {
 
 /// The reply to [`BatchIsExist`] and [`BatchIsExistHashed`]. The holders of all keys are flattened into one
 /// list (two allocations per batch instead of one per key): key `i`'s holders are
-/// the next `counts[i]` entries of `holders`.
+/// the next `counts[i]` entries of `holders`. Counts and holders travel packed
+/// (2 bytes each, encoded and decoded as a block); their older form, integer
+/// arrays ([`BatchIsExistArrays`]), decodes alike.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BatchIsExistReply {
     /// The sub-clusters the answer refers to, by index.
     pub subclusters: Vec<SubclusterId>,
     /// Per key (request order), how many sub-clusters hold it (0: nowhere).
-    pub counts: Vec<u16>,
+    pub counts: Packed<u16>,
     /// Indexes into `subclusters`, key after key, label-matching ones first.
-    pub holders: Vec<u16>,
+    pub holders: Packed<u16>,
     /// How current the answer is.
     pub staleness: Staleness,
 }
 
+/// A [`BatchIsExistReply`] in its older wire form, counts and holders as integer
+/// arrays: what `batch_is_exist` and `batch_is_exist_hashed` answer, so that
+/// clients from before packed replies keep decoding them.
+#[derive(Debug, Serialize)]
+pub struct BatchIsExistArrays<'a> {
+    /// As [`BatchIsExistReply::subclusters`].
+    pub subclusters: &'a [SubclusterId],
+    /// As [`BatchIsExistReply::counts`].
+    pub counts: &'a [u16],
+    /// As [`BatchIsExistReply::holders`].
+    pub holders: &'a [u16],
+    /// As [`BatchIsExistReply::staleness`].
+    pub staleness: &'a Staleness,
+}
+
 impl BatchIsExistReply {
+    /// The reply in its older wire form.
+    pub fn as_arrays(&self) -> BatchIsExistArrays<'_> {
+        BatchIsExistArrays {
+            subclusters: &self.subclusters,
+            counts: &self.counts,
+            holders: &self.holders,
+            staleness: &self.staleness,
+        }
+    }
+
     /// Per key, the indexes (into `subclusters`) of its holders, in rank order.
     pub fn per_key(&self) -> impl Iterator<Item = &[u16]> + '_ {
-        let mut rest = self.holders.as_slice();
+        let mut rest: &[u16] = &self.holders;
         self.counts.iter().map(move |&count| {
             let (mine, after) = rest.split_at(usize::from(count).min(rest.len()));
             rest = after;
@@ -438,6 +471,45 @@ mod tests {
     fn op_names_round_trip() {
         for op in GlobalOp::ALL {
             assert_eq!(GlobalOp::from_name(op.name()), Some(op));
+        }
+    }
+
+    /// The reply as clients from before packed replies declare it.
+    #[derive(Debug, Deserialize)]
+    struct OlderReply {
+        subclusters: Vec<SubclusterId>,
+        counts: Vec<u16>,
+        holders: Vec<u16>,
+        staleness: Staleness,
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn both_reply_forms_decode_alike_and_older_clients_read_the_array_form(
+            counts in proptest::collection::vec(0u16..4, 0..300),
+            subclusters in 1usize..5,
+        ) {
+            let holders: Vec<u16> = counts
+                .iter()
+                .flat_map(|&count| (0..count).map(move |i| i % subclusters as u16))
+                .collect();
+            let reply = BatchIsExistReply {
+                subclusters: (0..subclusters)
+                    .map(|i| SubclusterId::new(format!("sc-{i}")).unwrap())
+                    .collect(),
+                counts: counts.clone().into(),
+                holders: holders.clone().into(),
+                staleness: Staleness::default(),
+            };
+            let packed = crate::rpc::encode(&reply).unwrap();
+            let arrays = crate::rpc::encode(&reply.as_arrays()).unwrap();
+            proptest::prop_assert_eq!(&crate::rpc::decode::<BatchIsExistReply>(&packed).unwrap(), &reply);
+            proptest::prop_assert_eq!(&crate::rpc::decode::<BatchIsExistReply>(&arrays).unwrap(), &reply);
+            let older: OlderReply = crate::rpc::decode(&arrays).unwrap();
+            proptest::prop_assert_eq!(&older.subclusters, &reply.subclusters);
+            proptest::prop_assert_eq!(&older.counts, &counts);
+            proptest::prop_assert_eq!(&older.holders, &holders);
+            proptest::prop_assert_eq!(&older.staleness, &reply.staleness);
         }
     }
 

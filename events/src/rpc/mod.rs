@@ -7,7 +7,7 @@
 pub mod dummy;
 pub mod global;
 pub mod interdc;
-pub mod key_hashes;
+pub mod packed;
 pub mod submaster;
 
 use serde::de::DeserializeOwned;

@@ -4,6 +4,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use tokio::task::JoinHandle;
+
 use futures::StreamExt as _;
 use hkvm_events::rpc::global::{
     BatchIsExist, BatchIsExistHashed, BatchIsExistReply, GlobalOp, LabelFilter, LabelMode, Locate,
@@ -142,11 +144,11 @@ async fn hard_labels_never_cross_and_soft_labels_rank_first() {
     }
 }
 
-/// A replica that predates `batch_is_exist_hashed` refuses it as an unknown
-/// operation; the client asks again with the keys as strings.
-#[tokio::test]
-async fn the_client_falls_back_to_string_keys_on_an_older_replica() {
-    let fixture = Fixture::new("t").await;
+/// A replica of an older build: it answers the `batch_is_exist` operations it
+/// `knows` in the older reply form (integer arrays) and refuses any other as an
+/// unknown operation, as such a replica does. Returns the operations asked, in
+/// order, once one of them was answered.
+async fn older_replica(fixture: &Fixture, knows: &'static [GlobalOp]) -> JoinHandle<Vec<String>> {
     let mut requests = fixture
         .client
         .subscribe(global_rpc_subject(&fixture.cluster, "*"))
@@ -154,18 +156,28 @@ async fn the_client_falls_back_to_string_keys_on_an_older_replica() {
         .unwrap();
     fixture.client.flush().await.unwrap();
     let client = fixture.client.clone();
-    let old_replica = tokio::spawn(async move {
+    tokio::spawn(async move {
         let mut asked = Vec::new();
         while let Some(request) = requests.next().await {
             let op = request.subject.rsplit('.').next().unwrap().to_owned();
-            let reply = if op == GlobalOp::BatchIsExist.name() {
-                let ask: BatchIsExist = decode(&request.payload).unwrap();
-                encode(&RpcReply::Ok(BatchIsExistReply {
+            asked.push(op.clone());
+            let known = knows.iter().any(|known| known.name() == op);
+            let reply = if known {
+                let keys = if op == GlobalOp::BatchIsExist.name() {
+                    decode::<BatchIsExist>(&request.payload).unwrap().keys.len()
+                } else {
+                    decode::<BatchIsExistHashed>(&request.payload)
+                        .unwrap()
+                        .hashes
+                        .len()
+                };
+                let reply = BatchIsExistReply {
                     subclusters: vec![SubclusterId::new("sc-old").unwrap()],
-                    counts: vec![1; ask.keys.len()],
-                    holders: vec![0; ask.keys.len()],
+                    counts: vec![1; keys].into(),
+                    holders: vec![0; keys].into(),
                     ..BatchIsExistReply::default()
-                }))
+                };
+                encode(&RpcReply::Ok(reply.as_arrays()))
             } else {
                 encode(&RpcReply::<()>::Err(hkvm_events::rpc::RpcError::invalid(
                     format!("unknown operation {op}"),
@@ -175,25 +187,46 @@ async fn the_client_falls_back_to_string_keys_on_an_older_replica() {
                 .publish(request.reply.unwrap(), reply.unwrap().into())
                 .await
                 .unwrap();
-            asked.push(op);
-            if asked.len() == 2 {
+            if known {
                 return asked;
             }
         }
         asked
-    });
-    let reply = fixture
-        .global()
-        .batch_is_exist(&["a", "b"], None)
-        .await
-        .unwrap()
-        .into_result()
-        .unwrap();
-    assert_eq!(reply.counts, vec![1, 1]);
-    assert_eq!(
-        old_replica.await.unwrap(),
-        vec!["batch_is_exist_hashed", "batch_is_exist"]
-    );
+    })
+}
+
+/// Replicas that predate packed replies, or hashed keys too, refuse the newer
+/// operations as unknown; the client asks again in the form they know and
+/// decodes their older replies.
+#[tokio::test]
+async fn the_client_falls_back_to_what_an_older_replica_knows() {
+    for (knows, expected) in [
+        (
+            &[GlobalOp::BatchIsExist, GlobalOp::BatchIsExistHashed][..],
+            &["batch_is_exist_packed", "batch_is_exist_hashed"][..],
+        ),
+        (
+            &[GlobalOp::BatchIsExist][..],
+            &[
+                "batch_is_exist_packed",
+                "batch_is_exist_hashed",
+                "batch_is_exist",
+            ][..],
+        ),
+    ] {
+        let fixture = Fixture::new("t").await;
+        let replica = older_replica(&fixture, knows).await;
+        let reply = fixture
+            .global()
+            .batch_is_exist(&["a", "b"], None)
+            .await
+            .unwrap()
+            .into_result()
+            .unwrap();
+        assert_eq!(reply.counts, vec![1, 1]);
+        assert_eq!(reply.holders_of(1)[0].as_str(), "sc-old");
+        assert_eq!(replica.await.unwrap(), expected);
+    }
 }
 
 #[tokio::test]
