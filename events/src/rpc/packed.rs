@@ -24,35 +24,32 @@ pub trait PackedWord: Copy + for<'de> Deserialize<'de> {
     fn get(chunk: &[u8]) -> Self;
 }
 
-impl PackedWord for u16 {
-    const BYTES: usize = 2;
-    const EXPECTING: &'static str =
-        "a byte string of 2-byte little-endian integers, or an array of integers";
+/// Implements [`PackedWord`] for an unsigned integer type of `$bytes` bytes.
+macro_rules! packed_word {
+    ($type:ty, $bytes:literal) => {
+        impl PackedWord for $type {
+            const BYTES: usize = $bytes;
+            const EXPECTING: &'static str = concat!(
+                "a byte string of ",
+                $bytes,
+                "-byte little-endian integers, or an array of integers"
+            );
 
-    fn put(self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.to_le_bytes());
-    }
+            fn put(self, out: &mut Vec<u8>) {
+                out.extend_from_slice(&self.to_le_bytes());
+            }
 
-    fn get(chunk: &[u8]) -> Self {
-        u16::from_le_bytes([chunk[0], chunk[1]])
-    }
+            fn get(chunk: &[u8]) -> Self {
+                let mut word = [0u8; $bytes];
+                word.copy_from_slice(chunk);
+                <$type>::from_le_bytes(word)
+            }
+        }
+    };
 }
 
-impl PackedWord for u64 {
-    const BYTES: usize = 8;
-    const EXPECTING: &'static str =
-        "a byte string of 8-byte little-endian integers, or an array of integers";
-
-    fn put(self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.to_le_bytes());
-    }
-
-    fn get(chunk: &[u8]) -> Self {
-        let mut word = [0u8; 8];
-        word.copy_from_slice(chunk);
-        u64::from_le_bytes(word)
-    }
-}
+packed_word!(u16, 2);
+packed_word!(u64, 8);
 
 /// A list of integers that travels packed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
