@@ -83,9 +83,9 @@ HOW_TO_READ = {
     "replica here, not what it adds on a host of its own. CPU per key adds this "
     "process's CPU time (clients and global master) and the nats-server child's over "
     "the run, divided by the keys looked up. Any query over NATS pays a request-reply "
-    "round trip (about 240 us on this machine, the put table's floor row), so the "
-    "1-client ratio cannot reach 0.6 here unless a batch's lookup takes 360 us or more "
-    "in process.",
+    "round trip (the put table's floor row: 200 to 240 us on this machine), so the "
+    "1-client ratio cannot reach 0.6 here unless a batch's lookup takes 1.5 times that "
+    "round trip or more in process.",
     "soak": "Running for a long time: a leader and a hot standby under churn (8 clients "
     "putting into segments small enough that the leader evicts all the time, removes, "
     "one leader kill half-way) with snapshots and purges running. The end of the run "
