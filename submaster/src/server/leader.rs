@@ -399,8 +399,6 @@ impl Leadership<'_> {
     }
 }
 
-/// Tells the clients waiting out a failover that this sub-master serves now
-/// (best effort: a client that misses it retries after its back-off anyway).
 /// Records where a durable write's time went, stage by stage, once it is answered.
 fn record_stages(
     metrics: &SubmasterMetrics,
@@ -421,6 +419,8 @@ fn record_stages(
     }
 }
 
+/// Tells the clients waiting out a failover that this sub-master serves now
+/// (best effort: a client that misses it retries after its back-off anyway).
 async fn announce(ctx: &Context, holder: &LeaseHolder) {
     let subject = leader_subject(&ctx.config.cluster, &ctx.config.subcluster);
     let body = match hkvm_events::rpc::encode(holder) {
