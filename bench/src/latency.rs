@@ -23,6 +23,14 @@ pub fn quantile_ms(sorted: &[Duration], q: f64) -> f64 {
     quantile(sorted, q).as_secs_f64() * 1e3
 }
 
+/// The mean of `latencies` in microseconds (0 when there are none).
+pub fn mean_us(latencies: &[Duration]) -> f64 {
+    if latencies.is_empty() {
+        return 0.0;
+    }
+    latencies.iter().map(Duration::as_secs_f64).sum::<f64>() / latencies.len() as f64 * 1e6
+}
+
 /// The median of `values` (the upper one of an even count); zero when empty.
 pub fn median(values: &mut [f64]) -> f64 {
     values.sort_unstable_by(f64::total_cmp);

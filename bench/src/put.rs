@@ -17,9 +17,9 @@ use hkvm_events::{ClusterId, NodeId, ProducerId, SegmentId, SubclusterId};
 use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
 use hkvm_transfer::TcpTransport;
 
-use super::latency::quantile_us;
+use super::latency::{mean_us, quantile_us};
 use super::report::{BenchResult, Printer};
-use super::stages::StageReading;
+use super::stages::{print_put_end_stages, StageReading};
 use super::BenchNats;
 
 const WORKLOAD: &str = "put";
@@ -116,39 +116,6 @@ async fn run_clients(
         starts,
         ends,
     })
-}
-
-/// The sub-master's write stages, in the order a request passes them.
-const STAGES: [&str; 5] = ["queued", "handled", "batched", "stored", "replied"];
-
-/// Where one client's put_end spends its time: the mean of each of the sub-master's
-/// stages, and what is left outside it (NATS both ways and the client), each as a
-/// share of the mean put_end the client saw.
-fn print_stages(label: &str, ends: &[Duration], stages: &[(String, f64)], printer: &mut Printer) {
-    if ends.is_empty() {
-        return;
-    }
-    let mean = mean_us(ends);
-    let baseline = format!("put_end mean, {label}, as the clients see it");
-    for (stage, value) in stages {
-        printer.print(&BenchResult::new(
-            WORKLOAD,
-            format!("put_end, {label}: sub-master stage {stage} (mean)"),
-            *value,
-            "us",
-            baseline.clone(),
-            mean,
-        ));
-    }
-    let inside: f64 = stages.iter().map(|(_, value)| value).sum();
-    printer.print(&BenchResult::new(
-        WORKLOAD,
-        format!("put_end, {label}: outside the sub-master (NATS both ways, the clients; mean)"),
-        mean - inside,
-        "us",
-        baseline,
-        mean,
-    ));
 }
 
 /// Requests to a responder that answers at once (in this process, as the
@@ -276,14 +243,6 @@ async fn raw_fenced_publish(
     Ok(latencies)
 }
 
-/// The mean of `latencies` in microseconds (0 when there are none).
-fn mean_us(latencies: &[Duration]) -> f64 {
-    if latencies.is_empty() {
-        return 0.0;
-    }
-    latencies.iter().map(Duration::as_secs_f64).sum::<f64>() / latencies.len() as f64 * 1e6
-}
-
 /// Runs the workload.
 ///
 /// # Errors
@@ -343,7 +302,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     let (raw_1, raw_1_latencies) = raw_publish(&js, "bench.raw.put", 1, duration).await?;
     let stages_before = StageReading::parse(&master.metrics_text());
     let one = run_clients(&client, 1, 1, duration, "one").await?;
-    let stages = StageReading::parse(&master.metrics_text()).means_since(&stages_before, &STAGES);
+    let stages = StageReading::parse(&master.metrics_text()).means_since(&stages_before);
     printer.print(&BenchResult::new(
         WORKLOAD,
         "put_start+put_end, 1 client",
@@ -399,7 +358,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
         ));
     }
 
-    print_stages("1 client", &one.ends, &stages, printer);
+    print_put_end_stages(WORKLOAD, "1 client", &one.ends, &stages, printer);
     // What the stored stage compares with: the same append's round trip from a
     // client that publishes nothing else.
     let fenced = raw_fenced_publish(&js, "bench.raw.put", duration).await?;
@@ -415,7 +374,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     let (raw_64, _) = raw_publish(&js, "bench.raw.put", 64, duration).await?;
     let stages_before = StageReading::parse(&master.metrics_text());
     let many = run_clients(&client, 64, 1, duration, "many").await?;
-    let stages = StageReading::parse(&master.metrics_text()).means_since(&stages_before, &STAGES);
+    let stages = StageReading::parse(&master.metrics_text()).means_since(&stages_before);
     printer.print(&BenchResult::new(
         WORKLOAD,
         "put_start+put_end, 64 clients",
@@ -424,7 +383,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
         "raw JetStream publish+ack, 64 publishers",
         raw_64,
     ));
-    print_stages("64 clients", &many.ends, &stages, printer);
+    print_put_end_stages(WORKLOAD, "64 clients", &many.ends, &stages, printer);
 
     let batched = run_clients(&client, 8, 256, duration, "batch").await?.rate;
     printer.print(&BenchResult::new(

@@ -1,10 +1,54 @@
 //! Where a sub-master's durable writes spend their time: the mean of each stage of
 //! its `hkvm_submaster_write_stage_seconds` histogram between two readings of its
-//! metrics (the Prometheus text format, as the metrics endpoint serves it).
+//! metrics (the Prometheus text format, as the metrics endpoint serves it), and
+//! the rows that set those stages beside the put_end the clients saw.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
+
+use super::latency::mean_us;
+use super::report::{BenchResult, Printer};
 
 const METRIC: &str = "hkvm_submaster_write_stage_seconds";
+
+/// The sub-master's write stages, in the order a request passes them.
+pub const STAGES: [&str; 5] = ["queued", "handled", "batched", "stored", "replied"];
+
+/// Where put_end spends its time with `label`'s clients: the mean of each of the
+/// sub-master's stages, and what is left outside it (NATS both ways and the
+/// clients), each as a share of the mean put_end the clients saw.
+pub fn print_put_end_stages(
+    workload: &'static str,
+    label: &str,
+    ends: &[Duration],
+    stages: &[(String, f64)],
+    printer: &mut Printer,
+) {
+    if ends.is_empty() {
+        return;
+    }
+    let mean = mean_us(ends);
+    let baseline = format!("put_end mean, {label}, as the clients see it");
+    for (stage, value) in stages {
+        printer.print(&BenchResult::new(
+            workload,
+            format!("put_end, {label}: sub-master stage {stage} (mean)"),
+            *value,
+            "us",
+            baseline.clone(),
+            mean,
+        ));
+    }
+    let inside: f64 = stages.iter().map(|(_, value)| value).sum();
+    printer.print(&BenchResult::new(
+        workload,
+        format!("put_end, {label}: outside the sub-master (NATS both ways, the clients; mean)"),
+        mean - inside,
+        "us",
+        baseline,
+        mean,
+    ));
+}
 
 /// Sum and count of each stage's histogram in one reading.
 #[derive(Debug, Default, Clone)]
@@ -49,9 +93,9 @@ impl StageReading {
     }
 
     /// Each stage's mean in microseconds over the writes recorded after `earlier`,
-    /// in `order`; a stage with no write recorded in between is left out.
-    pub fn means_since(&self, earlier: &Self, order: &[&str]) -> Vec<(String, f64)> {
-        order
+    /// in [`STAGES`] order; a stage with no write recorded in between is left out.
+    pub fn means_since(&self, earlier: &Self) -> Vec<(String, f64)> {
+        STAGES
             .iter()
             .filter_map(|stage| {
                 let (sum, count) = self.stages.get(*stage).copied().unwrap_or_default();
@@ -89,7 +133,7 @@ hkvm_submaster_request_seconds_sum{op=\"put_end\",result=\"ok\"} 5.0
                 .replace("0.01\n", "0.07\n")
                 .replace("stored\"} 10", "stored\"} 110"),
         );
-        let means = after.means_since(&before, &["queued", "handled", "stored"]);
+        let means = after.means_since(&before);
         assert_eq!(means.len(), 2, "a stage without writes is left out");
         assert_eq!(means[0].0, "queued");
         assert!((means[0].1 - 100.0).abs() < 1e-9, "{means:?}");

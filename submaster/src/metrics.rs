@@ -1,5 +1,8 @@
 //! The sub-master's Prometheus metrics.
 
+use std::time::Instant;
+
+use hkvm_events::commit::Committed;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -236,13 +239,31 @@ impl SubmasterMetrics {
             .observe(seconds);
     }
 
-    /// Records the time one write request spent in `stage`.
-    pub fn write_stage(&self, stage: WriteStage, seconds: f64) {
-        self.write_stages
-            .get_or_create(&StageLabels {
-                stage: stage.name(),
-            })
-            .observe(seconds);
+    /// Records where an answered write's time went, stage by stage: it was
+    /// received at `received`, taken by the request loop at `picked`, submitted
+    /// to the group commit at `submitted`, and committed as `committed` says;
+    /// its reply has just been sent.
+    pub fn write_stages_of(
+        &self,
+        received: Instant,
+        picked: Instant,
+        submitted: Instant,
+        committed: &Committed,
+    ) {
+        let replied = Instant::now();
+        for (stage, from, to) in [
+            (WriteStage::Queued, received, picked),
+            (WriteStage::Handled, picked, submitted),
+            (WriteStage::Batched, submitted, committed.sent),
+            (WriteStage::Stored, committed.sent, committed.acknowledged),
+            (WriteStage::Replied, committed.acknowledged, replied),
+        ] {
+            self.write_stages
+                .get_or_create(&StageLabels {
+                    stage: stage.name(),
+                })
+                .observe(to.saturating_duration_since(from).as_secs_f64());
+        }
     }
 }
 

@@ -31,4 +31,5 @@ mod rdma;
 mod snapshot_restore;
 mod submaster_failover;
 mod submaster_server;
+mod submaster_stages;
 mod tidy;

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant as StdInstant};
 
 use bytes::Bytes;
 use hkvm_events::codec::{encode_message, Header};
-use hkvm_events::commit::{CommitError, Committed, GroupCommitter, PendingCommit};
+use hkvm_events::commit::{CommitError, GroupCommitter, PendingCommit};
 use hkvm_events::connection::ConnectionEpoch;
 use hkvm_events::log::{Append, EventLog, LogErrorKind};
 use hkvm_events::registry::{self, SubmasterInfo};
@@ -30,7 +30,7 @@ use crate::command::{self, ServingInfo};
 use crate::election::LeaseHolder;
 use crate::error::{SubmasterError, SubmasterErrorKind};
 use crate::liveness::{collect_pings, LiveNodes};
-use crate::metrics::{gauge_value, SubmasterMetrics, WriteStage};
+use crate::metrics::gauge_value;
 use crate::state::State;
 
 /// Why a leadership ended.
@@ -173,8 +173,7 @@ impl Leadership<'_> {
                         metrics.request(job.op.name(), "ok", job.received.elapsed().as_secs_f64());
                         rpc::send(&client, job.reply_to, body).await;
                         if let Some(committed) = last {
-                            record_stages(
-                                &metrics,
+                            metrics.write_stages_of(
                                 job.received.into_std(),
                                 picked,
                                 submitted,
@@ -396,26 +395,6 @@ impl Leadership<'_> {
                 tracing::warn!(%error, "registry heartbeat failed");
             }
         }));
-    }
-}
-
-/// Records where a durable write's time went, stage by stage, once it is answered.
-fn record_stages(
-    metrics: &SubmasterMetrics,
-    received: StdInstant,
-    picked: StdInstant,
-    submitted: StdInstant,
-    committed: &Committed,
-) {
-    let replied = StdInstant::now();
-    for (stage, from, to) in [
-        (WriteStage::Queued, received, picked),
-        (WriteStage::Handled, picked, submitted),
-        (WriteStage::Batched, submitted, committed.sent),
-        (WriteStage::Stored, committed.sent, committed.acknowledged),
-        (WriteStage::Replied, committed.acknowledged, replied),
-    ] {
-        metrics.write_stage(stage, to.saturating_duration_since(from).as_secs_f64());
     }
 }
 
