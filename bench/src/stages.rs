@@ -6,13 +6,12 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use hkvm_submaster::metrics::WriteStage;
+
 use super::latency::mean_us;
 use super::report::{BenchResult, Printer};
 
 const METRIC: &str = "hkvm_submaster_write_stage_seconds";
-
-/// The sub-master's write stages, in the order a request passes them.
-pub const STAGES: [&str; 5] = ["queued", "handled", "batched", "stored", "replied"];
 
 /// Where put_end spends its time with `label`'s clients: the mean of each of the
 /// sub-master's stages, and what is left outside it (NATS both ways and the
@@ -93,16 +92,18 @@ impl StageReading {
     }
 
     /// Each stage's mean in microseconds over the writes recorded after `earlier`,
-    /// in [`STAGES`] order; a stage with no write recorded in between is left out.
+    /// in the order a request passes them ([`WriteStage::ALL`]); a stage with
+    /// no write recorded in between is left out.
     pub fn means_since(&self, earlier: &Self) -> Vec<(String, f64)> {
-        STAGES
+        WriteStage::ALL
             .iter()
+            .map(|stage| stage.name())
             .filter_map(|stage| {
-                let (sum, count) = self.stages.get(*stage).copied().unwrap_or_default();
+                let (sum, count) = self.stages.get(stage).copied().unwrap_or_default();
                 let (sum_before, count_before) =
-                    earlier.stages.get(*stage).copied().unwrap_or_default();
+                    earlier.stages.get(stage).copied().unwrap_or_default();
                 let count = count.checked_sub(count_before).filter(|c| *c > 0)?;
-                Some(((*stage).to_owned(), (sum - sum_before) / count as f64 * 1e6))
+                Some((stage.to_owned(), (sum - sum_before) / count as f64 * 1e6))
             })
             .collect()
     }

@@ -1,6 +1,8 @@
 //! The sub-master's write-stage metrics against a real nats-server: every write
 //! that appends is timed once in each stage, receipt to reply.
 
+use hkvm_submaster::metrics::WriteStage;
+
 use crate::fixture::{poll_until, Fixture, WAIT};
 use crate::submaster_server::{client, config, mount, put};
 
@@ -41,7 +43,7 @@ async fn every_durable_write_is_timed_in_each_of_its_stages() {
     })
     .await;
     let mut total = 0.0;
-    for stage in ["queued", "handled", "batched", "stored", "replied"] {
+    for stage in WriteStage::ALL.map(WriteStage::name) {
         let (count, seconds) = stage_totals(&metrics, stage);
         assert_eq!(count, 5, "stage {stage}");
         total += seconds;
