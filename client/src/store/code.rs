@@ -55,7 +55,7 @@ impl ErrorCode {
             ItemError::AlreadyExists => Self::ObjectAlreadyExists,
             ItemError::NoSpace { .. } => Self::NoAvailableHandle,
             ItemError::Leased => Self::ObjectHasLease,
-            ItemError::NoPendingPut => Self::InvalidWrite,
+            ItemError::NoPendingPut | ItemError::NoLease => Self::InvalidWrite,
             ItemError::Invalid(_) => Self::InvalidParams,
         }
     }

@@ -49,9 +49,12 @@ fn resend(op: Op) -> Resend {
         | Op::Status
         | Op::MountSegment
         | Op::Remount
-        | Op::PutStart => Resend::Safe,
+        | Op::PutStart
+        | Op::LeaseReturn => Resend::Safe,
         // Decided per request (`put_end`, `SubmasterClient::mixed`).
-        Op::Mixed | Op::PutEnd => Resend::Unsafe,
+        Op::Mixed | Op::PutEnd | Op::PutCommit => Resend::Unsafe,
+        // A lease granted to a request whose answer was lost ends by time.
+        Op::LeaseSpace => Resend::Safe,
         Op::UnmountSegment | Op::PutRevoke | Op::Remove | Op::RemoveAll | Op::RemoveMatching => {
             Resend::Unsafe
         }

@@ -8,6 +8,7 @@ pub mod dummy;
 pub mod global;
 pub mod interdc;
 pub mod packed;
+pub mod space_lease;
 pub mod submaster;
 
 use serde::de::DeserializeOwned;

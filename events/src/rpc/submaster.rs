@@ -7,6 +7,11 @@ use serde::{Deserialize, Serialize};
 use crate::id::{NodeId, SegmentId};
 use crate::transport::RdmaEndpoint;
 
+pub use super::space_lease::{
+    LeaseId, LeaseReturn, LeaseSpace, LeaseSpaceReply, PutCommit, PutCommitItem, PutCommitReply,
+    SpaceLease,
+};
+
 /// Most items in one batch request a sub-master accepts by default; clients split
 /// longer batches into requests of at most this many items.
 pub const MAX_BATCH_ITEMS: usize = 4096;
@@ -42,11 +47,17 @@ pub enum Op {
     Status,
     /// [`Mixed`].
     Mixed,
+    /// [`LeaseSpace`].
+    LeaseSpace,
+    /// [`PutCommit`].
+    PutCommit,
+    /// [`LeaseReturn`].
+    LeaseReturn,
 }
 
 impl Op {
     /// Every operation.
-    pub const ALL: [Op; 14] = [
+    pub const ALL: [Op; 17] = [
         Op::MountSegment,
         Op::UnmountSegment,
         Op::Remount,
@@ -61,6 +72,9 @@ impl Op {
         Op::RemoveMatching,
         Op::Status,
         Op::Mixed,
+        Op::LeaseSpace,
+        Op::PutCommit,
+        Op::LeaseReturn,
     ];
 
     /// The last subject token.
@@ -80,6 +94,9 @@ impl Op {
             Op::RemoveMatching => "remove_matching",
             Op::Status => "status",
             Op::Mixed => "mixed",
+            Op::LeaseSpace => "lease_space",
+            Op::PutCommit => "put_commit",
+            Op::LeaseReturn => "lease_return",
         }
     }
 
@@ -116,6 +133,11 @@ pub enum ItemError {
     /// The checksum given to `put_end` is missing or the put was already ended.
     #[error("invalid item: {0}")]
     Invalid(String),
+    /// `put_commit` into a lease this leader does not hold (never granted,
+    /// returned, timed out, its segment unmounted, or lost in a leader change):
+    /// put through `put_start` / `put_end` instead.
+    #[error("no such space lease")]
+    NoLease,
 }
 
 /// One item's outcome in a batch reply.
@@ -441,6 +463,9 @@ pub struct StatusReply {
     pub objects: u64,
     /// Pending puts.
     pub pending_puts: u64,
+    /// Space leases held by clients.
+    #[serde(default)]
+    pub space_leases: u64,
     /// Mounted segments.
     pub segments: u64,
     /// Live nodes.

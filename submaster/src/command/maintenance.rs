@@ -1,4 +1,5 @@
-//! Periodic upkeep by the leader: reclaim timed-out pending puts, declare silent
+//! Periodic upkeep by the leader: reclaim timed-out pending puts and space
+//! leases, declare silent
 //! nodes lost, and evict oldest-first when usage passes the high watermark.
 
 use hkvm_events::{Evicted, KvEvent, NodeId, NodeLost, Removed};
@@ -11,6 +12,7 @@ use crate::state::State;
 /// applied and appended like any command's).
 pub fn maintain(state: &mut State, now_ms: u64, policy: &Policy) -> Vec<KvEvent> {
     reclaim_pending(state, now_ms, policy);
+    super::leases::end_expired_leases(state, now_ms);
     let mut events = lost_nodes(state, now_ms, policy);
     events.extend(evict(state, now_ms, policy));
     events

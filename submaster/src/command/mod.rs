@@ -3,13 +3,14 @@
 //! only once they are durable. Handlers may change ephemeral state (pending puts,
 //! leases, liveness) directly; durable state changes only through events.
 
+mod leases;
 mod maintenance;
 mod objects;
 mod segments;
 
 use hkvm_events::rpc::submaster::{
-    Exist, ExistReply, GetReplicaList, GetReplicaListReply, Mixed, MixedReply, MountSegment,
-    PutEnd, PutEndReply, PutRevoke, PutRevokeReply, PutStart, PutStartReply, Remount, Remove,
+    Exist, ExistReply, GetReplicaList, GetReplicaListReply, LeaseReturn, LeaseSpace,
+    LeaseSpaceReply, Mixed, MixedReply, MountSegment, PutCommit, PutCommitReply, PutEnd, PutEndReply, PutRevoke, PutRevokeReply, PutStart, PutStartReply, Remount, Remove,
     RemoveAll, RemoveAllReply, RemoveMatching, RemoveReply, Status, StatusReply, UnmountSegment,
 };
 use hkvm_events::rpc::RpcError;
@@ -27,6 +28,10 @@ pub struct Policy {
     pub lease_ttl_ms: u64,
     /// An un-ended `put_start` is reclaimed after this long.
     pub put_timeout_ms: u64,
+    /// A space lease ends this long after it was granted.
+    pub space_lease_ttl_ms: u64,
+    /// Most bytes of one space lease, on each of its segments.
+    pub max_space_lease: u64,
     /// A node silent this long is declared lost.
     pub node_timeout_ms: u64,
     /// Eviction starts when used/capacity exceeds this.
@@ -48,6 +53,8 @@ impl Default for Policy {
         Self {
             lease_ttl_ms: 10_000,
             put_timeout_ms: 30_000,
+            space_lease_ttl_ms: 30_000,
+            max_space_lease: 1 << 30,
             node_timeout_ms: 10_000,
             high_watermark: 0.90,
             evict_ratio: 0.05,
@@ -88,12 +95,19 @@ pub enum Request {
     Status(Status),
     /// See [`Mixed`].
     Mixed(Mixed),
+    /// See [`LeaseSpace`].
+    LeaseSpace(LeaseSpace),
+    /// See [`PutCommit`].
+    PutCommit(PutCommit),
+    /// See [`LeaseReturn`].
+    LeaseReturn(LeaseReturn),
 }
 
 impl Request {
     /// Whether the request reads objects (its reply must wait until every earlier
     /// write is durable, so nobody sees state that could still be lost). A
-    /// `put_end` sent again reads one: its `Ok` says an earlier commit is done.
+    /// `put_end` or `put_commit` sent again reads one: its `Ok` says an earlier
+    /// commit is done.
     pub fn reads_objects(&self) -> bool {
         matches!(
             self,
@@ -102,6 +116,7 @@ impl Request {
                 | Self::Status(_)
                 | Self::Mixed(_)
                 | Self::PutEnd(_)
+                | Self::PutCommit(_)
         )
     }
 }
@@ -129,6 +144,10 @@ pub enum Reply {
     Status(StatusReply),
     /// Mixed.
     Mixed(MixedReply),
+    /// LeaseSpace.
+    LeaseSpace(LeaseSpaceReply),
+    /// PutCommit.
+    PutCommit(PutCommitReply),
 }
 
 /// What a command decided: events to append (and apply), and the reply to send once
@@ -219,6 +238,12 @@ pub fn handle(
             check_batch(mixed.len(), policy)?;
             Ok(objects::mixed(state, mixed, now_ms, policy))
         }
+        Request::LeaseSpace(ask) => leases::lease_space(state, ask, now_ms, policy),
+        Request::PutCommit(commit) => {
+            check_batch(commit.items.len(), policy)?;
+            Ok(leases::put_commit(state, commit, now_ms, policy))
+        }
+        Request::LeaseReturn(returned) => Ok(leases::lease_return(state, &returned)),
     }
 }
 
@@ -232,6 +257,7 @@ fn status(state: &State, serving: &ServingInfo) -> StatusReply {
         applied_seq: state.applied_seq,
         objects: state.object_count() as u64,
         pending_puts: state.pending.len() as u64,
+        space_leases: state.leases.len() as u64,
         segments: state.segments().count() as u64,
         nodes: nodes.len() as u64,
         used_bytes: used,

@@ -13,7 +13,7 @@ use super::{chunked, Outcome, Policy, Reply};
 use crate::placement;
 use crate::state::{PendingPut, Replica, State};
 
-fn locations(state: &State, replicas: &[Replica]) -> Vec<ReplicaLocation> {
+pub(super) fn locations(state: &State, replicas: &[Replica]) -> Vec<ReplicaLocation> {
     replicas
         .iter()
         .filter_map(|replica| {

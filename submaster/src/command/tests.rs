@@ -722,3 +722,5 @@ fn a_snapshot_keeps_the_put_ids_a_resent_put_end_needs() {
     let restored = crate::snapshot::decode(&crate::snapshot::encode(&h.leader).unwrap()).unwrap();
     assert_eq!(restored.object("k").map(|o| o.put_id), Some(77));
 }
+
+mod leases;

@@ -72,6 +72,9 @@ fn decode_request(op: Op, body: &[u8]) -> Result<Incoming, RpcError> {
         Op::RemoveMatching => Request::RemoveMatching(rpc::decode(body)?),
         Op::Status => Request::Status(rpc::decode(body)?),
         Op::Mixed => Request::Mixed(rpc::decode(body)?),
+        Op::LeaseSpace => Request::LeaseSpace(rpc::decode(body)?),
+        Op::PutCommit => Request::PutCommit(rpc::decode(body)?),
+        Op::LeaseReturn => Request::LeaseReturn(rpc::decode(body)?),
     }))
 }
 
@@ -88,6 +91,8 @@ pub(crate) fn encode_reply(reply: Reply) -> Vec<u8> {
         Reply::RemoveAll(r) => rpc::encode(&RpcReply::Ok(r)),
         Reply::Status(r) => rpc::encode(&RpcReply::Ok(r)),
         Reply::Mixed(r) => rpc::encode(&RpcReply::Ok(r)),
+        Reply::LeaseSpace(r) => rpc::encode(&RpcReply::Ok(r)),
+        Reply::PutCommit(r) => rpc::encode(&RpcReply::Ok(r)),
     };
     encoded.unwrap_or_else(|error| encode_error(&error))
 }

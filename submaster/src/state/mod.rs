@@ -19,9 +19,11 @@ use crate::allocator::SegmentAllocator;
 use crate::keyhash::KeyHashBuilder;
 
 mod bulk;
+mod leases;
 mod table;
 
 pub use bulk::{BulkRestore, Decoded, RestoredAllocators, UsedRanges, MAX_BATCH};
+pub use leases::{CarveError, SpaceLease, SpaceLeases};
 pub use table::ObjectTable;
 
 /// Index of a mounted segment in the state's segment table; objects refer to
@@ -121,6 +123,8 @@ pub struct State {
     pub anomalies: ApplyAnomalies,
     /// Ephemeral: pending puts by key.
     pub pending: HashMap<String, PendingPut, KeyHashBuilder>,
+    /// Ephemeral: space leases granted for `put_commit`.
+    pub leases: SpaceLeases,
     /// Ephemeral: last ping of each live node (state clock ms).
     pub liveness: HashMap<NodeId, u64, KeyHashBuilder>,
     /// Ephemeral: until this time every object counts as leased (after takeover).
@@ -241,6 +245,10 @@ impl State {
         });
         self.pending
             .retain(|_, pending| pending.replicas.iter().all(|r| r.slot != slot));
+        // A lease with a range there ends; its ranges elsewhere go back.
+        for (replica, len) in self.leases.forget_slot(slot) {
+            self.free_replicas(&[replica], len);
+        }
     }
 
     fn commit_put(&mut self, put: &PutCommitted) {
