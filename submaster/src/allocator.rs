@@ -5,8 +5,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-/// Allocations are rounded up to this many bytes (cache-line aligned blocks).
-pub const ALIGNMENT: u64 = 64;
+/// Allocations are rounded up to this many bytes (cache-line aligned blocks);
+/// clients carving objects out of space leases follow the same rule.
+pub const ALIGNMENT: u64 = hkvm_events::rpc::space_lease::ALIGNMENT;
 
 /// Rounds `len` up to the allocation granularity (at least one unit).
 pub fn aligned(len: u64) -> u64 {

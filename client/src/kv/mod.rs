@@ -18,8 +18,10 @@ use crate::error::{ClientError, ClientErrorKind};
 use crate::submaster::SubmasterClient;
 
 mod read;
+mod space;
 mod write;
 
+pub use space::DEFAULT_LEASE_LEN;
 pub use write::PendingPut;
 
 /// Why a put or get failed.
@@ -150,6 +152,9 @@ pub struct KvClient {
     transports: Arc<Transports>,
     /// This process's own node endpoint, read first when it holds a replica.
     local_endpoint: Option<String>,
+    /// Space leases its puts place objects in (none: every put goes through
+    /// `put_start` / `put_end`).
+    space: Option<Arc<space::SpacePool>>,
 }
 
 impl std::fmt::Debug for KvClient {
@@ -167,13 +172,26 @@ impl KvClient {
         Self::with_transports(metadata, Transports::single(transport))
     }
 
-    /// A client over `metadata` choosing per replica among `transports`.
+    /// A client over `metadata` choosing per replica among `transports`. Unless
+    /// `metadata` coalesces calls (a real client serving dummies, whose calls
+    /// already share requests), puts use space leases of [`DEFAULT_LEASE_LEN`]
+    /// bytes: one `put_commit` per put instead of `put_start` and `put_end`.
     pub fn with_transports(metadata: SubmasterClient, transports: Transports) -> Self {
+        let space = (!metadata.is_coalescing())
+            .then(|| Arc::new(space::SpacePool::new(metadata.clone(), DEFAULT_LEASE_LEN)));
         Self {
             metadata,
             transports: Arc::new(transports),
             local_endpoint: None,
+            space,
         }
+    }
+
+    /// This client with space leases of `len` bytes per segment, or none
+    /// (`None`: every put reserves with `put_start`).
+    pub fn with_space_leases(mut self, len: Option<u64>) -> Self {
+        self.space = len.map(|len| Arc::new(space::SpacePool::new(self.metadata.clone(), len)));
+        self
     }
 
     /// Its transports.

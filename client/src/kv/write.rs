@@ -4,11 +4,12 @@
 
 use futures::future::join_all;
 use hkvm_events::rpc::submaster::{
-    ItemError, ItemResult, PutEndItem, PutId, PutStartItem, ReplicaLocation,
+    ItemError, ItemResult, PutCommitItem, PutEndItem, PutId, PutStartItem, ReplicaLocation,
 };
 use hkvm_events::{value_checksum, value_checksum_parts};
 use hkvm_transfer::WriteOp;
 
+use super::space::Carved;
 use super::{KvClient, KvError, PutOptions};
 
 /// How often a put whose reservation vanished before its commit is started again.
@@ -116,7 +117,133 @@ impl KvClient {
         Ok(results)
     }
 
+    /// One attempt at `items`: those a space lease has room for are placed in it
+    /// and committed with one `put_commit`; the others, and those whose lease the
+    /// sub-master no longer holds, go through `put_start` / `put_end`.
     async fn put_scattered_once(
+        &self,
+        items: &[(&str, &[&[u8]])],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<(), KvError>>, KvError> {
+        let Some(pool) = &self.space else {
+            return self.put_reserving(items, options).await;
+        };
+        let carved: Vec<Option<Carved>> = items
+            .iter()
+            .map(|(_, parts)| pool.carve(parts.iter().map(|p| p.len() as u64).sum(), options))
+            .collect();
+        if carved.iter().all(Option::is_none) {
+            return self.put_reserving(items, options).await;
+        }
+        let mut results: Vec<Option<Result<(), KvError>>> = items.iter().map(|_| None).collect();
+        let (leased, unplaced): (Vec<_>, Vec<_>) = carved
+            .into_iter()
+            .enumerate()
+            .partition(|(_, carved)| carved.is_some());
+        let leased: Vec<(usize, Carved)> = leased
+            .into_iter()
+            .filter_map(|(i, carved)| Some((i, carved?)))
+            .collect();
+        let mut reserve: Vec<usize> = unplaced.into_iter().map(|(i, _)| i).collect();
+        for (index, result) in self.put_leased(items, &leased, options).await? {
+            match result {
+                Err(KvError::Item {
+                    error: ItemError::NoLease,
+                    ..
+                }) => reserve.push(index),
+                other => results[index] = Some(other),
+            }
+        }
+        reserve.sort_unstable();
+        let again: Vec<(&str, &[&[u8]])> = reserve.iter().map(|&i| items[i]).collect();
+        for (index, result) in reserve
+            .into_iter()
+            .zip(self.put_reserving(&again, options).await?)
+        {
+            results[index] = Some(result);
+        }
+        Ok(results
+            .into_iter()
+            .zip(items)
+            .map(|(result, (key, _))| {
+                result.unwrap_or_else(|| {
+                    Err(KvError::Item {
+                        key: (*key).to_owned(),
+                        error: ItemError::Invalid("put decided nothing".into()),
+                    })
+                })
+            })
+            .collect())
+    }
+
+    /// Writes the items carved out of leases and commits them; answers each
+    /// item's index and result (`NoLease` when its lease is gone, so it is put
+    /// again by reserving).
+    async fn put_leased(
+        &self,
+        items: &[(&str, &[&[u8]])],
+        leased: &[(usize, Carved)],
+        options: &PutOptions,
+    ) -> Result<Vec<(usize, Result<(), KvError>)>, KvError> {
+        let writes = leased.iter().map(|(index, carved)| {
+            let (key, parts) = items[*index];
+            async move { self.write_replicas(key, parts, &carved.replicas).await }
+        });
+        let written = join_all(writes).await;
+        let mut commits = Vec::new();
+        let mut committed_at = Vec::new();
+        let mut outcomes = Vec::with_capacity(leased.len());
+        for ((index, carved), result) in leased.iter().zip(written) {
+            let (key, parts) = items[*index];
+            match result {
+                Ok(()) => {
+                    committed_at.push((*index, carved.lease));
+                    commits.push(PutCommitItem {
+                        key: key.to_owned(),
+                        size: parts.iter().map(|p| p.len() as u64).sum(),
+                        checksum: value_checksum_parts(parts),
+                        lease: carved.lease,
+                        offset: carved.offset,
+                        hard_pin: options.hard_pin,
+                        put_id: new_put_id(),
+                    });
+                }
+                // The space stays the lease's and is freed when it ends.
+                Err(error) => outcomes.push((*index, Err(error))),
+            }
+        }
+        if commits.is_empty() {
+            return Ok(outcomes);
+        }
+        let keys: Vec<String> = commits.iter().map(|c| c.key.clone()).collect();
+        let answers = match self.metadata.put_commit(commits).await {
+            Ok(answers) => answers,
+            Err(error) => {
+                // Sent again until answered, so the sub-master was unreachable
+                // past the retry deadline: remove, so that a put that returned an
+                // error never stays visible.
+                let _ = self.metadata.remove(keys, true).await;
+                return Err(error.into());
+            }
+        };
+        for (((index, lease), key), answer) in committed_at.into_iter().zip(keys).zip(answers) {
+            if answer == ItemResult::Err(ItemError::NoLease) {
+                if let Some(pool) = &self.space {
+                    pool.forget(lease);
+                }
+            }
+            outcomes.push((
+                index,
+                answer
+                    .into_result()
+                    .map_err(|error| KvError::Item { key, error }),
+            ));
+        }
+        Ok(outcomes)
+    }
+
+    /// One attempt at `items` through `put_start`, writes and `put_end`.
+    async fn put_reserving(
         &self,
         items: &[(&str, &[&[u8]])],
         options: &PutOptions,

@@ -2,7 +2,8 @@
 //! every call through the shared [`RpcCaller`] retry policy.
 
 use hkvm_events::rpc::submaster::{
-    Exist, ExistReply, GetReplicaList, GetReplicaListReply, MountSegment, Op, Ping, PingReply,
+    Exist, ExistReply, GetReplicaList, GetReplicaListReply, LeaseId, LeaseReturn, LeaseSpace,
+    LeaseSpaceReply, MountSegment, Op, Ping, PingReply, PutCommit, PutCommitItem, PutCommitReply,
     PutEnd, PutEndItem, PutEndReply, PutRevoke, PutRevokeReply, PutStart, PutStartItem,
     PutStartReply, Remount, Remove, RemoveAll, RemoveAllReply, RemoveMatching, RemoveReply, Status,
     StatusReply, UnmountSegment, MAX_BATCH_ITEMS,
@@ -432,5 +433,47 @@ impl SubmasterClient {
     /// As for [`SubmasterClient::mount_segment`].
     pub async fn status(&self) -> Result<StatusReply, ClientError> {
         self.call(Op::Status, &Status {}).await
+    }
+
+    /// Whether concurrent calls share batched requests ([`SubmasterClient::coalesced`]).
+    pub fn is_coalescing(&self) -> bool {
+        self.coalescing.is_some()
+    }
+
+    /// Leases space for objects this client places itself (see
+    /// [`hkvm_events::rpc::space_lease`]). Never coalesced.
+    ///
+    /// # Errors
+    /// As for [`SubmasterClient::mount_segment`]; a sub-master that does not know
+    /// the operation leaves it unanswered until the retry deadline.
+    pub async fn lease_space(&self, ask: LeaseSpace) -> Result<LeaseSpaceReply, ClientError> {
+        self.call(Op::LeaseSpace, &ask).await
+    }
+
+    /// Commits objects written into leases (per-item results). Items carrying
+    /// their put's id make the request idempotent, so it is sent again after a
+    /// timeout as `put_end` is. Never coalesced.
+    ///
+    /// # Errors
+    /// As for [`SubmasterClient::mount_segment`].
+    pub async fn put_commit(
+        &self,
+        items: Vec<PutCommitItem>,
+    ) -> Result<PutCommitReply, ClientError> {
+        let resend = if items.iter().all(|item| item.put_id != 0) {
+            Resend::Safe
+        } else {
+            Resend::Unsafe
+        };
+        self.call_batched_with(Op::PutCommit, items, |items| PutCommit { items }, resend)
+            .await
+    }
+
+    /// Ends a lease: what no commit took goes back to the free space.
+    ///
+    /// # Errors
+    /// As for [`SubmasterClient::mount_segment`].
+    pub async fn lease_return(&self, lease: LeaseId) -> Result<(), ClientError> {
+        self.call(Op::LeaseReturn, &LeaseReturn { lease }).await
     }
 }

@@ -15,8 +15,12 @@ use serde::{Deserialize, Serialize};
 use super::submaster::{ItemResult, PutId, ReplicaLocation};
 use crate::id::SegmentId;
 
-/// A lease's id, unique among one leader's leases.
+/// A lease's id: random, so ids of one leader never name leases of the next.
 pub type LeaseId = u64;
+
+/// Sub-masters allocate in multiples of this many bytes: an object committed
+/// into a lease sits at a multiple of it and takes its size rounded up to one.
+pub const ALIGNMENT: u64 = 64;
 
 /// Lease `len` bytes on `replicas` segments of distinct nodes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -73,8 +77,9 @@ pub struct PutCommitItem {
     /// Never evict this object.
     #[serde(default)]
     pub hard_pin: bool,
-    /// The put's id ([`PutId`], nonzero): a commit sent again with the same id
-    /// answers `Ok` once that put is committed.
+    /// The put's id ([`PutId`]): a commit sent again with the same id answers
+    /// `Ok` once that put is committed (0: none; sent again, it answers
+    /// `AlreadyExists`).
     pub put_id: PutId,
 }
 

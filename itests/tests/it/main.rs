@@ -29,6 +29,7 @@ mod library;
 mod object_retention;
 mod rdma;
 mod snapshot_restore;
+mod space_leases;
 mod submaster_failover;
 mod submaster_server;
 mod submaster_stages;

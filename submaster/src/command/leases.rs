@@ -79,7 +79,12 @@ pub(super) fn lease_space(
 }
 
 /// Commits objects written into leases: one `PutCommitted` per item that fits.
-pub(super) fn put_commit(state: &mut State, commit: PutCommit, now_ms: u64, policy: &Policy) -> Outcome {
+pub(super) fn put_commit(
+    state: &mut State,
+    commit: PutCommit,
+    now_ms: u64,
+    policy: &Policy,
+) -> Outcome {
     let mut events = Vec::new();
     let mut results: PutCommitReply = Vec::with_capacity(commit.items.len());
     let mut seen = std::collections::HashSet::new();
@@ -164,10 +169,7 @@ fn carve_reason(error: CarveError, item: &PutCommitItem) -> String {
         CarveError::OutOfRange => "reaches past the lease",
         CarveError::Taken => "overlaps an object committed into the lease",
     };
-    format!(
-        "{} bytes at lease offset {} {what}",
-        item.size, item.offset
-    )
+    format!("{} bytes at lease offset {} {what}", item.size, item.offset)
 }
 
 /// Ends a lease now (an unknown one is ended already).

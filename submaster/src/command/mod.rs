@@ -10,8 +10,9 @@ mod segments;
 
 use hkvm_events::rpc::submaster::{
     Exist, ExistReply, GetReplicaList, GetReplicaListReply, LeaseReturn, LeaseSpace,
-    LeaseSpaceReply, Mixed, MixedReply, MountSegment, PutCommit, PutCommitReply, PutEnd, PutEndReply, PutRevoke, PutRevokeReply, PutStart, PutStartReply, Remount, Remove,
-    RemoveAll, RemoveAllReply, RemoveMatching, RemoveReply, Status, StatusReply, UnmountSegment,
+    LeaseSpaceReply, Mixed, MixedReply, MountSegment, PutCommit, PutCommitReply, PutEnd,
+    PutEndReply, PutRevoke, PutRevokeReply, PutStart, PutStartReply, Remount, Remove, RemoveAll,
+    RemoveAllReply, RemoveMatching, RemoveReply, Status, StatusReply, UnmountSegment,
 };
 use hkvm_events::rpc::RpcError;
 use hkvm_events::{KvEvent, Limits};

@@ -126,15 +126,19 @@ impl SpaceLease {
 #[derive(Debug, Default)]
 pub struct SpaceLeases {
     leases: HashMap<LeaseId, SpaceLease>,
-    next_id: LeaseId,
 }
 
 impl SpaceLeases {
-    /// Records `lease` and answers its new id.
+    /// Records `lease` and answers its new id: random, so that an id from a
+    /// leader before a failover never names a lease of the next one (a commit
+    /// into it would place an object where its bytes were never written).
     pub fn grant(&mut self, lease: SpaceLease) -> LeaseId {
-        self.next_id += 1;
-        self.leases.insert(self.next_id, lease);
-        self.next_id
+        let mut id = rand::random::<LeaseId>();
+        while id == 0 || self.leases.contains_key(&id) {
+            id = rand::random();
+        }
+        self.leases.insert(id, lease);
+        id
     }
 
     /// The lease `id`, while it has not ended.
@@ -189,8 +193,14 @@ mod tests {
 
     fn lease() -> SpaceLease {
         let ranges = vec![
-            Replica { slot: 0, offset: 1024 },
-            Replica { slot: 1, offset: 4096 },
+            Replica {
+                slot: 0,
+                offset: 1024,
+            },
+            Replica {
+                slot: 1,
+                offset: 4096,
+            },
         ];
         SpaceLease::new(ranges, 1000, 50)
     }
@@ -203,8 +213,14 @@ mod tests {
         assert_eq!(
             replicas,
             vec![
-                Replica { slot: 0, offset: 1152 },
-                Replica { slot: 1, offset: 4224 }
+                Replica {
+                    slot: 0,
+                    offset: 1152
+                },
+                Replica {
+                    slot: 1,
+                    offset: 4224
+                }
             ]
         );
     }
@@ -219,8 +235,14 @@ mod tests {
         assert_eq!(
             lease.carve(256, 1),
             Ok(vec![
-                Replica { slot: 0, offset: 1280 },
-                Replica { slot: 1, offset: 4352 }
+                Replica {
+                    slot: 0,
+                    offset: 1280
+                },
+                Replica {
+                    slot: 1,
+                    offset: 4352
+                }
             ])
         );
         assert_eq!(lease.carve(0, 64).map(|r| r.len()), Ok(2));
@@ -238,12 +260,48 @@ mod tests {
         assert_eq!(
             gaps,
             vec![
-                (Replica { slot: 0, offset: 1024 }, 128),
-                (Replica { slot: 1, offset: 4096 }, 128),
-                (Replica { slot: 0, offset: 1280 }, 256),
-                (Replica { slot: 1, offset: 4352 }, 256),
-                (Replica { slot: 0, offset: 1600 }, 448),
-                (Replica { slot: 1, offset: 4672 }, 448),
+                (
+                    Replica {
+                        slot: 0,
+                        offset: 1024
+                    },
+                    128
+                ),
+                (
+                    Replica {
+                        slot: 1,
+                        offset: 4096
+                    },
+                    128
+                ),
+                (
+                    Replica {
+                        slot: 0,
+                        offset: 1280
+                    },
+                    256
+                ),
+                (
+                    Replica {
+                        slot: 1,
+                        offset: 4352
+                    },
+                    256
+                ),
+                (
+                    Replica {
+                        slot: 0,
+                        offset: 1600
+                    },
+                    448
+                ),
+                (
+                    Replica {
+                        slot: 1,
+                        offset: 4672
+                    },
+                    448
+                ),
             ]
         );
         assert_eq!(lease.untaken_len(), 128 + 256 + 448);
@@ -253,12 +311,25 @@ mod tests {
     fn leases_end_by_time_and_with_their_segment() {
         let mut leases = SpaceLeases::default();
         let first = leases.grant(lease());
-        let second = leases.grant(SpaceLease::new(vec![Replica { slot: 2, offset: 0 }], 64, 90));
+        let second = leases.grant(SpaceLease::new(
+            vec![Replica { slot: 2, offset: 0 }],
+            64,
+            90,
+        ));
         assert_ne!(first, second);
         assert_eq!(leases.expired(49), Vec::<LeaseId>::new());
         assert_eq!(leases.expired(50), vec![first]);
         let freed = leases.forget_slot(1);
-        assert_eq!(freed, vec![(Replica { slot: 0, offset: 1024 }, 1024)]);
+        assert_eq!(
+            freed,
+            vec![(
+                Replica {
+                    slot: 0,
+                    offset: 1024
+                },
+                1024
+            )]
+        );
         assert!(leases.get_mut(first).is_none());
         assert_eq!(leases.len(), 1);
         assert!(leases.end(second).is_some());

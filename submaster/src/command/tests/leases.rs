@@ -76,7 +76,10 @@ fn objects_committed_into_a_lease_sit_at_its_offsets_on_every_range() {
     ]);
     assert_eq!(results, vec![ItemResult::Ok(()), ItemResult::Ok(())]);
     assert_eq!(commits(&h), 2);
-    assert!(h.leader.pending.is_empty(), "a commit leaves nothing pending");
+    assert!(
+        h.leader.pending.is_empty(),
+        "a commit leaves nothing pending"
+    );
     let located = match h.run(Request::GetReplicaList(GetReplicaList {
         keys: vec!["b".into()],
         lease: false,
@@ -124,7 +127,7 @@ fn a_commit_is_refused_per_item_for_what_the_lease_does_not_allow() {
         item("past-end", lease.id, LEASE - 64, 65, 3),
         item("misaligned", lease.id, 100, 1, 4),
         item("taken", lease.id, 4096, 64, 5),
-        item("nobody", lease.id + 7, 0, 64, 6),
+        item("nobody", lease.id.wrapping_add(7), 0, 64, 6),
         item("empty", lease.id, 8192, 0, 7),
         item("ok", lease.id, 12288, 64, 8),
     ]);
@@ -147,7 +150,10 @@ fn a_commit_is_refused_per_item_for_what_the_lease_does_not_allow() {
 fn a_lease_ends_by_time_and_gives_back_what_no_commit_took() {
     let mut h = three_nodes();
     let lease = h.granted(LEASE, 3);
-    assert_eq!(h.commit_into(vec![item("kept", lease.id, 0, 64, 1)]), vec![ItemResult::Ok(())]);
+    assert_eq!(
+        h.commit_into(vec![item("kept", lease.id, 0, 64, 1)]),
+        vec![ItemResult::Ok(())]
+    );
     h.now += h.policy.space_lease_ttl_ms;
     assert_eq!(
         h.commit_into(vec![item("late", lease.id, 64, 64, 2)]),
@@ -221,10 +227,13 @@ fn a_lease_needs_room_on_enough_nodes_and_a_sane_size() {
             size: LEASE
         })
     );
-    assert_eq!(h.lease(2 << 20, 1), ItemResult::Err(ItemError::NoSpace {
-        replicas: 1,
-        size: 2 << 20
-    }));
+    assert_eq!(
+        h.lease(2 << 20, 1),
+        ItemResult::Err(ItemError::NoSpace {
+            replicas: 1,
+            size: 2 << 20
+        })
+    );
     assert_eq!(h.used(), 0, "a refused lease holds nothing");
     for (len, replicas) in [(0, 1), (h.policy.max_space_lease + 1, 1), (LEASE, 0)] {
         let refused = h.run(Request::LeaseSpace(LeaseSpace {

@@ -1,0 +1,149 @@
+//! Space leases end to end on real NATS, a real sub-master and real nodes: once a
+//! client holds a lease, each put is its writes plus one `put_commit`; a lease a
+//! leader change lost sends the put through `put_start` / `put_end` instead of
+//! failing it; a dropped client returns its lease.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use hkvm_client::KvClient;
+use hkvm_events::rpc::submaster::ItemResult;
+use hkvm_submaster::SubmasterHandle;
+use hkvm_transfer::TcpTransport;
+
+use crate::fixture::{poll_until, Pool, PoolSpec, WAIT};
+
+fn value(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed))
+        .collect()
+}
+
+/// Requests of `op` a sub-master answered `ok`, from its metrics.
+fn answered(master: &SubmasterHandle, op: &str) -> u64 {
+    let labels = format!("op=\"{op}\",result=\"ok\"");
+    master
+        .metrics_text()
+        .lines()
+        .filter(|line| line.starts_with("hkvm_submaster_requests_total{") && line.contains(&labels))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// Puts `key` and waits until the client's lease, asked for in the background
+/// by that first put, is granted.
+async fn put_until_leased(kv: &KvClient, key: &str) {
+    kv.put(key, &value(3000, 1), 2).await.unwrap();
+    poll_until("a space lease granted", WAIT, || async {
+        (kv.metadata().status().await.ok()?.space_leases > 0).then_some(())
+    })
+    .await;
+}
+
+async fn pool(tweak: fn(&mut hkvm_submaster::SubmasterConfig)) -> Pool {
+    Pool::start(
+        PoolSpec::new("sl")
+            .subcluster("sc", &[])
+            .nodes(3, 64 << 20)
+            .tweak(tweak),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn with_a_lease_each_put_is_one_commit_and_a_dropped_client_returns_it() {
+    let c = pool(|_| {}).await;
+    let kv = KvClient::new(
+        c.kv["sc"].metadata().clone(),
+        Arc::new(TcpTransport::default()),
+    );
+    put_until_leased(&kv, "first").await;
+    let (starts, commits) = (
+        answered(&c.masters[0], "put_start"),
+        answered(&c.masters[0], "put_commit"),
+    );
+    let values: Vec<Vec<u8>> = (0..20).map(|i| value(1000 + 300 * i, i as u8)).collect();
+    for (i, bytes) in values.iter().enumerate() {
+        kv.put(&format!("k{i}"), bytes, 2).await.unwrap();
+    }
+    assert_eq!(
+        answered(&c.masters[0], "put_start"),
+        starts,
+        "no reservation"
+    );
+    assert_eq!(answered(&c.masters[0], "put_commit"), commits + 20);
+    for (i, bytes) in values.iter().enumerate() {
+        let fetched = kv.get(&format!("k{i}")).await.unwrap();
+        assert_eq!(&fetched.value[..], &bytes[..], "k{i}");
+        assert_eq!(fetched.value.len(), bytes.len());
+    }
+    // Both replicas of each object, on distinct nodes, one after another in
+    // the lease: the client placed them.
+    let lists = kv
+        .metadata()
+        .peek_replica_list(vec!["k0".into(), "k1".into()])
+        .await
+        .unwrap();
+    let [ItemResult::Ok(k0), ItemResult::Ok(k1)] = &lists[..] else {
+        panic!("{lists:?}")
+    };
+    assert_ne!(k0.replicas[0].node, k0.replicas[1].node);
+    for (a, b) in k0.replicas.iter().zip(&k1.replicas) {
+        assert_eq!(a.segment, b.segment);
+        assert_eq!(b.offset, a.offset + 1024, "1000 bytes take 1024 of a lease");
+    }
+    // A put of the same key again is refused as before.
+    assert!(kv.put("k3", b"again", 2).await.is_err());
+
+    let used_by_objects = c.kv["sc"].metadata().status().await.unwrap();
+    drop(kv);
+    let status = poll_until("the lease returned", WAIT, || async {
+        let status = c.kv["sc"].metadata().status().await.ok()?;
+        (status.space_leases == 0).then_some(status)
+    })
+    .await;
+    assert!(status.used_bytes < used_by_objects.used_bytes);
+    assert_eq!(status.objects, 21);
+    c.shutdown().await;
+}
+
+/// A short leader lease, so that a standby takes over quickly.
+fn quick_failover(config: &mut hkvm_submaster::SubmasterConfig) {
+    config.leader_lease_ttl = Duration::from_millis(1500);
+}
+
+#[tokio::test]
+async fn a_put_into_a_lease_a_leader_change_lost_is_put_again_not_failed() {
+    let mut c = pool(quick_failover).await;
+    let kv = c.kv["sc"].clone();
+    put_until_leased(&kv, "before").await;
+    let readers = c.fixture.readers("sc").await;
+    let mut config = c.fixture.submaster_config("sc", "sc-sm-b");
+    config.registry_ttl = Duration::from_secs(3);
+    quick_failover(&mut config);
+    let standby = c.fixture.spawn_submaster(config).await;
+    c.fixture.wait_new_reader_at_end("sc", &readers).await;
+    c.masters.remove(0).abort();
+
+    // The client still holds the first leader's lease: the commit is refused
+    // (no such lease) and the put goes through a reservation.
+    let bytes = value(7000, 5);
+    kv.put("after", &bytes, 2).await.unwrap();
+    assert_eq!(&kv.get("after").await.unwrap().value[..], &bytes[..]);
+    assert_eq!(
+        &kv.get("before").await.unwrap().value[..],
+        &value(3000, 1)[..]
+    );
+    assert_eq!(kv.metadata().status().await.unwrap().producer, "sc-sm-b");
+    // The next put asks the new leader for a lease.
+    kv.put("kick", b"k", 2).await.unwrap();
+    poll_until("a lease from the new leader", WAIT, || async {
+        (kv.metadata().status().await.ok()?.space_leases > 0).then_some(())
+    })
+    .await;
+    let commits_before = answered(&standby, "put_commit");
+    kv.put("leased-again", &value(500, 3), 2).await.unwrap();
+    assert_eq!(answered(&standby, "put_commit"), commits_before + 1);
+    standby.shutdown().await.unwrap();
+    c.shutdown().await;
+}
