@@ -11,16 +11,21 @@ use anyhow::Context as _;
 use async_nats::jetstream;
 use async_nats::jetstream::message::PublishMessage;
 use bytes::Bytes;
-use hkvm_client::{KvClient, NodeConfig, NodeHandle, SubmasterClient};
+use hkvm_client::SubmasterClient;
 use hkvm_events::rpc::submaster::{ItemResult, MountSegment, Ping, PutEndItem, PutStartItem};
 use hkvm_events::{ClusterId, NodeId, ProducerId, SegmentId, SubclusterId};
 use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
-use hkvm_transfer::TcpTransport;
 
 use super::latency::{mean_us, quantile_us};
 use super::report::{BenchResult, Printer};
 use super::stages::{print_put_end_stages, StageReading};
 use super::BenchNats;
+
+mod end_to_end;
+mod leased;
+
+use end_to_end::end_to_end;
+use leased::run_leased_clients;
 
 const WORKLOAD: &str = "put";
 
@@ -371,6 +376,25 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
         mean_us(&raw_1_latencies),
     ));
 
+    // The same durable put with its space placed by the client: one request.
+    let (leased_1, leased_1_latencies) = run_leased_clients(&client, 1, duration, "lease1").await?;
+    printer.print(&BenchResult::new(
+        WORKLOAD,
+        "put_commit into a space lease, 1 client (one request and one append per put)",
+        leased_1,
+        "ops/s",
+        "put_start+put_end, 1 client",
+        one.rate,
+    ));
+    printer.print(&BenchResult::new(
+        WORKLOAD,
+        "put_commit into a space lease p50, 1 client",
+        quantile_us(&leased_1_latencies, 0.5),
+        "us",
+        "target (at most)",
+        250.0,
+    ));
+
     let (raw_64, _) = raw_publish(&js, "bench.raw.put", 64, duration).await?;
     let stages_before = StageReading::parse(&master.metrics_text());
     let many = run_clients(&client, 64, 1, duration, "many").await?;
@@ -384,6 +408,20 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
         raw_64,
     ));
     print_put_end_stages(WORKLOAD, "64 clients", &many.ends, &stages, printer);
+    let (leased_64, _) = run_leased_clients(&client, 64, duration, "lease64").await?;
+    for (baseline, value) in [
+        ("raw JetStream publish+ack, 64 publishers", raw_64),
+        ("put_start+put_end, 64 clients", many.rate),
+    ] {
+        printer.print(&BenchResult::new(
+            WORKLOAD,
+            "put_commit into a space lease, 64 clients",
+            leased_64,
+            "ops/s",
+            baseline,
+            value,
+        ));
+    }
 
     let batched = run_clients(&client, 8, 256, duration, "batch").await?.rate;
     printer.print(&BenchResult::new(
@@ -400,176 +438,4 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     pinger.abort();
     master.shutdown().await?;
     end_to_end(nats, duration, metadata_16, printer).await
-}
-
-/// Values of the end-to-end case: a typical KV block.
-const BLOCK: usize = 64 * 1024;
-/// Clients of the end-to-end case.
-const CLIENTS: usize = 16;
-/// Keys each end-to-end client puts, then gets, per round.
-const ROUND: usize = 32;
-
-/// Which timed phase of the end-to-end case is running.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Phase {
-    Put,
-    Get,
-}
-
-/// Time spent in each phase of the end-to-end case, and whether to go on.
-#[derive(Debug)]
-struct PhaseClock {
-    put: Duration,
-    get: Duration,
-    running: Option<(Phase, Instant)>,
-    go_on: bool,
-}
-
-impl Default for PhaseClock {
-    fn default() -> Self {
-        Self {
-            put: Duration::ZERO,
-            get: Duration::ZERO,
-            running: None,
-            go_on: true,
-        }
-    }
-}
-
-impl PhaseClock {
-    /// Ends the running phase (if any) and starts `phase`.
-    fn start(&mut self, phase: Phase) {
-        self.stop();
-        self.running = Some((phase, Instant::now()));
-    }
-
-    /// Ends the running phase, adding its time to its total.
-    fn stop(&mut self) {
-        if let Some((phase, since)) = self.running.take() {
-            let spent = since.elapsed();
-            match phase {
-                Phase::Put => self.put += spent,
-                Phase::Get => self.get += spent,
-            }
-        }
-    }
-}
-
-fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// End to end with real nodes: `put` (put_start → write 2 replicas over TCP →
-/// put_end) and `get` (replica list → read → verify) of 64 KiB blocks by 16
-/// clients, each phase timed on its own; puts against the metadata-only put at the
-/// same concurrency in the same run, gets against those puts.
-async fn end_to_end(
-    nats: &BenchNats,
-    duration: Duration,
-    metadata_16: f64,
-    printer: &mut Printer,
-) -> anyhow::Result<()> {
-    let cluster = ClusterId::new("bench")?;
-    let subcluster = SubclusterId::new("e2e")?;
-    let config = SubmasterConfig::new(
-        cluster.clone(),
-        subcluster.clone(),
-        ProducerId::new("bench-e2e")?,
-    );
-    let master = SubmasterHandle::spawn(nats.connect().await?, config);
-    let metadata = SubmasterClient::new(nats.connect().await?, cluster, subcluster);
-    let mut nodes = Vec::new();
-    for n in 0..2 {
-        let node = NodeConfig::new(NodeId::new(format!("e2e-node-{n}"))?, 256 << 20)?;
-        nodes.push(NodeHandle::start(node, metadata.clone()).await?);
-    }
-    let kv = KvClient::new(metadata, Arc::new(TcpTransport::default()));
-    let value: Arc<Vec<u8>> = Arc::new((0..BLOCK).map(|i| i as u8).collect());
-    let (puts, gets) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    // The clients move in lockstep, phase by phase: each puts ROUND keys, then
-    // reads them back, then removes them (so the segments never fill). The put and
-    // get phases are timed separately, from the release of the barrier that starts
-    // them to the last client's arrival at the next one.
-    let barrier = Arc::new(tokio::sync::Barrier::new(CLIENTS));
-    let phases = Arc::new(std::sync::Mutex::new(PhaseClock::default()));
-    let deadline = Instant::now() + duration;
-    let tasks: Vec<_> = (0..CLIENTS)
-        .map(|c| {
-            let (kv, value, puts, gets, barrier, phases) = (
-                kv.clone(),
-                Arc::clone(&value),
-                Arc::clone(&puts),
-                Arc::clone(&gets),
-                Arc::clone(&barrier),
-                Arc::clone(&phases),
-            );
-            tokio::spawn(async move {
-                let mut round = 0u64;
-                loop {
-                    // Every client sees the same decision: the leader makes it.
-                    if barrier.wait().await.is_leader() {
-                        let mut clock = lock(&phases);
-                        clock.go_on = Instant::now() < deadline;
-                        clock.start(Phase::Put);
-                    }
-                    barrier.wait().await;
-                    if !lock(&phases).go_on {
-                        return anyhow::Ok(());
-                    }
-                    let keys: Vec<String> =
-                        (0..ROUND).map(|i| format!("e2e/{c}/{round}/{i}")).collect();
-                    round += 1;
-                    for key in &keys {
-                        kv.put(key, &value, 2).await?;
-                        puts.fetch_add(1, Ordering::Relaxed);
-                    }
-                    if barrier.wait().await.is_leader() {
-                        lock(&phases).start(Phase::Get);
-                    }
-                    barrier.wait().await;
-                    for key in &keys {
-                        let fetched = kv.get(key).await?;
-                        anyhow::ensure!(fetched.value.len() == BLOCK, "short read");
-                        gets.fetch_add(1, Ordering::Relaxed);
-                    }
-                    if barrier.wait().await.is_leader() {
-                        lock(&phases).stop();
-                    }
-                    // Untimed: the blocks are not needed again.
-                    kv.metadata().remove(keys, true).await?;
-                }
-            })
-        })
-        .collect();
-    for task in tasks {
-        task.await??;
-    }
-    let (put_time, get_time) = {
-        let clock = lock(&phases);
-        (clock.put, clock.get)
-    };
-    let baseline = "metadata-only put, 16 clients";
-    let put_rate = puts.load(Ordering::Relaxed) as f64 / put_time.as_secs_f64();
-    let get_rate = gets.load(Ordering::Relaxed) as f64 / get_time.as_secs_f64();
-    printer.print(&BenchResult::new(
-        WORKLOAD,
-        "end-to-end put 64 KiB x2 replicas, 16 clients",
-        put_rate,
-        "ops/s",
-        baseline,
-        metadata_16,
-    ));
-    printer.print(&BenchResult::new(
-        WORKLOAD,
-        "end-to-end get 64 KiB (verified), 16 clients",
-        get_rate,
-        "ops/s",
-        "end-to-end put (above)",
-        put_rate,
-    ));
-    for node in nodes {
-        let _ = node.shutdown().await;
-    }
-    master.shutdown().await?;
-    Ok(())
 }

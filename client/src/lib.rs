@@ -20,7 +20,9 @@ pub mod transports;
 pub use connect::{connect, ConnectError};
 pub use error::{ClientError, ClientErrorKind, RetryCause};
 pub use global::GlobalClient;
-pub use kv::{Fetched, KvClient, KvError, KvErrorKind, Located, PendingPut, PutOptions};
+pub use kv::{
+    Fetched, KvClient, KvError, KvErrorKind, Located, PendingPut, PutOptions, DEFAULT_LEASE_LEN,
+};
 pub use leader_watch::LeaderWatch;
 pub use node::{NodeConfig, NodeError, NodeHandle};
 pub use retry::{ClientStats, Presence, Resend, RetryPolicy, RpcCaller};
