@@ -50,6 +50,8 @@ struct FileConfig {
     metrics: Option<SocketAddr>,
     lease_ttl_ms: Option<u64>,
     put_timeout_ms: Option<u64>,
+    space_lease_ttl_ms: Option<u64>,
+    max_space_lease: Option<u64>,
     node_timeout_ms: Option<u64>,
     high_watermark: Option<f64>,
     evict_ratio: Option<f64>,
@@ -94,6 +96,8 @@ pub fn config(args: &SubmasterArgs) -> anyhow::Result<SubmasterConfig> {
     let policy = &mut config.policy;
     policy.lease_ttl_ms = file.lease_ttl_ms.unwrap_or(policy.lease_ttl_ms);
     policy.put_timeout_ms = file.put_timeout_ms.unwrap_or(policy.put_timeout_ms);
+    policy.space_lease_ttl_ms = file.space_lease_ttl_ms.unwrap_or(policy.space_lease_ttl_ms);
+    policy.max_space_lease = file.max_space_lease.unwrap_or(policy.max_space_lease);
     policy.node_timeout_ms = file.node_timeout_ms.unwrap_or(policy.node_timeout_ms);
     policy.high_watermark = file.high_watermark.unwrap_or(policy.high_watermark);
     policy.evict_ratio = file.evict_ratio.unwrap_or(policy.evict_ratio);

@@ -85,6 +85,8 @@ pub struct SubmasterMetrics {
     pub objects: Gauge,
     /// Pending puts.
     pub pending_puts: Gauge,
+    /// Space leases held by clients.
+    pub space_leases: Gauge,
     /// Bytes allocated.
     pub used_bytes: Gauge,
     /// Bytes mounted.
@@ -135,6 +137,7 @@ impl SubmasterMetrics {
             commit_events: Histogram::new(exponential_buckets(1.0, 2.0, 14)),
             objects: Gauge::default(),
             pending_puts: Gauge::default(),
+            space_leases: Gauge::default(),
             used_bytes: Gauge::default(),
             capacity_bytes: Gauge::default(),
             evicted: Counter::default(),
@@ -174,6 +177,11 @@ impl SubmasterMetrics {
         );
         sub.register("objects", "Complete objects", metrics.objects.clone());
         sub.register("pending_puts", "Pending puts", metrics.pending_puts.clone());
+        sub.register(
+            "space_leases",
+            "Space leases held by clients",
+            metrics.space_leases.clone(),
+        );
         sub.register("used_bytes", "Bytes allocated", metrics.used_bytes.clone());
         sub.register(
             "capacity_bytes",

@@ -1,5 +1,6 @@
-//! The data path: `put` = put_start → parallel writes to every placement → put_end
-//! with the value's xxh3-64 (revoke on failure); `get` = get_replica_list → read the
+//! The data path: `put` = parallel writes into the client's space lease →
+//! put_commit with the value's xxh3-64, or, without a usable lease, put_start →
+//! parallel writes to every placement → put_end (revoke on failure); `get` = get_replica_list → read the
 //! nearest replica → verify the checksum, trying the next replica on a mismatch or a
 //! vanished node, and failing with a typed integrity error rather than ever
 //! returning wrong bytes. A key that is not in the local sub-cluster is looked up

@@ -1,5 +1,7 @@
-//! The write side of [`KvClient`]: puts (reserve, write every replica, commit,
-//! revoke or remove on failure, start again when a reservation vanished), and
+//! The write side of [`KvClient`]: puts (placed in a space lease and committed
+//! with one request, or reserved, written to every replica and committed;
+//! revoke or remove on failure, start again when a reservation or a lease
+//! vanished), and
 //! reserve/complete for callers that fetch the value after reserving.
 
 use futures::future::join_all;
@@ -50,7 +52,8 @@ impl KvClient {
         results.pop().unwrap_or(Ok(()))
     }
 
-    /// Stores many values: one put_start, all writes in parallel, one put_end.
+    /// Stores many values: all writes in parallel, then one put_commit for those
+    /// placed in a space lease and one put_start / put_end for the others.
     /// Returns one result per item, in order.
     ///
     /// # Errors

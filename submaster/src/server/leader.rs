@@ -350,6 +350,9 @@ impl Leadership<'_> {
         metrics
             .pending_puts
             .set(gauge_value(state.pending.len() as u64));
+        metrics
+            .space_leases
+            .set(gauge_value(state.leases.len() as u64));
         metrics.used_bytes.set(gauge_value(used));
         metrics.capacity_bytes.set(gauge_value(capacity));
         metrics
