@@ -29,6 +29,11 @@ use leased::run_leased_clients;
 
 const WORKLOAD: &str = "put";
 
+/// The baseline of the 64-client puts, with the target: twice the ratio of
+/// 0.195 measured when the goal was set.
+const RAW_64_TARGET: &str =
+    "raw JetStream publish+ack, 64 publishers (target >= 0.39: twice the 0.195 of when the goal was set)";
+
 fn item(key: String) -> PutStartItem {
     PutStartItem {
         key,
@@ -404,13 +409,13 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
         "put_start+put_end, 64 clients",
         many.rate,
         "ops/s",
-        "raw JetStream publish+ack, 64 publishers",
+        RAW_64_TARGET,
         raw_64,
     ));
     print_put_end_stages(WORKLOAD, "64 clients", &many.ends, &stages, printer);
     let (leased_64, _) = run_leased_clients(&client, 64, duration, "lease64").await?;
     for (baseline, value) in [
-        ("raw JetStream publish+ack, 64 publishers", raw_64),
+        (RAW_64_TARGET, raw_64),
         ("put_start+put_end, 64 clients", many.rate),
     ] {
         printer.print(&BenchResult::new(
