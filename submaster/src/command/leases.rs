@@ -10,10 +10,9 @@ use hkvm_events::rpc::submaster::{
 use hkvm_events::rpc::RpcError;
 use hkvm_events::{KvEvent, PutCommitted, PutFlags};
 
-use super::objects::locations;
+use super::objects::{locations, reserve};
 use super::{Outcome, Policy, Reply};
-use crate::placement;
-use crate::state::{CarveError, PendingPut, Replica, SpaceLease, State};
+use crate::state::{CarveError, PendingPut, SpaceLease, State};
 
 /// Grants a lease of `len` bytes on `replicas` segments of distinct nodes.
 pub(super) fn lease_space(
@@ -34,36 +33,16 @@ pub(super) fn lease_space(
             ask.replicas, policy.max_replicas
         )));
     }
-    let preferred = ask
-        .preferred_segment
-        .as_ref()
-        .and_then(|s| state.slot_of(s));
-    let slots = placement::choose(
+    let ranges = match reserve(
         state,
         ask.len,
-        ask.replicas as usize,
-        preferred,
-        policy.strategy,
-    );
-    let mut ranges = Vec::with_capacity(slots.len());
-    for slot in slots {
-        match state
-            .segment_mut(slot)
-            .and_then(|segment| segment.allocator.allocate(ask.len))
-        {
-            Some(offset) => ranges.push(Replica { slot, offset }),
-            None => break,
-        }
-    }
-    if ranges.len() < ask.replicas as usize {
-        state.free_replicas(&ranges, ask.len);
-        return Ok(Outcome::reply(Reply::LeaseSpace(ItemResult::Err(
-            ItemError::NoSpace {
-                replicas: ask.replicas,
-                size: ask.len,
-            },
-        ))));
-    }
+        ask.replicas,
+        ask.preferred_segment.as_ref(),
+        policy,
+    ) {
+        Ok(ranges) => ranges,
+        Err(error) => return Ok(Outcome::reply(Reply::LeaseSpace(ItemResult::Err(error)))),
+    };
     let located = locations(state, &ranges);
     let lease = SpaceLease::new(ranges, ask.len, now_ms + policy.space_lease_ttl_ms);
     let len = lease.len;

@@ -62,40 +62,13 @@ fn start_one(
     if state.object(&item.key).is_some() {
         return Err(ItemError::AlreadyExists);
     }
-    let preferred = item
-        .preferred_segment
-        .as_ref()
-        .and_then(|s| state.slot_of(s));
-    let slots = placement::choose(
+    let replicas = reserve(
         state,
         item.size,
-        item.replicas as usize,
-        preferred,
-        policy.strategy,
-    );
-    if slots.len() < item.replicas as usize {
-        return Err(ItemError::NoSpace {
-            replicas: item.replicas,
-            size: item.size,
-        });
-    }
-    let mut replicas = Vec::with_capacity(slots.len());
-    for slot in slots {
-        let offset = state
-            .segment_mut(slot)
-            .and_then(|segment| segment.allocator.allocate(item.size));
-        match offset {
-            Some(offset) => replicas.push(Replica { slot, offset }),
-            None => {
-                // Cannot happen (choose() checked the room), but never leak space.
-                state.free_replicas(&replicas, item.size);
-                return Err(ItemError::NoSpace {
-                    replicas: item.replicas,
-                    size: item.size,
-                });
-            }
-        }
-    }
+        item.replicas,
+        item.preferred_segment.as_ref(),
+        policy,
+    )?;
     let reply = locations(state, &replicas);
     state.pending.insert(
         item.key,
@@ -108,6 +81,38 @@ fn start_one(
         },
     );
     Ok(reply)
+}
+
+/// Allocates `size` bytes on `replicas` segments of distinct nodes (the first
+/// on `preferred` when it has room); nothing is held when there is no room.
+pub(super) fn reserve(
+    state: &mut State,
+    size: u64,
+    replicas: u32,
+    preferred: Option<&hkvm_events::SegmentId>,
+    policy: &Policy,
+) -> Result<Vec<Replica>, ItemError> {
+    let no_space = ItemError::NoSpace { replicas, size };
+    let preferred = preferred.and_then(|s| state.slot_of(s));
+    let slots = placement::choose(state, size, replicas as usize, preferred, policy.strategy);
+    if slots.len() < replicas as usize {
+        return Err(no_space);
+    }
+    let mut reserved = Vec::with_capacity(slots.len());
+    for slot in slots {
+        match state
+            .segment_mut(slot)
+            .and_then(|segment| segment.allocator.allocate(size))
+        {
+            Some(offset) => reserved.push(Replica { slot, offset }),
+            None => {
+                // Cannot happen (choose() checked the room), but never leak space.
+                state.free_replicas(&reserved, size);
+                return Err(no_space);
+            }
+        }
+    }
+    Ok(reserved)
 }
 
 /// Reserves space for each item on distinct nodes (ephemeral: no event yet).
