@@ -138,9 +138,10 @@ pub async fn stat(args: StatArgs) -> anyhow::Result<()> {
         println!("leader      {} (epoch {})", s.producer, s.epoch);
         println!("applied_seq {}", s.applied_seq);
         println!(
-            "objects     {} ({} pending puts, {} space leases)",
-            s.objects, s.pending_puts, s.space_leases
+            "objects     {} ({} pending puts)",
+            s.objects, s.pending_puts
         );
+        println!("leases      {} space leases", s.space_leases);
         println!("nodes       {} ({} segments)", s.nodes, s.segments);
         println!("usage       {} / {} bytes", s.used_bytes, s.capacity_bytes);
         return Ok(());
