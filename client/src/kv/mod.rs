@@ -173,13 +173,15 @@ impl KvClient {
         Self::with_transports(metadata, Transports::single(transport))
     }
 
-    /// A client over `metadata` choosing per replica among `transports`. Unless
-    /// `metadata` coalesces calls (a real client serving dummies, whose calls
-    /// already share requests), puts use space leases of [`DEFAULT_LEASE_LEN`]
-    /// bytes: one `put_commit` per put instead of `put_start` and `put_end`.
+    /// A client over `metadata` choosing per replica among `transports`. Puts use
+    /// space leases of [`DEFAULT_LEASE_LEN`] bytes: one `put_commit` per put
+    /// instead of `put_start` and `put_end` (coalesced with other calls when
+    /// `metadata` coalesces, as a real client serving dummies does).
     pub fn with_transports(metadata: SubmasterClient, transports: Transports) -> Self {
-        let space = (!metadata.is_coalescing())
-            .then(|| Arc::new(space::SpacePool::new(metadata.clone(), DEFAULT_LEASE_LEN)));
+        let space = Some(Arc::new(space::SpacePool::new(
+            metadata.clone(),
+            DEFAULT_LEASE_LEN,
+        )));
         Self {
             metadata,
             transports: Arc::new(transports),

@@ -1,10 +1,11 @@
 //! A real client's coalesced metadata calls: the `exist`, `get_replica_list`,
-//! `put_start` and `put_end` calls of its dummies, whatever their operation, share
-//! one [`Mixed`] request at a time, so a batch holds every call that queued while
-//! the previous one was in flight.
+//! `put_start`, `put_end` and `put_commit` calls of its dummies, whatever their
+//! operation, share one [`Mixed`] request at a time, so a batch holds every call
+//! that queued while the previous one was in flight.
 
 use hkvm_events::rpc::submaster::{
-    ItemResult, Mixed, MixedReply, Op, PutEndItem, PutStartItem, ReplicaList, ReplicaLocation,
+    ItemError, ItemResult, Mixed, MixedReply, Op, PutCommitItem, PutEndItem, PutStartItem,
+    ReplicaList, ReplicaLocation,
 };
 
 use crate::error::ClientError;
@@ -22,6 +23,8 @@ pub(super) enum Call {
     Start(PutStartItem),
     /// A `put_end` item.
     End(PutEndItem),
+    /// A `put_commit` item.
+    Commit(PutCommitItem),
 }
 
 /// One item's answer, of the call's operation.
@@ -35,6 +38,8 @@ pub(super) enum Answer {
     Start(ItemResult<Vec<ReplicaLocation>>),
     /// A `put_end` result.
     End(ItemResult<()>),
+    /// A `put_commit` result.
+    Commit(ItemResult<()>),
 }
 
 impl Answer {
@@ -69,6 +74,14 @@ impl Answer {
             _ => None,
         }
     }
+
+    /// A `put_commit` answer's result.
+    pub(super) fn into_commit(self) -> Option<ItemResult<()>> {
+        match self {
+            Self::Commit(result) => Some(result),
+            _ => None,
+        }
+    }
 }
 
 /// Which part of the request each call went to, in call order.
@@ -78,6 +91,7 @@ enum Part {
     Locate,
     Start,
     End,
+    Commit,
 }
 
 /// Gathers calls into one request, remembering their order.
@@ -102,18 +116,30 @@ fn gather(calls: Vec<Call>) -> (Mixed, Vec<Part>) {
                 mixed.put_end.push(item);
                 Part::End
             }
+            Call::Commit(item) => {
+                mixed.put_commit.push(item);
+                Part::Commit
+            }
         })
         .collect();
     (mixed, parts)
 }
 
 /// Hands each call its answer, in call order; a part answered with another number
-/// of items than asked is a [`ClientError::Mismatch`].
-fn scatter(reply: MixedReply, parts: &[Part]) -> Result<Vec<Answer>, ClientError> {
+/// of items than asked is a [`ClientError::Mismatch`]. A commit part answered not
+/// at all comes from a sub-master that predates it and skipped it: each of its
+/// items is [`ItemError::NoLease`] (that leader holds no lease and committed
+/// nothing), so the put goes through `put_start` / `put_end` instead.
+fn scatter(mut reply: MixedReply, parts: &[Part]) -> Result<Vec<Answer>, ClientError> {
+    let commits = parts.iter().filter(|p| matches!(p, Part::Commit)).count();
+    if commits > 0 && reply.put_commit.is_empty() {
+        reply.put_commit = vec![ItemResult::Err(ItemError::NoLease); commits];
+    }
     let answered = reply.exist.len()
         + reply.get_replica_list.len()
         + reply.put_start.len()
-        + reply.put_end.len();
+        + reply.put_end.len()
+        + reply.put_commit.len();
     let mismatch = || ClientError::Mismatch {
         asked: parts.len(),
         answered,
@@ -122,6 +148,7 @@ fn scatter(reply: MixedReply, parts: &[Part]) -> Result<Vec<Answer>, ClientError
     let mut locate = reply.get_replica_list.into_iter();
     let mut start = reply.put_start.into_iter();
     let mut end = reply.put_end.into_iter();
+    let mut commit = reply.put_commit.into_iter();
     let answers = parts
         .iter()
         .map(|part| match part {
@@ -129,6 +156,7 @@ fn scatter(reply: MixedReply, parts: &[Part]) -> Result<Vec<Answer>, ClientError
             Part::Locate => locate.next().map(Answer::Locate),
             Part::Start => start.next().map(Answer::Start),
             Part::End => end.next().map(Answer::End),
+            Part::Commit => commit.next().map(Answer::Commit),
         })
         .collect::<Option<Vec<_>>>()
         .ok_or_else(mismatch)?;
@@ -143,7 +171,13 @@ impl SubmasterClient {
     /// timeout when every commit in it carries its put's id (or it has none).
     pub(super) async fn mixed(&self, calls: Vec<Call>) -> Result<Vec<Answer>, ClientError> {
         let (mixed, parts) = gather(calls);
-        let resend = super::commits_resend(&mixed.put_end);
+        let resend = super::commits_resend(
+            mixed
+                .put_end
+                .iter()
+                .map(|item| item.put_id)
+                .chain(mixed.put_commit.iter().map(|item| item.put_id)),
+        );
         let reply: MixedReply = self.call_with(Op::Mixed, &mixed, resend).await?;
         scatter(reply, &parts)
     }
@@ -165,8 +199,6 @@ pub(super) fn answers_of<T>(
 
 #[cfg(test)]
 mod tests {
-    use hkvm_events::rpc::submaster::ItemError;
-
     use super::*;
 
     fn item(key: &str) -> PutEndItem {
@@ -201,6 +233,56 @@ mod tests {
             Answer::End(ItemResult::Err(ItemError::NoPendingPut))
         ));
         assert!(matches!(answers[3], Answer::Exist(false)));
+    }
+
+    #[test]
+    fn a_commit_part_an_older_sub_master_skipped_reads_as_no_lease() {
+        let commit = PutCommitItem {
+            key: "c".into(),
+            size: 64,
+            checksum: 1,
+            lease: 5,
+            offset: 0,
+            hard_pin: false,
+            put_id: 2,
+        };
+        let (mixed, parts) = gather(vec![
+            Call::Commit(commit.clone()),
+            Call::Exist("e".into()),
+            Call::Commit(PutCommitItem {
+                key: "d".into(),
+                ..commit
+            }),
+        ]);
+        assert_eq!(mixed.put_commit.len(), 2);
+        let skipped = MixedReply {
+            exist: vec![true],
+            ..MixedReply::default()
+        };
+        let answers = scatter(skipped, &parts).unwrap();
+        assert!(matches!(
+            answers[0],
+            Answer::Commit(ItemResult::Err(ItemError::NoLease))
+        ));
+        assert!(matches!(answers[1], Answer::Exist(true)));
+        assert!(matches!(
+            answers[2],
+            Answer::Commit(ItemResult::Err(ItemError::NoLease))
+        ));
+        let answered = MixedReply {
+            exist: vec![false],
+            put_commit: vec![
+                ItemResult::Ok(()),
+                ItemResult::Err(ItemError::AlreadyExists),
+            ],
+            ..MixedReply::default()
+        };
+        let answers = scatter(answered, &parts).unwrap();
+        assert!(matches!(answers[0], Answer::Commit(ItemResult::Ok(()))));
+        assert!(matches!(
+            answers[2],
+            Answer::Commit(ItemResult::Err(ItemError::AlreadyExists))
+        ));
     }
 
     #[test]

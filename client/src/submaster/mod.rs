@@ -64,8 +64,8 @@ fn resend(op: Op) -> Resend {
 
 /// Whether commits may be sent again after a timeout: when each names its put's
 /// id, so that the sub-master tells a commit done before from one never made.
-pub(super) fn commits_resend(items: &[PutEndItem]) -> Resend {
-    if items.iter().all(|item| item.put_id != 0) {
+pub(super) fn commits_resend(mut put_ids: impl Iterator<Item = u64>) -> Resend {
+    if put_ids.all(|put_id| put_id != 0) {
         Resend::Safe
     } else {
         Resend::Unsafe
@@ -113,8 +113,8 @@ impl SubmasterClient {
         }
     }
 
-    /// This client with `put_start`, `put_end`, `get_replica_list` and `exist`
-    /// calls coalesced: concurrent calls (from its clones too), whatever their
+    /// This client with `put_start`, `put_end`, `put_commit`, `get_replica_list`
+    /// and `exist` calls coalesced: concurrent calls (from its clones too), whatever their
     /// operation, go out together as one mixed request at a time. Needs a Tokio
     /// runtime.
     pub fn coalesced(self, config: CoalesceConfig) -> Self {
@@ -322,7 +322,7 @@ impl SubmasterClient {
             Ok(result) => return result,
             Err(items) => items,
         };
-        let resend = commits_resend(&items);
+        let resend = commits_resend(items.iter().map(|item| item.put_id));
         self.call_batched_with(Op::PutEnd, items, |items| PutEnd { items }, resend)
             .await
     }
@@ -452,7 +452,7 @@ impl SubmasterClient {
 
     /// Commits objects written into leases (per-item results). Items carrying
     /// their put's id make the request idempotent, so it is sent again after a
-    /// timeout as `put_end` is. Never coalesced.
+    /// timeout as `put_end` is.
     ///
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`].
@@ -460,11 +460,14 @@ impl SubmasterClient {
         &self,
         items: Vec<PutCommitItem>,
     ) -> Result<PutCommitReply, ClientError> {
-        let resend = if items.iter().all(|item| item.put_id != 0) {
-            Resend::Safe
-        } else {
-            Resend::Unsafe
+        let items = match self
+            .coalesce(Op::PutCommit, items, Call::Commit, Answer::into_commit)
+            .await
+        {
+            Ok(result) => return result,
+            Err(items) => items,
         };
+        let resend = commits_resend(items.iter().map(|item| item.put_id));
         self.call_batched_with(Op::PutCommit, items, |items| PutCommit { items }, resend)
             .await
     }

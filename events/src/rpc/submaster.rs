@@ -353,10 +353,15 @@ pub type ExistReply = Vec<bool>;
 
 /// Several operations' batches in one request: what a real client sends for the
 /// concurrent calls of the dummy clients behind it. The sub-master decides the
-/// parts in the order exist, get_replica_list, put_start, put_end, each against the
-/// state before the request plus the parts decided earlier, and answers once the
-/// put_end commits are durable. The calls of one request are concurrent, so any
-/// order is a valid one; this one needs no event applied between two parts.
+/// parts in the order exist, get_replica_list, put_start, put_end, put_commit,
+/// each against the state before the request plus the parts decided earlier, and
+/// answers once the commits are durable. The calls of one request are concurrent,
+/// so any order is a valid one; this one needs no event applied between two parts.
+///
+/// A sub-master built before `put_commit` was a part ignores that field and
+/// answers without it; a client reads such a missing part as
+/// [`ItemError::NoLease`] for each of its items (that leader holds no lease, and
+/// committed nothing).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Mixed {
     /// Keys to check, as [`Exist`].
@@ -371,12 +376,20 @@ pub struct Mixed {
     /// Objects to commit, as [`PutEnd`].
     #[serde(default)]
     pub put_end: Vec<PutEndItem>,
+    /// Objects written into space leases to commit, as [`PutCommit`] (left out of
+    /// the encoding when empty).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub put_commit: Vec<PutCommitItem>,
 }
 
 impl Mixed {
     /// Items in all parts together.
     pub fn len(&self) -> usize {
-        self.exist.len() + self.get_replica_list.len() + self.put_start.len() + self.put_end.len()
+        self.exist.len()
+            + self.get_replica_list.len()
+            + self.put_start.len()
+            + self.put_end.len()
+            + self.put_commit.len()
     }
 
     /// Whether no part has an item.
@@ -400,6 +413,9 @@ pub struct MixedReply {
     /// As [`PutEndReply`].
     #[serde(default)]
     pub put_end: PutEndReply,
+    /// As [`PutCommitReply`] (left out of the encoding when empty).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub put_commit: PutCommitReply,
 }
 
 /// Remove objects (batch).
@@ -474,4 +490,93 @@ pub struct StatusReply {
     pub used_bytes: u64,
     /// Bytes mounted.
     pub capacity_bytes: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::rpc::{decode, encode};
+
+    /// [`Mixed`] as sub-masters built before its `put_commit` part read it.
+    #[derive(Debug, PartialEq, Serialize, Deserialize)]
+    struct MixedBeforeCommits {
+        exist: Vec<String>,
+        get_replica_list: Vec<String>,
+        put_start: Vec<PutStartItem>,
+        put_end: Vec<PutEndItem>,
+    }
+
+    /// [`MixedReply`] as those sub-masters write it.
+    #[derive(Debug, Serialize, Deserialize)]
+    struct MixedReplyBeforeCommits {
+        exist: ExistReply,
+        get_replica_list: GetReplicaListReply,
+        put_start: PutStartReply,
+        put_end: PutEndReply,
+    }
+
+    fn commit(key: &str) -> PutCommitItem {
+        PutCommitItem {
+            key: key.into(),
+            size: 64,
+            checksum: 9,
+            lease: 7,
+            offset: 0,
+            hard_pin: false,
+            put_id: 3,
+        }
+    }
+
+    #[test]
+    fn a_mixed_request_without_commits_encodes_as_before_the_part_existed() {
+        let mixed = Mixed {
+            exist: vec!["a".into()],
+            put_end: vec![PutEndItem {
+                key: "b".into(),
+                checksum: 1,
+                put_id: 2,
+            }],
+            ..Mixed::default()
+        };
+        let before = MixedBeforeCommits {
+            exist: mixed.exist.clone(),
+            get_replica_list: vec![],
+            put_start: vec![],
+            put_end: mixed.put_end.clone(),
+        };
+        assert_eq!(encode(&mixed).unwrap(), encode(&before).unwrap());
+    }
+
+    #[test]
+    fn an_older_reader_skips_the_commit_part_and_a_newer_one_reads_its_absence_as_empty() {
+        let mixed = Mixed {
+            exist: vec!["a".into()],
+            put_commit: vec![commit("c")],
+            ..Mixed::default()
+        };
+        let old: MixedBeforeCommits = decode(&encode(&mixed).unwrap()).unwrap();
+        assert_eq!(old.exist, vec!["a".to_owned()]);
+        let old_reply = MixedReplyBeforeCommits {
+            exist: vec![true],
+            get_replica_list: vec![],
+            put_start: vec![],
+            put_end: vec![],
+        };
+        let reply: MixedReply = decode(&encode(&old_reply).unwrap()).unwrap();
+        assert_eq!(reply.exist, vec![true]);
+        assert!(reply.put_commit.is_empty());
+        assert_eq!(decode::<Mixed>(&encode(&mixed).unwrap()).unwrap(), mixed);
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic_a_mixed_decoder(
+            bytes in proptest::collection::vec(any::<u8>(), 0..256),
+        ) {
+            let _ = decode::<Mixed>(&bytes);
+            let _ = decode::<MixedReply>(&bytes);
+        }
+    }
 }

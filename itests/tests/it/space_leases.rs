@@ -1,11 +1,13 @@
 //! Space leases end to end on real NATS, a real sub-master and real nodes: once a
 //! client holds a lease, each put is its writes plus one `put_commit`; a lease a
 //! leader change lost sends the put through `put_start` / `put_end` instead of
-//! failing it; a dropped client returns its lease.
+//! failing it; a dropped client returns its lease; a coalescing client commits
+//! into its lease inside its mixed requests.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use hkvm_client::coalesce::CoalesceConfig;
 use hkvm_client::KvClient;
 use hkvm_events::rpc::submaster::ItemResult;
 use hkvm_submaster::SubmasterHandle;
@@ -104,6 +106,48 @@ async fn with_a_lease_each_put_is_one_commit_and_a_dropped_client_returns_it() {
     .await;
     assert!(status.used_bytes < used_by_objects.used_bytes);
     assert_eq!(status.objects, 21);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_coalescing_client_commits_into_its_lease_inside_mixed_requests() {
+    let c = pool(|_| {}).await;
+    let coalesced = c.kv["sc"]
+        .metadata()
+        .clone()
+        .coalesced(CoalesceConfig::default());
+    let kv = KvClient::new(coalesced, Arc::new(TcpTransport::default()));
+    put_until_leased(&kv, "first").await;
+    let master = &c.masters[0];
+    let (mixed, commits, starts) = (
+        answered(master, "mixed"),
+        answered(master, "put_commit"),
+        answered(master, "put_start"),
+    );
+    let used = c.kv["sc"].metadata().status().await.unwrap().used_bytes;
+    let puts = (0..16).map(|i| {
+        let kv = kv.clone();
+        tokio::spawn(async move { kv.put(&format!("c{i}"), &value(900 + i, i as u8), 2).await })
+    });
+    for put in futures::future::join_all(puts).await {
+        put.unwrap().unwrap();
+    }
+    // The values were carved out of the lease (already counted as used), and
+    // committed inside mixed requests, not by put_commit or put_start alone.
+    let status = c.kv["sc"].metadata().status().await.unwrap();
+    assert_eq!(
+        status.used_bytes, used,
+        "the puts took no space outside the lease"
+    );
+    assert_eq!(status.pending_puts, 0);
+    assert_eq!(answered(master, "put_commit"), commits);
+    assert_eq!(answered(master, "put_start"), starts);
+    let more = answered(master, "mixed") - mixed;
+    assert!((1..=16).contains(&more), "{more} mixed requests");
+    for i in 0..16 {
+        let fetched = kv.get(&format!("c{i}")).await.unwrap();
+        assert_eq!(&fetched.value[..], &value(900 + i, i as u8)[..], "c{i}");
+    }
     c.shutdown().await;
 }
 

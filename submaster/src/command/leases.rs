@@ -64,10 +64,25 @@ pub(super) fn put_commit(
     now_ms: u64,
     policy: &Policy,
 ) -> Outcome {
+    let (events, results) = commit_all(state, commit.items, now_ms, policy);
+    Outcome {
+        events,
+        reply: Reply::PutCommit(results),
+    }
+}
+
+/// The commits of a `put_commit` request or of a mixed request's part: the
+/// events to append and each item's result, in order.
+pub(super) fn commit_all(
+    state: &mut State,
+    items: Vec<PutCommitItem>,
+    now_ms: u64,
+    policy: &Policy,
+) -> (Vec<KvEvent>, PutCommitReply) {
     let mut events = Vec::new();
-    let mut results: PutCommitReply = Vec::with_capacity(commit.items.len());
+    let mut results: PutCommitReply = Vec::with_capacity(items.len());
     let mut seen = std::collections::HashSet::new();
-    for item in commit.items {
+    for item in items {
         if !seen.insert(item.key.clone()) {
             results.push(ItemResult::Err(ItemError::Invalid(
                 "key repeated in one batch".into(),
@@ -77,10 +92,7 @@ pub(super) fn put_commit(
         let result = commit_one(state, item, now_ms, policy).map(|event| events.extend(event));
         results.push(result.into());
     }
-    Outcome {
-        events,
-        reply: Reply::PutCommit(results),
-    }
+    (events, results)
 }
 
 fn commit_one(

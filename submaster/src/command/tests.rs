@@ -548,6 +548,7 @@ fn a_mixed_request_decides_reads_then_reservations_then_commits() {
         get_replica_list: vec!["old".into(), "pending".into()],
         put_start: vec![start("new"), start("pending")],
         put_end: vec![end("pending"), end("never-started")],
+        put_commit: vec![],
     }));
     let Ok(Reply::Mixed(reply)) = reply else {
         panic!("{reply:?}")

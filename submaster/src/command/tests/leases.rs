@@ -2,8 +2,8 @@
 //! a standby that folds only the commits ends with the same durable state.
 
 use hkvm_events::rpc::submaster::{
-    GetReplicaList, ItemError, ItemResult, LeaseReturn, LeaseSpace, PutCommit, PutCommitItem,
-    Remove, SpaceLease, UnmountSegment,
+    GetReplicaList, ItemError, ItemResult, LeaseReturn, LeaseSpace, Mixed, PutCommit,
+    PutCommitItem, PutEndItem, Remove, SpaceLease, UnmountSegment,
 };
 use hkvm_events::{KvEvent, NodeId, SegmentId};
 
@@ -243,4 +243,46 @@ fn a_lease_needs_room_on_enough_nodes_and_a_sane_size() {
         }));
         assert!(refused.is_err(), "{len} x {replicas}: {refused:?}");
     }
+}
+
+#[test]
+fn a_mixed_request_commits_into_leases_after_its_other_parts() {
+    let mut h = three_nodes();
+    let lease = h.granted(LEASE, 1);
+    assert!(matches!(h.put_start("reserved", 100, 1), ItemResult::Ok(_)));
+    let reply = h.run(Request::Mixed(Mixed {
+        exist: vec!["leased".into()],
+        put_end: vec![PutEndItem {
+            key: "reserved".into(),
+            checksum: 5,
+            put_id: 0,
+        }],
+        put_commit: vec![
+            item("leased", lease.id, 0, 1000, 21),
+            // Its reservation is still pending when commits are decided.
+            item("reserved", lease.id, 1024, 100, 22),
+            item("elsewhere", lease.id + 1, 0, 100, 23),
+        ],
+        ..Mixed::default()
+    }));
+    let Ok(Reply::Mixed(reply)) = reply else {
+        panic!("{reply:?}")
+    };
+    assert_eq!(reply.exist, vec![false], "reads see the state before");
+    assert_eq!(reply.put_end, vec![ItemResult::Ok(())]);
+    assert_eq!(
+        reply.put_commit,
+        vec![
+            ItemResult::Ok(()),
+            ItemResult::Err(ItemError::AlreadyExists),
+            ItemResult::Err(ItemError::NoLease),
+        ]
+    );
+    assert_eq!(commits(&h), 2, "one put_end and one commit into the lease");
+    assert_eq!(h.exists(&["leased", "reserved"]), vec![true, true]);
+    assert_eq!(
+        h.run(Request::LeaseReturn(LeaseReturn { lease: lease.id })),
+        Ok(Reply::Done)
+    );
+    h.assert_standby_agrees();
 }
