@@ -119,7 +119,8 @@ impl SpacePool {
 
     /// A place for an object of `size` bytes put with `options`, when a usable
     /// lease has the room; otherwise `None` (and a lease is asked for in the
-    /// background). Objects over a quarter of a lease always go without.
+    /// background). Objects over a quarter of a lease (as asked, or as granted
+    /// when the sub-master granted less) always go without.
     pub(crate) fn carve(self: &Arc<Self>, size: u64, options: &PutOptions) -> Option<Carved> {
         let need = aligned(size);
         if need > self.lease_len / 4 {
@@ -132,6 +133,11 @@ impl SpacePool {
         let now = Instant::now();
         let mut state = self.state();
         if let Some(held) = state.held.get_mut(&shape) {
+            if need > held.lease.len / 4 {
+                // Granted less than asked (a small pool): too large for this
+                // lease, which stays for the objects that fit.
+                return None;
+            }
             if now < held.carve_until && held.cursor + need <= held.lease.len {
                 let offset = held.cursor;
                 held.cursor += need;

@@ -22,7 +22,9 @@ pub type LeaseId = u64;
 /// into a lease sits at a multiple of it and takes its size rounded up to one.
 pub const ALIGNMENT: u64 = 64;
 
-/// Lease `len` bytes on `replicas` segments of distinct nodes.
+/// Lease `len` bytes on `replicas` segments of distinct nodes. The sub-master
+/// may grant fewer ([`SpaceLease::len`]): a lease takes at most a small share
+/// of the smallest segment mounted.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LeaseSpace {
     /// Bytes leased on each segment.
@@ -40,7 +42,7 @@ pub struct LeaseSpace {
 pub struct SpaceLease {
     /// The lease's id.
     pub id: LeaseId,
-    /// Bytes leased on each segment.
+    /// Bytes leased on each segment (at most what was asked).
     pub len: u64,
     /// Where each range starts, one per replica, on distinct nodes.
     pub ranges: Vec<ReplicaLocation>,

@@ -94,6 +94,18 @@ async fn with_a_lease_each_put_is_one_commit_and_a_dropped_client_returns_it() {
         assert_eq!(a.segment, b.segment);
         assert_eq!(b.offset, a.offset + 1024, "1000 bytes take 1024 of a lease");
     }
+    // A lease takes at most 1/16 of a 64 MiB segment: a value over a quarter
+    // of what was granted goes through a reservation, and the lease stays in use.
+    let (starts, commits) = (
+        answered(&c.masters[0], "put_start"),
+        answered(&c.masters[0], "put_commit"),
+    );
+    let big = value(2 << 20, 9);
+    kv.put("big", &big, 2).await.unwrap();
+    kv.put("small-after", &value(100, 4), 2).await.unwrap();
+    assert_eq!(answered(&c.masters[0], "put_start"), starts + 1);
+    assert_eq!(answered(&c.masters[0], "put_commit"), commits + 1);
+    assert_eq!(&kv.get("big").await.unwrap().value[..], &big[..]);
     // A put of the same key again is refused as before.
     assert!(kv.put("k3", b"again", 2).await.is_err());
 
@@ -105,7 +117,7 @@ async fn with_a_lease_each_put_is_one_commit_and_a_dropped_client_returns_it() {
     })
     .await;
     assert!(status.used_bytes < used_by_objects.used_bytes);
-    assert_eq!(status.objects, 21);
+    assert_eq!(status.objects, 23);
     c.shutdown().await;
 }
 

@@ -3,6 +3,7 @@
 //! lease: one round trip and one append per put), `lease_return`, and the end of
 //! leases whose time is up.
 
+use hkvm_events::rpc::space_lease::ALIGNMENT;
 use hkvm_events::rpc::submaster::{
     ItemError, ItemResult, LeaseReturn, LeaseSpace, PutCommit, PutCommitItem, PutCommitReply,
     SpaceLease as GrantedLease,
@@ -14,7 +15,25 @@ use super::objects::{locations, reserve};
 use super::{Outcome, Policy, Reply};
 use crate::state::{CarveError, PendingPut, SpaceLease, State};
 
-/// Grants a lease of `len` bytes on `replicas` segments of distinct nodes.
+/// A lease takes at most this share (1/N) of the smallest mounted segment, so
+/// that the leases of many clients, which count as used space, never crowd a
+/// small pool's objects out (and its eviction watermark with them).
+pub(crate) const LEASE_SHARE_OF_SEGMENT: u64 = 16;
+
+/// The length a lease asked for `asked` bytes is granted: at most
+/// [`LEASE_SHARE_OF_SEGMENT`] of the smallest mounted segment, aligned down
+/// (zero when even that share is under one aligned unit).
+fn granted_len(state: &State, asked: u64) -> u64 {
+    let smallest = state
+        .segments()
+        .map(|(_, segment)| segment.allocator.size())
+        .min()
+        .unwrap_or(0);
+    asked.min(smallest / LEASE_SHARE_OF_SEGMENT) / ALIGNMENT * ALIGNMENT
+}
+
+/// Grants a lease of `len` bytes (or less: see [`granted_len`]) on `replicas`
+/// segments of distinct nodes.
 pub(super) fn lease_space(
     state: &mut State,
     ask: LeaseSpace,
@@ -33,9 +52,18 @@ pub(super) fn lease_space(
             ask.replicas, policy.max_replicas
         )));
     }
+    let len = granted_len(state, ask.len);
+    if len == 0 {
+        return Ok(Outcome::reply(Reply::LeaseSpace(ItemResult::Err(
+            ItemError::NoSpace {
+                replicas: ask.replicas,
+                size: ask.len,
+            },
+        ))));
+    }
     let ranges = match reserve(
         state,
-        ask.len,
+        len,
         ask.replicas,
         ask.preferred_segment.as_ref(),
         policy,
@@ -44,7 +72,7 @@ pub(super) fn lease_space(
         Err(error) => return Ok(Outcome::reply(Reply::LeaseSpace(ItemResult::Err(error)))),
     };
     let located = locations(state, &ranges);
-    let lease = SpaceLease::new(ranges, ask.len, now_ms + policy.space_lease_ttl_ms);
+    let lease = SpaceLease::new(ranges, len, now_ms + policy.space_lease_ttl_ms);
     let len = lease.len;
     let id = state.leases.grant(lease);
     Ok(Outcome::reply(Reply::LeaseSpace(ItemResult::Ok(

@@ -227,13 +227,6 @@ fn a_lease_needs_room_on_enough_nodes_and_a_sane_size() {
             size: LEASE
         })
     );
-    assert_eq!(
-        h.lease(2 << 20, 1),
-        ItemResult::Err(ItemError::NoSpace {
-            replicas: 1,
-            size: 2 << 20
-        })
-    );
     assert_eq!(h.used(), 0, "a refused lease holds nothing");
     for (len, replicas) in [(0, 1), (h.policy.max_space_lease + 1, 1), (LEASE, 0)] {
         let refused = h.run(Request::LeaseSpace(LeaseSpace {
@@ -285,4 +278,26 @@ fn a_mixed_request_commits_into_leases_after_its_other_parts() {
         Ok(Reply::Done)
     );
     h.assert_standby_agrees();
+}
+
+#[test]
+fn a_lease_takes_at_most_a_sixteenth_of_the_smallest_segment() {
+    let mut h = three_nodes();
+    // 1 MiB segments: asking 2 MiB (more than a segment) is granted 64 KiB.
+    let lease = h.granted(2 << 20, 2);
+    assert_eq!(lease.len, (1 << 20) / 16);
+    assert_eq!(h.used(), 2 * lease.len);
+    let fits = h.commit_into(vec![item("a", lease.id, 0, lease.len, 1)]);
+    assert_eq!(fits, vec![ItemResult::Ok(())]);
+    let past = h.commit_into(vec![item("b", lease.id, lease.len, 64, 2)]);
+    assert!(matches!(past[0], ItemResult::Err(ItemError::Invalid(_))));
+    // A segment too small for even one aligned unit's share: no lease at all.
+    h.mount("n4", "tiny", 1000);
+    assert_eq!(
+        h.lease(LEASE, 1),
+        ItemResult::Err(ItemError::NoSpace {
+            replicas: 1,
+            size: LEASE
+        })
+    );
 }
