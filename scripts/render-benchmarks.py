@@ -63,7 +63,10 @@ HOW_TO_READ = {
     "dummies": "16 dummy clients behind one real client (shared memory, requests over a "
     "Unix socket, the real client coalescing their metadata calls) against 16 "
     "independent clients with the same offered load in the same run: sub-master "
-    "requests per operation (target ratio at most 1/8), throughput, a dummy's 1 MiB "
+    "requests per operation (target ratio at most 1/8; both sides put through space "
+    "leases: a full client's put is one put_commit, so its operation of put, exist and "
+    "get is 3 requests, and the real client commits its dummies' puts into its own "
+    "leases inside the coalesced requests), throughput, a dummy's 1 MiB "
     "put_from/get_into against a full client's (target at least 0.8), and the p50 "
     "latency coalescing adds (target at most 100 us).",
     "ingest": "The projector's fold rate (every stream read at once, each decoded on "

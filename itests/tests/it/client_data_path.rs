@@ -8,7 +8,7 @@ use hkvm_client::KvError;
 use hkvm_events::rpc::submaster::{ItemError, ItemResult, PutStartItem};
 use hkvm_transfer::TcpConfig;
 
-use crate::fixture::{Pool, PoolSpec};
+use crate::fixture::{quick_failover, Pool, PoolSpec};
 
 /// One sub-cluster `sc` with `nodes` nodes of `segment_size` bytes and a KV
 /// client whose transport gives up on a node after 5 s.
@@ -184,11 +184,6 @@ async fn a_put_whose_replica_node_died_fails_cleanly_and_is_revoked() {
     let status = c.kv["sc"].metadata().status().await.unwrap();
     assert_eq!(status.pending_puts, 0);
     c.shutdown().await;
-}
-
-/// A short leader lease, so that a standby takes over quickly.
-fn quick_failover(config: &mut hkvm_submaster::SubmasterConfig) {
-    config.leader_lease_ttl = Duration::from_millis(1500);
 }
 
 #[tokio::test]

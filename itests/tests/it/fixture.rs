@@ -35,6 +35,12 @@ use hkvm_transfer::{TcpConfig, TcpTransport};
 /// How long a bounded wait of this suite waits before it fails.
 pub const WAIT: Duration = Duration::from_secs(30);
 
+/// A short leader lease, so that a standby takes over quickly (a `PoolSpec`
+/// tweak, or applied to a standby's config).
+pub fn quick_failover(config: &mut hkvm_submaster::SubmasterConfig) {
+    config.leader_lease_ttl = Duration::from_millis(1500);
+}
+
 /// Polls `probe` every 20 ms until it returns `Some`, and returns that; fails the
 /// test, saying `what` it waited for, after `within`.
 pub async fn poll_until<T, F, Fut>(what: &str, within: Duration, probe: F) -> T

@@ -13,7 +13,7 @@ use hkvm_events::rpc::submaster::ItemResult;
 use hkvm_submaster::SubmasterHandle;
 use hkvm_transfer::TcpTransport;
 
-use crate::fixture::{poll_until, Pool, PoolSpec, WAIT};
+use crate::fixture::{poll_until, quick_failover, Pool, PoolSpec, WAIT};
 
 fn value(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
@@ -161,11 +161,6 @@ async fn a_coalescing_client_commits_into_its_lease_inside_mixed_requests() {
         assert_eq!(&fetched.value[..], &value(900 + i, i as u8)[..], "c{i}");
     }
     c.shutdown().await;
-}
-
-/// A short leader lease, so that a standby takes over quickly.
-fn quick_failover(config: &mut hkvm_submaster::SubmasterConfig) {
-    config.leader_lease_ttl = Duration::from_millis(1500);
 }
 
 #[tokio::test]
