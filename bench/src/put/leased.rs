@@ -11,7 +11,7 @@ use hkvm_events::rpc::submaster::{ItemResult, LeaseId, LeaseSpace, PutCommitItem
 use super::item;
 
 /// Bytes each leased bench client asks for per lease and segment (the client
-/// library's default).
+/// library's default; the sub-master may grant fewer).
 const LEASE_LEN: u64 = hkvm_client::DEFAULT_LEASE_LEN;
 
 /// Runs `clients` tasks for `duration`, each holding a space lease and putting
@@ -33,14 +33,15 @@ pub(super) async fn run_leased_clients(
             let (client, done, tag) = (client.clone(), Arc::clone(&done), tag.to_owned());
             tokio::spawn(async move {
                 let mut latencies = Vec::new();
-                let mut lease: Option<(LeaseId, u64)> = None;
+                // The lease held: its id, the bytes granted, the next offset.
+                let mut lease: Option<(LeaseId, u64, u64)> = None;
                 let mut round = 0u64;
                 while Instant::now() < deadline {
                     let put_started = Instant::now();
-                    let (id, offset) = match lease {
-                        Some((id, cursor)) if cursor + size <= LEASE_LEN => (id, cursor),
+                    let (id, len, offset) = match lease {
+                        Some((id, len, cursor)) if cursor + size <= len => (id, len, cursor),
                         held => {
-                            if let Some((old, _)) = held {
+                            if let Some((old, _, _)) = held {
                                 let client = client.clone();
                                 tokio::spawn(async move { client.lease_return(old).await });
                             }
@@ -52,10 +53,11 @@ pub(super) async fn run_leased_clients(
                                 })
                                 .await?
                                 .into_result()?;
-                            (granted.id, 0)
+                            anyhow::ensure!(granted.len >= size, "a lease too small: {granted:?}");
+                            (granted.id, granted.len, 0)
                         }
                     };
-                    lease = Some((id, offset + size));
+                    lease = Some((id, len, offset + size));
                     round += 1;
                     let answers = client
                         .put_commit(vec![PutCommitItem {
