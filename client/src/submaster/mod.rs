@@ -114,9 +114,9 @@ impl SubmasterClient {
     }
 
     /// This client with `put_start`, `put_end`, `put_commit`, `get_replica_list`
-    /// and `exist` calls coalesced: concurrent calls (from its clones too), whatever their
-    /// operation, go out together as one mixed request at a time. Needs a Tokio
-    /// runtime.
+    /// and `exist` calls coalesced: concurrent calls (from its clones too),
+    /// whatever their operation, go out together as one mixed request at a time.
+    /// Needs a Tokio runtime.
     pub fn coalesced(self, config: CoalesceConfig) -> Self {
         let plain = Self {
             coalescing: None,

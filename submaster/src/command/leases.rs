@@ -18,7 +18,7 @@ use crate::state::{CarveError, PendingPut, SpaceLease, State};
 /// A lease takes at most this share (1/N) of the smallest mounted segment, so
 /// that the leases of many clients, which count as used space, never crowd a
 /// small pool's objects out (and its eviction watermark with them).
-pub(crate) const LEASE_SHARE_OF_SEGMENT: u64 = 16;
+const LEASE_SHARE_OF_SEGMENT: u64 = 16;
 
 /// The length a lease asked for `asked` bytes is granted: at most
 /// [`LEASE_SHARE_OF_SEGMENT`] of the smallest mounted segment, aligned down
