@@ -365,6 +365,9 @@ impl<'a> Events<'a> {
     }
 
     fn frame(&mut self) -> Result<(u16, &'a [u8]), String> {
+        if let Some(frame) = self.builders_frame() {
+            return Ok(frame);
+        }
         let parts = rmp::decode::read_array_len(&mut self.rest).map_err(|e| e.to_string())?;
         if parts < 2 {
             return Err(format!("event frame has {parts} parts, expected 2"));
@@ -380,6 +383,21 @@ impl<'a> Events<'a> {
         let (body, rest) = self.rest.split_at(len);
         self.rest = rest;
         Ok((code, body))
+    }
+
+    /// The next frame when it is in [`MessageBuilder`]'s own form (a fixarray
+    /// of 2, the kind as a positive fixint, the body as a bin 32), read without
+    /// the general decoder's calls; `None` (nothing consumed) for any other form,
+    /// which [`Events::frame`] then reads or refuses.
+    #[inline]
+    fn builders_frame(&mut self) -> Option<(u16, &'a [u8])> {
+        let [0x92, code @ 0..=0x7f, 0xc6, b0, b1, b2, b3, ref rest @ ..] = *self.rest else {
+            return None;
+        };
+        let len = usize::try_from(u32::from_be_bytes([b0, b1, b2, b3])).ok()?;
+        let body = rest.get(..len)?;
+        self.rest = &rest[len..];
+        Some((u16::from(code), body))
     }
 }
 

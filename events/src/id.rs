@@ -53,10 +53,24 @@ pub enum IdError {
 pub(crate) fn is_valid_id(bytes: &[u8]) -> bool {
     !bytes.is_empty()
         && bytes.len() <= MAX_ID_LEN
+        // One table load per byte and no early exit: ids are short, and this
+        // runs for every placement the projector folds.
         && bytes
             .iter()
-            .all(|&b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+            .fold(true, |valid, &b| valid & ID_BYTE[usize::from(b)])
 }
+
+/// Which bytes an identifier may hold: `[A-Za-z0-9_-]`.
+const ID_BYTE: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut byte = 0;
+    while byte < 256 {
+        let b = byte as u8;
+        table[byte] = b.is_ascii_alphanumeric() || b == b'_' || b == b'-';
+        byte += 1;
+    }
+    table
+};
 
 /// Checks `value` against `[A-Za-z0-9_-]{1,64}`.
 ///

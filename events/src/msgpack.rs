@@ -18,7 +18,7 @@ impl<'a> CanonicalReader<'a> {
     }
 
     /// One byte.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn byte(&mut self) -> Option<u8> {
         let (&first, rest) = self.rest.split_first()?;
         self.rest = rest;
@@ -26,7 +26,7 @@ impl<'a> CanonicalReader<'a> {
     }
 
     /// The next `len` bytes.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn take(&mut self, len: usize) -> Option<&'a [u8]> {
         if self.rest.len() < len {
             return None;
@@ -37,7 +37,7 @@ impl<'a> CanonicalReader<'a> {
     }
 
     /// The next `N` bytes as a big-endian number.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn be<const N: usize>(&mut self) -> Option<u64> {
         let bytes: [u8; N] = self.take(N)?.try_into().ok()?;
         Some(
@@ -76,8 +76,20 @@ impl<'a> CanonicalReader<'a> {
         }
     }
 
+    /// The one-letter field name `letter`, or `None`.
+    #[inline(always)]
+    pub(crate) fn expect_name(&mut self, letter: u8) -> Option<()> {
+        match self.rest {
+            [0xa1, found, rest @ ..] if *found == letter => {
+                self.rest = rest;
+                Some(())
+            }
+            _ => None,
+        }
+    }
+
     /// An unsigned integer: a positive fixint or uint 8/16/32/64.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn uint(&mut self) -> Option<u64> {
         match self.byte()? {
             small @ 0x00..=0x7f => Some(u64::from(small)),
@@ -90,7 +102,7 @@ impl<'a> CanonicalReader<'a> {
     }
 
     /// A string's bytes: fixstr or str 8/16/32.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn str_bytes(&mut self) -> Option<&'a [u8]> {
         let len = match self.byte()? {
             marker @ 0xa0..=0xbf => u64::from(marker & 0x1f),

@@ -28,6 +28,61 @@ pub(crate) struct PutFields<'a> {
 /// Reads the body of a committed put in its canonical encoding; `None` when the
 /// body is in any other form (see the module documentation).
 pub(crate) fn read_put(body: &[u8]) -> Option<PutFields<'_>> {
+    read_put_in_order(body).or_else(|| read_put_any_order(body))
+}
+
+/// The encoder's own field order (k, h, s, c, p, f, then i when it is not 0),
+/// read in a straight line: no dispatch on each field's name, which costs about
+/// as much as reading the fields. `None` when the fields come in another order
+/// (or anything else is off); [`read_put_any_order`] then decides.
+fn read_put_in_order(body: &[u8]) -> Option<PutFields<'_>> {
+    let mut reader = Reader::new(body);
+    let fields = reader.fixmap_len()?;
+    if !(6..=7).contains(&fields) {
+        return None;
+    }
+    reader.expect_name(b'k')?;
+    let key = reader.str()?;
+    reader.expect_name(b'h')?;
+    let key_hash = reader.uint()?;
+    reader.expect_name(b's')?;
+    let size = reader.uint()?;
+    reader.expect_name(b'c')?;
+    reader.uint()?;
+    reader.expect_name(b'p')?;
+    let placements = placements_in_order(&mut reader)?;
+    reader.expect_name(b'f')?;
+    u32::try_from(reader.uint()?).ok()?;
+    if fields == 7 {
+        reader.expect_name(b'i')?;
+        reader.uint()?;
+    }
+    reader.rest.is_empty().then_some(PutFields {
+        key,
+        key_hash,
+        size,
+        placements,
+    })
+}
+
+/// An array of placements, each `{g: segment id, o: offset}` in that order;
+/// returns how many.
+#[inline(always)]
+fn placements_in_order(reader: &mut Reader<'_>) -> Option<usize> {
+    let count = reader.array_len()?;
+    for _ in 0..count {
+        (reader.fixmap_len()? == 2).then_some(())?;
+        reader.expect_name(b'g')?;
+        // A valid id is ASCII: no UTF-8 check needed.
+        is_valid_id(reader.str_bytes()?).then_some(())?;
+        reader.expect_name(b'o')?;
+        reader.uint()?;
+    }
+    usize::try_from(count).ok()
+}
+
+/// The fields in any order, each at most once.
+fn read_put_any_order(body: &[u8]) -> Option<PutFields<'_>> {
     let mut reader = Reader::new(body);
     let fields = reader.fixmap_len()?;
     let mut seen = 0u8;

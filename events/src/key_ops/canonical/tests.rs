@@ -3,7 +3,7 @@
 
 use proptest::prelude::*;
 
-use super::{read_put, PutFields};
+use super::{read_put, read_put_any_order, read_put_in_order, PutFields};
 use crate::event::{Placement, PutCommitted, PutFlags};
 use crate::id::SegmentId;
 use crate::key_ops::PutView;
@@ -50,6 +50,11 @@ fn the_encoders_own_puts_are_read_without_serde() {
     ] {
         let body = canonical_body(&put);
         let read = read_put(&body).expect("a canonical put is read by the fast path");
+        assert_eq!(
+            read_put_in_order(&body),
+            Some(read),
+            "the encoder's own field order takes the straight path"
+        );
         assert_eq!(
             read,
             PutFields {
@@ -179,7 +184,10 @@ fn map(
             )
         })
         .collect();
-    (fields, any::<prop::sample::Index>(), 0..20u8)
+    // Half the maps keep the letters' order (the encoder's, which the reader
+    // takes a straight path for), half are rotated.
+    let shift = prop_oneof![Just(None), any::<prop::sample::Index>().prop_map(Some)];
+    (fields, shift, 0..20u8)
         .prop_map(|(fields, shift, form)| {
             let mut entries = Vec::new();
             for (presence, name, value) in fields {
@@ -193,7 +201,7 @@ fn map(
                 }
             }
             let len = entries.len();
-            if len > 1 {
+            if let Some(shift) = shift.filter(|_| len > 1) {
                 entries.rotate_left(shift.index(len));
             }
             [map_header(len, form), entries.concat()].concat()
@@ -257,9 +265,10 @@ fn the_generator_probes_both_paths() {
     use proptest::strategy::ValueTree as _;
     let mut runner = proptest::test_runner::TestRunner::deterministic();
     let strategy = put_body();
-    let (mut fast, mut serde_only) = (0, 0);
+    let (mut fast, mut in_order, mut serde_only) = (0, 0, 0);
     for _ in 0..2000 {
         let body = strategy.new_tree(&mut runner).unwrap().current();
+        in_order += usize::from(read_put_in_order(&body).is_some());
         match (read_put(&body), serde_fields(&body)) {
             (Some(_), _) => fast += 1,
             (None, Some(_)) => serde_only += 1,
@@ -267,6 +276,10 @@ fn the_generator_probes_both_paths() {
         }
     }
     assert!(fast > 200, "{fast} of 2000 bodies read by the fast path");
+    assert!(
+        in_order > 50 && in_order < fast,
+        "{in_order} of 2000 bodies read in the encoder's order, {fast} in any order"
+    );
     assert!(
         serde_only > 100,
         "{serde_only} of 2000 bodies read by serde alone"
@@ -281,6 +294,14 @@ proptest! {
     fn what_the_fast_path_reads_serde_reads_the_same(body in put_body()) {
         if let Some(fast) = read_put(&body) {
             prop_assert_eq!(Some(fast), serde_fields(&body));
+        }
+    }
+
+    /// Whatever the straight path reads, the any-order loop reads the same.
+    #[test]
+    fn what_the_straight_path_reads_the_loop_reads_the_same(body in put_body()) {
+        if let Some(straight) = read_put_in_order(&body) {
+            prop_assert_eq!(Some(straight), read_put_any_order(&body));
         }
     }
 
