@@ -73,7 +73,7 @@ HOW_TO_READ = {
     "its own task into key operations, one writer folding them into an index sized "
     "first for the sub-masters' object counts, as a global master does) against a raw JetStream replay of the same streams, also all at once; "
     "each replay takes about a second and moves by 15% or more from run to run "
-    "here, so both are run three times, alternating, and their medians compared; "
+    "here, so both are run five times, alternating, and their medians compared; "
     "index bytes per key; a global master's restart to serving from a "
     "checkpoint against the same restart replaying every stream (this is the "
     "global-master part of recovery).",

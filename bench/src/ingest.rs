@@ -23,7 +23,7 @@ use super::BenchNats;
 
 const WORKLOAD: &str = "ingest";
 /// Alternated runs of the raw replay and of the fold, whose medians are compared.
-const ROUNDS: usize = 3;
+const ROUNDS: usize = 5;
 
 /// One JetStream context per stream: eight readers pulling 16 MB batches on one
 /// connection would exceed nats-server's per-connection pending limit (64 MB) and
