@@ -1,7 +1,9 @@
 //! A committed put read straight from its canonical encoding: the bytes
 //! `codec::MessageBuilder` writes (a fixmap of one-letter fixstr names, unsigned
 //! integers, strings, an array of placement fixmaps). It is the projector's hot
-//! path: a put is read in one pass over its bytes, without serde's visitor calls.
+//! path: a put is read in one pass over its bytes, without serde's visitor calls
+//! (in a straight line when its fields come in the encoder's order, by a loop
+//! over its fields otherwise).
 //!
 //! It decides nothing on its own. Whenever the bytes are anything else (another
 //! integer or map form, an unknown or repeated field, a missing one, bytes left
