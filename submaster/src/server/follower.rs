@@ -2,7 +2,7 @@
 //! snapshot, replay the tail, and (as a hot standby) keep applying new messages.
 
 use futures::StreamExt as _;
-use hkvm_events::log::{EventLog, JetStreamLog, LogEntry, ReadOptions};
+use hkvm_events::log::{EventLog, JetStreamLog, LogEntry, LogError, LogErrorKind, ReadOptions};
 use hkvm_events::{decode_message, Limits};
 use tokio::time::Instant;
 
@@ -113,26 +113,71 @@ pub(crate) async fn fold_until(
     Ok(applied)
 }
 
+/// How many times a restore loads the newest snapshot again after the log was
+/// purged past the one it loaded: under load, a newer snapshot can be written
+/// and the history before it purged while the restore reads.
+const RELOADS_AFTER_PURGE: usize = 3;
+
+/// Whether `error` says the log was purged past where the state stood.
+fn purged_past_state(error: &SubmasterError) -> bool {
+    std::error::Error::source(error)
+        .and_then(|source| source.downcast_ref::<LogError>())
+        .is_some_and(|log| matches!(log.kind(), LogErrorKind::Truncated { .. }))
+}
+
+/// A state from `load` caught up with the log; returns it, the sequence `load`
+/// covered and the messages replayed. When the log was purged past what `load`
+/// gave (a newer snapshot covers it), loads again, at most
+/// [`RELOADS_AFTER_PURGE`] times.
+///
+/// # Errors
+/// As `load`, or when the log cannot be read.
+pub(crate) async fn load_and_catch_up<F, Fut>(
+    log: &JetStreamLog,
+    metrics: &SubmasterMetrics,
+    mut load: F,
+) -> Result<(State, u64, u64), SubmasterError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<State, SubmasterError>>,
+{
+    let mut reloads = 0;
+    loop {
+        let mut state = load().await?;
+        let loaded_seq = state.applied_seq;
+        match catch_up(log, &mut state, metrics).await {
+            Ok(replayed) => return Ok((state, loaded_seq, replayed)),
+            Err(error) if reloads < RELOADS_AFTER_PURGE && purged_past_state(&error) => {
+                reloads += 1;
+                tracing::info!(%error, loaded_seq, "the log was purged past the snapshot while restoring; loading the newest again");
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}
+
 /// Rebuilds the state: the newest valid snapshot (if any) plus the tail of the log.
 ///
 /// # Errors
-/// When the log cannot be read, or was purged past what the snapshot covers.
+/// When the log cannot be read, or was purged past what the newest snapshot
+/// covers even after reloading it.
 pub(crate) async fn restore(
     log: &JetStreamLog,
     snapshots: &SnapshotStore,
     metrics: &SubmasterMetrics,
 ) -> Result<State, SubmasterError> {
     let started = Instant::now();
-    let mut state = match crate::snapshot::load_newest(snapshots).await {
-        Ok(Some(state)) => state,
-        Ok(None) => State::new(),
-        Err(error) => {
-            tracing::warn!(%error, "snapshots unavailable; replaying the whole stream");
-            State::new()
-        }
-    };
-    let from_snapshot = state.applied_seq;
-    catch_up(log, &mut state, metrics).await?;
+    let (state, from_snapshot, _) = load_and_catch_up(log, metrics, || async {
+        Ok(match crate::snapshot::load_newest(snapshots).await {
+            Ok(Some(state)) => state,
+            Ok(None) => State::new(),
+            Err(error) => {
+                tracing::warn!(%error, "snapshots unavailable; replaying the whole stream");
+                State::new()
+            }
+        })
+    })
+    .await?;
     tracing::info!(
         from_snapshot,
         applied_seq = state.applied_seq,

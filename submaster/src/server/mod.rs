@@ -376,22 +376,28 @@ pub async fn load_state(
         event_subject(&config.cluster, &config.subcluster),
     );
     let metrics = SubmasterMetrics::register(&mut Registry::default());
-    let mut state = if use_snapshot {
-        let snapshots = SnapshotStore::open(
-            js,
-            &config.cluster,
-            &config.subcluster,
-            config.stream.replicas,
+    let snapshots = if use_snapshot {
+        Some(
+            SnapshotStore::open(
+                js,
+                &config.cluster,
+                &config.subcluster,
+                config.stream.replicas,
+            )
+            .await?,
         )
-        .await?;
-        crate::snapshot::load_newest(&snapshots)
-            .await?
-            .unwrap_or_default()
     } else {
-        State::new()
+        None
     };
-    let snapshot_seq = state.applied_seq;
-    let replayed = follower::catch_up(&log, &mut state, &metrics).await?;
+    let (state, snapshot_seq, replayed) = follower::load_and_catch_up(&log, &metrics, || async {
+        Ok(match &snapshots {
+            Some(snapshots) => crate::snapshot::load_newest(snapshots)
+                .await?
+                .unwrap_or_default(),
+            None => State::new(),
+        })
+    })
+    .await?;
     Ok(LoadedState {
         state,
         snapshot_seq,
