@@ -14,5 +14,5 @@ mod projection;
 mod table;
 
 pub use error::{ProjectorError, ProjectorErrorKind};
-pub use index::{Holders, KeyIndex};
+pub use index::{Holders, KeyIndex, SourceWriter};
 pub use projection::{Applied, Projection, SourceContent, SourceState};

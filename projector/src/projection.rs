@@ -11,7 +11,7 @@ use hkvm_events::rpc::global::BloomFilter;
 use hkvm_events::{key_hash, KvEvent, Limits, NodeId, SegmentId, SubclusterId};
 
 use crate::error::{ProjectorError, ProjectorErrorKind};
-use crate::index::KeyIndex;
+use crate::index::{KeyIndex, SourceWriter};
 
 /// How many key operations ahead a lookup's loads are started
 /// ([`KeyIndex::prefetch_home`], [`KeyIndex::prefetch_candidate`]).
@@ -121,53 +121,10 @@ impl Projection {
 
     /// Folds one event of `source` into the projection. Pure: no I/O, no clock.
     pub fn apply(&mut self, source: usize, event: &KvEvent) {
-        self.fold_event(source, event);
-        self.source_mut(source).events_applied += 1;
-    }
-
-    /// Folds one key operation of `source`.
-    fn apply_op(&mut self, source: usize, op: &KeyOp) {
-        match op {
-            KeyOp::Put(hash) => {
-                self.index.insert(source, *hash);
-            }
-            KeyOp::Drop(hash) => {
-                self.index.remove(source, *hash);
-            }
-            KeyOp::Event(event) => self.fold_event(source, event),
-        }
-    }
-
-    fn fold_event(&mut self, source: usize, event: &KvEvent) {
-        match event {
-            KvEvent::PutCommitted(put) => {
-                self.index.insert(source, put.key_hash);
-            }
-            KvEvent::Evicted(hkvm_events::Evicted { keys })
-            | KvEvent::Removed(hkvm_events::Removed { keys }) => {
-                for key in keys {
-                    self.index.remove(source, key_hash(key));
-                }
-            }
-            KvEvent::SegmentMounted(mounted) => {
-                self.source_mut(source).segments.insert(
-                    mounted.segment.clone(),
-                    (mounted.node.clone(), mounted.size),
-                );
-            }
-            KvEvent::SegmentUnmounted(unmounted) => {
-                self.source_mut(source).segments.remove(&unmounted.segment);
-            }
-            KvEvent::NodeLost(lost) => {
-                self.source_mut(source)
-                    .segments
-                    .retain(|_, (node, _)| *node != lost.node);
-            }
-            KvEvent::Snapshot(snapshot) => {
-                self.source_mut(source).snapshot =
-                    Some((snapshot.covers_seq, snapshot.object.clone()));
-            }
-        }
+        self.source_mut(source);
+        let state = &mut self.sources[source];
+        fold_event(&mut self.index.writer(source), state, event);
+        state.events_applied += 1;
     }
 
     /// Decodes the message stored at `seq` of `source`'s stream into key
@@ -234,16 +191,27 @@ impl Projection {
                 self.index.prefetch_home(hash);
             }
         }
+        self.source_mut(source);
+        let state = &mut self.sources[source];
+        let mut writer = self.index.writer(source);
         for (i, op) in message.ops.iter().enumerate() {
             if let Some(hash) = hash_at(i + 2 * PREFETCH_DISTANCE) {
-                self.index.prefetch_home(hash);
+                writer.prefetch_home(hash);
             }
             if let Some(hash) = hash_at(i + PREFETCH_DISTANCE) {
-                self.index.prefetch_candidate(hash);
+                writer.prefetch_candidate(hash);
             }
-            self.apply_op(source, op);
+            match op {
+                KeyOp::Put(hash) => {
+                    writer.insert(*hash);
+                }
+                KeyOp::Drop(hash) => {
+                    writer.remove(*hash);
+                }
+                KeyOp::Event(event) => fold_event(&mut writer, state, event),
+            }
         }
-        let state = self.source_mut(source);
+        drop(writer);
         state.events_applied += message.events as u64;
         state.applied_seq = message.seq;
         state.applied_unix_ms = message.unix_ms;
@@ -356,5 +324,35 @@ impl Projection {
                 )
             })
             .collect()
+    }
+}
+
+/// Folds one event of a source into its writer and its state.
+fn fold_event(writer: &mut SourceWriter<'_>, state: &mut SourceState, event: &KvEvent) {
+    match event {
+        KvEvent::PutCommitted(put) => {
+            writer.insert(put.key_hash);
+        }
+        KvEvent::Evicted(hkvm_events::Evicted { keys })
+        | KvEvent::Removed(hkvm_events::Removed { keys }) => {
+            for key in keys {
+                writer.remove(key_hash(key));
+            }
+        }
+        KvEvent::SegmentMounted(mounted) => {
+            state.segments.insert(
+                mounted.segment.clone(),
+                (mounted.node.clone(), mounted.size),
+            );
+        }
+        KvEvent::SegmentUnmounted(unmounted) => {
+            state.segments.remove(&unmounted.segment);
+        }
+        KvEvent::NodeLost(lost) => {
+            state.segments.retain(|_, (node, _)| *node != lost.node);
+        }
+        KvEvent::Snapshot(snapshot) => {
+            state.snapshot = Some((snapshot.covers_seq, snapshot.object.clone()));
+        }
     }
 }
