@@ -53,7 +53,7 @@ pub(crate) fn apply_entry(
 /// # Errors
 /// When the log cannot be read (vanished, truncated past the state, gap).
 pub(crate) async fn catch_up(
-    log: &JetStreamLog,
+    log: &impl EventLog,
     state: &mut State,
     metrics: &SubmasterMetrics,
 ) -> Result<u64, SubmasterError> {
@@ -67,7 +67,7 @@ pub(crate) async fn catch_up(
 /// # Errors
 /// When the log cannot be read (vanished, truncated past the state, gap).
 pub(crate) async fn fold_until(
-    log: &JetStreamLog,
+    log: &impl EventLog,
     state: &mut State,
     end: u64,
     metrics: &SubmasterMetrics,
@@ -133,7 +133,7 @@ fn purged_past_state(error: &SubmasterError) -> bool {
 /// # Errors
 /// As `load`, or when the log cannot be read.
 pub(crate) async fn load_and_catch_up<F, Fut>(
-    log: &JetStreamLog,
+    log: &impl EventLog,
     metrics: &SubmasterMetrics,
     mut load: F,
 ) -> Result<(State, u64, u64), SubmasterError>
@@ -185,4 +185,105 @@ pub(crate) async fn restore(
         "state restored"
     );
     Ok(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use bytes::Bytes;
+    use hkvm_events::codec::{encode_message, Header};
+    use hkvm_events::log::{Append, MemoryLog};
+    use hkvm_events::{KvEvent, NodeId, ProducerId, SegmentId, SegmentMounted};
+    use prometheus_client::registry::Registry;
+
+    use super::*;
+
+    /// A log of `count` messages, message `i` mounting segment `seg-i`.
+    async fn log_of(count: u64) -> MemoryLog {
+        let log = MemoryLog::new("follower-test");
+        let header = Header {
+            producer: ProducerId::new("test").expect("a valid producer"),
+            epoch: 1,
+            unix_ms: 0,
+        };
+        for i in 1..=count {
+            let mounted = KvEvent::SegmentMounted(SegmentMounted {
+                node: NodeId::new("node-a").expect("a valid node"),
+                segment: SegmentId::new(format!("seg-{i}")).expect("a valid segment"),
+                size: 1 << 20,
+                endpoint: "127.0.0.1:1".to_owned(),
+                rdma: None,
+            });
+            let payload = encode_message(&header, &[mounted], &Limits::default())
+                .expect("the message encodes");
+            log.append(Append {
+                expected_last_seq: None,
+                msg_id: format!("m-{i}"),
+                payload: Bytes::from(payload),
+            })
+            .await
+            .expect("the memory log appends");
+        }
+        log
+    }
+
+    /// The state a snapshot covering `through` would hold.
+    async fn snapshot_through(log: &MemoryLog, through: u64, metrics: &SubmasterMetrics) -> State {
+        let mut state = State::new();
+        fold_until(log, &mut state, through, metrics)
+            .await
+            .expect("the snapshot's messages are still there");
+        state
+    }
+
+    #[tokio::test]
+    async fn a_restore_loads_again_when_the_log_was_purged_past_its_snapshot() {
+        let metrics = SubmasterMetrics::register(&mut Registry::default());
+        let log = log_of(30).await;
+        // Popped from the end: the older snapshot is loaded first.
+        let mut snapshots = vec![
+            snapshot_through(&log, 20, &metrics).await,
+            snapshot_through(&log, 10, &metrics).await,
+        ];
+        let loads = AtomicUsize::new(0);
+        let (state, loaded_seq, replayed) = load_and_catch_up(&log, &metrics, || {
+            // While the older snapshot was being read, the leader wrote the
+            // newer one and purged the log through it.
+            if loads.fetch_add(1, Ordering::SeqCst) == 0 {
+                log.purge_through(20);
+            }
+            let state = snapshots.pop().expect("two loads at most");
+            async move { Ok(state) }
+        })
+        .await
+        .expect("the second load catches up");
+        assert_eq!(loads.load(Ordering::SeqCst), 2);
+        assert_eq!((loaded_seq, replayed), (20, 10));
+        assert_eq!(state.applied_seq, 30);
+        assert_eq!(state.slot_count(), 30);
+    }
+
+    #[tokio::test]
+    async fn a_restore_gives_up_after_its_reloads() {
+        let metrics = SubmasterMetrics::register(&mut Registry::default());
+        let log = log_of(30).await;
+        let mut snapshots = Vec::new();
+        for _ in 0..=RELOADS_AFTER_PURGE {
+            snapshots.push(snapshot_through(&log, 10, &metrics).await);
+        }
+        log.purge_through(20);
+        let loads = AtomicUsize::new(0);
+        let result = load_and_catch_up(&log, &metrics, || {
+            loads.fetch_add(1, Ordering::SeqCst);
+            let state = snapshots.pop().expect("one load and its reloads");
+            async move { Ok(state) }
+        })
+        .await;
+        let Err(error) = result else {
+            panic!("no snapshot ever covers the purge")
+        };
+        assert!(purged_past_state(&error), "{error}");
+        assert_eq!(loads.load(Ordering::SeqCst), 1 + RELOADS_AFTER_PURGE);
+    }
 }
