@@ -8,7 +8,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
@@ -31,6 +30,9 @@ use hkvm_globalmaster::{GlobalMaster, GlobalMasterConfig};
 use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
 use hkvm_testkit::{NatsServer, ServerOptions};
 use hkvm_transfer::{TcpConfig, TcpTransport};
+
+mod pool;
+pub use pool::{Pool, PoolSpec};
 
 /// How long a bounded wait of this suite waits before it fails.
 pub const WAIT: Duration = Duration::from_secs(30);
@@ -411,193 +413,4 @@ pub async fn status(global: &GlobalClient) -> GlobalStatusReply {
         .call(GlobalOp::Status, &GlobalStatus {})
         .await
         .unwrap()
-}
-
-/// A client-side RDMA transport on the device `settings` names.
-#[cfg(feature = "rdma")]
-fn rdma_client(settings: &hkvm_client::RdmaSettings) -> Arc<dyn hkvm_transfer::Transport> {
-    hkvm_client::transports::open_rdma(settings).unwrap()
-}
-
-/// Without RDMA support no pool asks for it.
-#[cfg(not(feature = "rdma"))]
-fn rdma_client(_settings: &hkvm_client::RdmaSettings) -> Arc<dyn hkvm_transfer::Transport> {
-    panic!("this test build has no RDMA support (the itests rdma feature is off)")
-}
-
-/// What [`Pool::start`] starts.
-#[derive(Debug, Clone)]
-pub struct PoolSpec {
-    cluster: String,
-    subclusters: Vec<(String, BTreeMap<String, String>)>,
-    nodes: usize,
-    segment_size: u64,
-    tcp: TcpConfig,
-    protocol: Protocol,
-    tweak: fn(&mut SubmasterConfig),
-    global: Option<GlobalMasterConfig>,
-}
-
-impl PoolSpec {
-    /// Cluster `cluster` without sub-clusters yet; two nodes of 8 MiB per
-    /// sub-cluster, default TCP settings, no global master.
-    pub fn new(cluster: &str) -> Self {
-        Self {
-            cluster: cluster.to_owned(),
-            subclusters: Vec::new(),
-            nodes: 2,
-            segment_size: 8 << 20,
-            tcp: TcpConfig::default(),
-            protocol: Protocol::Tcp,
-            tweak: |_| {},
-            global: None,
-        }
-    }
-
-    /// Adds sub-cluster `name` (sub-master `<name>-sm`) with `labels`.
-    pub fn subcluster(mut self, name: &str, labels: &[(&str, &str)]) -> Self {
-        let labels = labels
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect();
-        self.subclusters.push((name.to_owned(), labels));
-        self
-    }
-
-    /// `count` nodes per sub-cluster (`<subcluster>-n<i>`), each serving one
-    /// segment of `segment_size` bytes.
-    pub fn nodes(mut self, count: usize, segment_size: u64) -> Self {
-        self.nodes = count;
-        self.segment_size = segment_size;
-        self
-    }
-
-    /// The KV clients' transport settings.
-    pub fn tcp(mut self, tcp: TcpConfig) -> Self {
-        self.tcp = tcp;
-        self
-    }
-
-    /// How nodes serve and KV clients move bytes (TCP by default).
-    pub fn protocol(mut self, protocol: Protocol) -> Self {
-        self.protocol = protocol;
-        self
-    }
-
-    /// Changes every sub-master's configuration before it starts.
-    pub fn tweak(mut self, tweak: fn(&mut SubmasterConfig)) -> Self {
-        self.tweak = tweak;
-        self
-    }
-
-    /// Also starts global-master replica `replica` (registry entries live 3 s,
-    /// as the sub-masters' do); [`Pool::start`] returns once it serves.
-    pub fn global(self, replica: &str) -> Self {
-        self.global_with(GlobalMasterConfig {
-            replica: replica.to_owned(),
-            registry_ttl_ms: 3000,
-            ..GlobalMasterConfig::default()
-        })
-    }
-
-    /// Also starts a global-master replica with `config` (its cluster is the
-    /// pool's).
-    pub fn global_with(mut self, config: GlobalMasterConfig) -> Self {
-        self.global = Some(config);
-        self
-    }
-}
-
-/// A pool in this process: per sub-cluster a sub-master and nodes, a KV client
-/// per sub-cluster, and optionally a global master.
-pub struct Pool {
-    /// The nats-server and cluster.
-    pub fixture: Fixture,
-    /// The sub-masters, in the order of the spec's sub-clusters.
-    pub masters: Vec<SubmasterHandle>,
-    /// Every node, sub-cluster by sub-cluster.
-    pub nodes: Vec<NodeHandle>,
-    /// A KV client per sub-cluster name.
-    pub kv: BTreeMap<String, KvClient>,
-    /// The global master, when the spec asked for one.
-    pub global: Option<GlobalMaster>,
-}
-
-impl Pool {
-    /// Starts everything in `spec`.
-    pub async fn start(spec: PoolSpec) -> Self {
-        let fixture = Fixture::new(&spec.cluster).await;
-        let transport = Arc::new(TcpTransport::new(spec.tcp.clone()));
-        let mut masters = Vec::new();
-        let mut nodes = Vec::new();
-        let mut kv = BTreeMap::new();
-        for (name, labels) in &spec.subclusters {
-            let mut config = fixture.submaster_config(name, &format!("{name}-sm"));
-            config.registry_ttl = Duration::from_secs(3);
-            (spec.tweak)(&mut config);
-            config.labels.extend(labels.clone());
-            masters.push(fixture.spawn_submaster(config).await);
-            let metadata = SubmasterClient::new(
-                fixture.connect().await,
-                fixture.cluster.clone(),
-                SubclusterId::new(name).unwrap(),
-            );
-            for n in 0..spec.nodes {
-                let mut config = NodeConfig::new(
-                    NodeId::new(format!("{name}-n{n}")).unwrap(),
-                    spec.segment_size,
-                )
-                .unwrap();
-                config.protocol = spec.protocol.clone();
-                nodes.push(NodeHandle::start(config, metadata.clone()).await.unwrap());
-            }
-            let mut transports = Transports::single(transport.clone());
-            if let Protocol::Rdma(settings) = &spec.protocol {
-                transports = transports.with_rdma(rdma_client(settings));
-            }
-            kv.insert(
-                name.clone(),
-                KvClient::with_transports(metadata, transports),
-            );
-        }
-        let global = match spec.global {
-            Some(config) => Some(
-                fixture
-                    .start_with(GlobalMasterConfig {
-                        cluster: fixture.cluster.clone(),
-                        ..config
-                    })
-                    .await,
-            ),
-            None => None,
-        };
-        Self {
-            fixture,
-            masters,
-            nodes,
-            kv,
-            global,
-        }
-    }
-
-    /// `<nats url>:<cluster>`, as `hkvm interdc` takes a pool.
-    pub fn address(&self) -> String {
-        format!("{}:{}", self.fixture.url(), self.fixture.cluster)
-    }
-
-    /// How many times each key was committed in `subcluster`'s stream.
-    pub async fn commits(&self, subcluster: &str) -> BTreeMap<String, u32> {
-        self.fixture.commits(subcluster).await
-    }
-
-    /// Stops the global master and every sub-master cleanly (each must stop
-    /// without an error).
-    pub async fn shutdown(self) {
-        if let Some(global) = self.global {
-            global.shutdown();
-        }
-        for master in self.masters {
-            master.shutdown().await.unwrap();
-        }
-    }
 }
