@@ -119,11 +119,16 @@ impl Projection {
         &mut self.sources[source]
     }
 
+    /// `source`'s state (added if new) and a writer of its keys.
+    fn source_and_writer(&mut self, source: usize) -> (&mut SourceState, SourceWriter<'_>) {
+        self.source_mut(source);
+        (&mut self.sources[source], self.index.writer(source))
+    }
+
     /// Folds one event of `source` into the projection. Pure: no I/O, no clock.
     pub fn apply(&mut self, source: usize, event: &KvEvent) {
-        self.source_mut(source);
-        let state = &mut self.sources[source];
-        fold_event(&mut self.index.writer(source), state, event);
+        let (state, mut writer) = self.source_and_writer(source);
+        fold_event(&mut writer, state, event);
         state.events_applied += 1;
     }
 
@@ -191,9 +196,7 @@ impl Projection {
                 self.index.prefetch_home(hash);
             }
         }
-        self.source_mut(source);
-        let state = &mut self.sources[source];
-        let mut writer = self.index.writer(source);
+        let (state, mut writer) = self.source_and_writer(source);
         for (i, op) in message.ops.iter().enumerate() {
             if let Some(hash) = hash_at(i + 2 * PREFETCH_DISTANCE) {
                 writer.prefetch_home(hash);

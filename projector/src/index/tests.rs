@@ -1,3 +1,6 @@
+//! The key index's tests; the source writer is checked against single inserts
+//! and removes.
+
 use proptest::prelude::*;
 
 use super::*;
