@@ -64,7 +64,9 @@ pub enum ClientError {
         cause: RetryCause,
     },
     /// Nobody answers on the subject, and nothing there is to wait for: the
-    /// service does not exist (a mistyped sub-cluster, say).
+    /// service does not exist (a mistyped sub-cluster, say), or its server does
+    /// not serve the operation (an older build). No attempt of the call reached
+    /// a server, so it took no effect.
     #[error("{op}: no responder on {subject}: {why}")]
     NoService {
         /// The operation.

@@ -202,7 +202,9 @@ impl RpcCaller {
 
     /// As [`RpcCaller::call`], and when nobody has answered for the policy's
     /// `presence_check_after`, asks `presence` (once) whether the service exists:
-    /// [`Presence::Absent`] ends the call with [`ClientError::NoService`]. With a
+    /// [`Presence::Absent`] ends the call with [`ClientError::NoService`], unless
+    /// an attempt may have reached a server (it timed out or lost its answer),
+    /// so that `NoService` always means the request was never delivered. With a
     /// `leader` watch, any wait before a retry ends early when a new leader
     /// announces itself.
     ///
@@ -231,6 +233,10 @@ impl RpcCaller {
         // Since when nobody has answered, and whether presence was asked.
         let mut silent_since: Option<Instant> = None;
         let mut checked = false;
+        // Whether an attempt may have reached a server (no answer in time, or
+        // one lost): then the call must not end as `NoService`, which says that
+        // nothing was done.
+        let mut maybe_delivered = false;
         // Leader announcements, subscribed before the first attempt so that one
         // made while a request was still waiting for its reply is not missed.
         let mut announcements = match leader {
@@ -250,9 +256,13 @@ impl RpcCaller {
                 Attempt::Retry(cause) => cause,
             };
             self.stats.count(&cause);
+            maybe_delivered |= matches!(cause, RetryCause::TimedOut | RetryCause::AnswerLost);
             if matches!(cause, RetryCause::NoResponders { .. }) {
                 let since = *silent_since.get_or_insert_with(Instant::now);
-                if !checked && since.elapsed() >= self.policy.presence_check_after {
+                if !checked
+                    && !maybe_delivered
+                    && since.elapsed() >= self.policy.presence_check_after
+                {
                     checked = true;
                     if let Presence::Absent(why) = presence().await {
                         return Err(ClientError::NoService { op, subject, why });

@@ -13,6 +13,7 @@ use hkvm_transfer::WriteOp;
 
 use super::space::Carved;
 use super::{KvClient, KvError, PutOptions};
+use crate::error::ClientError;
 
 /// How often a put whose reservation vanished before its commit is started again.
 const PUT_RESTARTS: usize = 2;
@@ -221,6 +222,12 @@ impl KvClient {
         let keys: Vec<String> = commits.iter().map(|c| c.key.clone()).collect();
         let answers = match self.metadata.put_commit(commits).await {
             Ok(answers) => answers,
+            // Never delivered: the leader does not serve `put_commit` (an older
+            // build took over). Its leases are gone with it; put by reserving.
+            Err(ClientError::NoService { why, .. }) => {
+                tracing::info!(%why, "put_commit not served: putting without leases");
+                vec![ItemResult::Err(ItemError::NoLease); keys.len()]
+            }
             Err(error) => {
                 // Sent again until answered, so the sub-master was unreachable
                 // past the retry deadline: remove, so that a put that returned an

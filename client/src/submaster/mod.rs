@@ -72,6 +72,14 @@ pub(super) fn commits_resend(mut put_ids: impl Iterator<Item = u64>) -> Resend {
     }
 }
 
+/// Whether `op` came with space leases, so that a leader of an older build
+/// does not serve it: such a call ends as [`ClientError::NoService`] instead of
+/// waiting out the retry deadline, and its callers do without (`put_commit`'s
+/// values are put through `put_start` / `put_end`).
+fn served_since_leases(op: Op) -> bool {
+    matches!(op, Op::LeaseSpace | Op::PutCommit | Op::LeaseReturn)
+}
+
 impl SubmasterClient {
     /// A client of `subcluster` in `cluster` with the default retry policy.
     pub fn new(nats: async_nats::Client, cluster: ClusterId, subcluster: SubclusterId) -> Self {
@@ -197,16 +205,47 @@ impl SubmasterClient {
                 subject,
                 request,
                 resend,
-                || self.presence(),
+                || self.presence(op),
                 self.leader.as_deref(),
             )
             .await
     }
 
-    /// Whether this sub-cluster exists: its stream does once any sub-master of it
-    /// started, so a sub-cluster without one is a wrong name (or one never
-    /// started), not a failover to wait out.
-    async fn presence(&self) -> Presence {
+    /// Whether `op` has a server to wait for. The sub-cluster exists once any
+    /// sub-master of it started (it has a stream): a sub-cluster without one is a
+    /// wrong name, or one never started, not a failover to wait out. An
+    /// operation an older build lacks ([`served_since_leases`]) also has none
+    /// when the leader answers `status` but not it.
+    async fn presence(&self, op: Op) -> Presence {
+        match self.stream_presence().await {
+            Presence::Present if served_since_leases(op) => self.leader_serves(op).await,
+            presence => presence,
+        }
+    }
+
+    /// Whether the leader that serves `status` also serves `op`: a request to
+    /// `op` just went unanswered, so an answered `status` means an older build
+    /// leads.
+    async fn leader_serves(&self, op: Op) -> Presence {
+        let subject = submaster_rpc_subject(&self.cluster, &self.subcluster, Op::Status.name());
+        let Ok(body) = hkvm_events::rpc::encode(&Status {}) else {
+            return Presence::Unknown;
+        };
+        let asked = self.caller.nats().request(subject, body.into());
+        match tokio::time::timeout(self.caller.policy().request_timeout, asked).await {
+            Ok(Ok(_)) => Presence::Absent(format!(
+                "the sub-master leading sub-cluster {} answers status but not {}: it runs \
+                 an older build",
+                self.subcluster,
+                op.name()
+            )),
+            // No leader at all yet: a takeover to wait out.
+            Ok(Err(_)) | Err(_) => Presence::Present,
+        }
+    }
+
+    /// Whether this sub-cluster's stream exists.
+    async fn stream_presence(&self) -> Presence {
         let stream = stream_name(&self.cluster, &self.subcluster);
         let js = async_nats::jetstream::new(self.caller.nats().clone());
         match js.get_stream(&stream).await {

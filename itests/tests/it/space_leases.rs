@@ -2,18 +2,26 @@
 //! client holds a lease, each put is its writes plus one `put_commit`; a lease a
 //! leader change lost sends the put through `put_start` / `put_end` instead of
 //! failing it; a dropped client returns its lease; a coalescing client commits
-//! into its lease inside its mixed requests.
+//! into its lease inside its mixed requests; a leader of an older build, which
+//! serves no lease operation, sends puts through reservations within about a
+//! second instead of the retry deadline.
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt as _;
 
 use hkvm_client::coalesce::CoalesceConfig;
 use hkvm_client::KvClient;
-use hkvm_events::rpc::submaster::ItemResult;
+use hkvm_client::{ClientError, RetryPolicy};
+use hkvm_events::rpc::submaster::{ItemResult, Op, PutCommitItem};
+use hkvm_events::rpc::{encode, RpcError, RpcReply};
+use hkvm_events::subject::submaster_rpc_subject;
+use hkvm_events::SubclusterId;
 use hkvm_submaster::SubmasterHandle;
 use hkvm_transfer::TcpTransport;
 
-use crate::fixture::{poll_until, quick_failover, Pool, PoolSpec, WAIT};
+use crate::fixture::{poll_until, quick_failover, Fixture, Pool, PoolSpec, WAIT};
 
 fn value(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
@@ -196,5 +204,115 @@ async fn a_put_into_a_lease_a_leader_change_lost_is_put_again_not_failed() {
     kv.put("leased-again", &value(500, 3), 2).await.unwrap();
     assert_eq!(answered(&standby, "put_commit"), commits_before + 1);
     standby.shutdown().await.unwrap();
+    c.shutdown().await;
+}
+
+/// A leader of sub-cluster `subcluster` of an older build, as a KV client sees
+/// it: it serves the client operations of that build, none of the lease ones
+/// (the nodes' pings and mounts are left unanswered, so as not to interleave),
+/// and refuses each request it gets, which is enough to show which operations
+/// were asked, in order, in the list returned.
+async fn older_leader(fixture: &Fixture, subcluster: &str) -> Arc<Mutex<Vec<String>>> {
+    let subcluster = SubclusterId::new(subcluster).unwrap();
+    let mut subscriptions = Vec::new();
+    let served = [
+        Op::Status,
+        Op::Exist,
+        Op::GetReplicaList,
+        Op::PutStart,
+        Op::PutEnd,
+        Op::PutRevoke,
+        Op::Remove,
+        Op::Mixed,
+    ];
+    for op in served {
+        let subject = submaster_rpc_subject(&fixture.cluster, &subcluster, op.name());
+        subscriptions.push(fixture.client.subscribe(subject).await.unwrap());
+    }
+    fixture.client.flush().await.unwrap();
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    let (client, record) = (fixture.client.clone(), Arc::clone(&asked));
+    tokio::spawn(async move {
+        let mut requests = futures::stream::select_all(subscriptions);
+        while let Some(request) = requests.next().await {
+            let op = request.subject.rsplit('.').next().unwrap().to_owned();
+            let refusal = RpcError::invalid(format!("an older build refuses {op} here"));
+            record.lock().unwrap().push(op);
+            let reply = encode(&RpcReply::<()>::Err(refusal)).unwrap();
+            let _ = client.publish(request.reply.unwrap(), reply.into()).await;
+        }
+    });
+    asked
+}
+
+#[tokio::test]
+async fn after_a_downgrade_a_leased_put_goes_to_a_reservation_not_to_the_deadline() {
+    let mut c = pool(|_| {}).await;
+    let kv = c.kv["sc"].clone();
+    put_until_leased(&kv, "before").await;
+    // An older build takes over: it serves neither the client's lease nor
+    // `put_commit` at all.
+    c.masters.remove(0).shutdown().await.unwrap();
+    let asked = older_leader(&c.fixture, "sc").await;
+    let started = Instant::now();
+    let error = kv.put("after", &value(3000, 2), 2).await.unwrap_err();
+    // `put_commit` went unanswered; once `status` showed a leader that lacks
+    // it, the put asked for a reservation, which this stand-in refuses.
+    assert!(error.to_string().contains("refuses put_start"), "{error}");
+    // (The forgotten lease's return may ask `status` too, a second later.)
+    assert_eq!(asked.lock().unwrap()[..2], ["status", "put_start"]);
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "well before the 30 s retry deadline ({:?})",
+        started.elapsed()
+    );
+    c.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_commit_that_may_have_been_delivered_never_ends_as_not_served() {
+    let mut c = pool(|_| {}).await;
+    c.masters.remove(0).shutdown().await.unwrap();
+    let asked = older_leader(&c.fixture, "sc").await;
+    // The first `put_commit` reaches a subscriber that never answers and
+    // leaves: the commit may have been made, so the silence after it must not
+    // be read as a leader that does not serve the operation.
+    let subject = submaster_rpc_subject(
+        &c.fixture.cluster,
+        &SubclusterId::new("sc").unwrap(),
+        Op::PutCommit.name(),
+    );
+    let mut swallower = c.fixture.client.subscribe(subject).await.unwrap();
+    c.fixture.client.flush().await.unwrap();
+    let swallowed = tokio::spawn(async move { swallower.next().await.is_some() });
+    let client = c
+        .fixture
+        .submaster_client(
+            "sc",
+            RetryPolicy {
+                request_timeout: Duration::from_millis(300),
+                presence_check_after: Duration::from_millis(100),
+                retry_deadline: Duration::from_secs(3),
+                ..RetryPolicy::default()
+            },
+        )
+        .await;
+    let item = PutCommitItem {
+        key: "k".to_owned(),
+        size: 10,
+        checksum: 1,
+        lease: 7,
+        offset: 0,
+        hard_pin: false,
+        put_id: 99,
+    };
+    let error = client.put_commit(vec![item]).await.unwrap_err();
+    assert!(swallowed.await.unwrap());
+    assert!(matches!(error, ClientError::Unavailable { .. }), "{error}");
+    assert!(
+        asked.lock().unwrap().is_empty(),
+        "{:?}",
+        asked.lock().unwrap()
+    );
     c.shutdown().await;
 }
