@@ -228,19 +228,20 @@ impl SubmasterClient {
     /// leads.
     async fn leader_serves(&self, op: Op) -> Presence {
         let subject = submaster_rpc_subject(&self.cluster, &self.subcluster, Op::Status.name());
-        let Ok(body) = hkvm_events::rpc::encode(&Status {}) else {
-            return Presence::Unknown;
-        };
-        let asked = self.caller.nats().request(subject, body.into());
-        match tokio::time::timeout(self.caller.policy().request_timeout, asked).await {
-            Ok(Ok(_)) => Presence::Absent(format!(
+        let asked = self
+            .caller
+            .call_once::<Status, StatusReply>(Op::Status.name(), subject, &Status {})
+            .await;
+        match asked {
+            // Answered (in whatever form that build answers).
+            Ok(_) | Err(ClientError::Codec { .. }) => Presence::Absent(format!(
                 "the sub-master leading sub-cluster {} answers status but not {}: it runs \
                  an older build",
                 self.subcluster,
                 op.name()
             )),
             // No leader at all yet: a takeover to wait out.
-            Ok(Err(_)) | Err(_) => Presence::Present,
+            Err(_) => Presence::Present,
         }
     }
 
