@@ -249,7 +249,7 @@ class MooncakeDistributedStore:
                 log.error("setup_dummy: the store is set up already; close() it first")
                 return ErrorCode.INVALID_PARAMS
             try:
-                self._native = _native.NativeDummy(pool, staging, str(server_address))
+                self._native = _native.NativeStore.dummy(pool, staging, str(server_address))
             except _native.HkvmError as error:
                 code, message = error.args
                 log.error("setup_dummy failed: %s", message)
@@ -265,7 +265,7 @@ class MooncakeDistributedStore:
         native = self._native
         if native is None or size <= 0:
             return 0
-        if isinstance(native, _native.NativeDummy):
+        if native.has_mem_pool():
             address = native.alloc_from_mem_pool(int(size))
         else:
             buffer = ctypes.create_string_buffer(int(size))
@@ -282,7 +282,7 @@ class MooncakeDistributedStore:
         if native is None:
             return ErrorCode.INVALID_PARAMS
         native.unregister_buffer(int(address))
-        if isinstance(native, _native.NativeDummy):
+        if native.has_mem_pool():
             return native.free_to_mem_pool(int(address))
         return ErrorCode.OK if self._owned.pop(int(address), None) is not None else ErrorCode.INVALID_PARAMS
 

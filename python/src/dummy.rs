@@ -1,46 +1,35 @@
-//! `NativeDummy`: a dummy client (`setup_dummy`) with the same list-in, list-out
-//! methods as `NativeStore`. Values move through the memory it shares with the
-//! real client: zero-copy calls name buffers the caller allocated from the shared
-//! pool (`alloc_from_mem_pool`) or from `MooncakeHostMemAllocator` (shared with
-//! the real client when registered); copying calls stage values in its staging
-//! area.
+//! The dummy backend (`setup_dummy`): a [`DummyClient`] of the real client on
+//! this host, which talks to the masters for it. Values move through the memory
+//! it shares with the real client: zero-copy calls name buffers the caller
+//! allocated from the shared pool (`alloc_from_mem_pool`) or from
+//! `MooncakeHostMemAllocator` (shared with the real client when registered);
+//! copying calls stage values in its staging area.
 
-use std::future::Future;
 use std::sync::{Arc, Mutex};
 
 use hkvm_client::dummy::{DummyClient, DummyError, SharedRegion};
-use hkvm_client::store::{BufferRegistry, ErrorCode};
-use hkvm_events::rpc::dummy::{DummyReply, DummyRequest, Placement, Span};
-use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes};
+use hkvm_client::store::BufferRegistry;
+use hkvm_events::rpc::dummy::{DummyReply, DummyRequest, Placement as WirePlacement, Span};
+use pyo3::PyResult;
 
+use crate::backend::{spread, Backend, Batch, Placement, Sink, Wait};
+use crate::error::{code_of, INTERNAL, INVALID, OVERFLOW};
 use crate::host_memory;
-use crate::zero_copy::select;
-use crate::HkvmError;
+use crate::zero_copy::Part;
 
-const INVALID: i32 = ErrorCode::InvalidParams as i32;
-const OVERFLOW: i32 = ErrorCode::BufferOverflow as i32;
-
-fn code_of(error: &DummyError) -> i32 {
-    tracing::debug!(%error, "dummy call failed");
-    match error {
-        DummyError::Refused(_) | DummyError::Region(_) => INVALID,
-        DummyError::Unreachable { .. } | DummyError::Disconnected | DummyError::Frame(_) => {
-            ErrorCode::RpcFail.value()
-        }
-    }
+/// The port in `server_address` (`host:port`), which names the real client's
+/// socket.
+pub fn socket_port(server_address: &str) -> Option<u16> {
+    server_address
+        .rsplit_once(':')
+        .map_or(server_address, |(_, port)| port)
+        .parse()
+        .ok()
 }
 
-/// How Python passes a put's placement: replicas, preferred segment, hard pin.
-type PyPlacement = (u32, Option<String>, bool);
-
-/// A dummy client (see `hkvm.store.MooncakeDistributedStore.setup_dummy`).
-#[pyclass(frozen, module = "hkvm._native")]
-pub struct NativeDummy {
-    runtime: Option<tokio::runtime::Runtime>,
+/// A dummy client and the host memory it shares with its real client.
+pub struct Dummy {
     client: DummyClient,
-    buffers: BufferRegistry,
-    local_buffer_size: u64,
     /// Host memory shared with the real client, by its region number.
     shared: Mutex<Vec<SharedHost>>,
 }
@@ -65,14 +54,6 @@ impl SharedHost {
     }
 }
 
-impl Drop for NativeDummy {
-    fn drop(&mut self) {
-        if let Some(runtime) = self.runtime.take() {
-            runtime.shutdown_background();
-        }
-    }
-}
-
 /// Staging ranges handed back when dropped.
 struct Staged<'a> {
     client: &'a DummyClient,
@@ -87,29 +68,31 @@ impl Drop for Staged<'_> {
     }
 }
 
-impl NativeDummy {
-    fn wait<F>(&self, py: Python<'_>, future: F) -> F::Output
-    where
-        F: Future + Send,
-        F::Output: Send,
-    {
-        match &self.runtime {
-            Some(runtime) => py.detach(|| runtime.block_on(future)),
-            None => unreachable!("the runtime lives as long as the dummy"),
-        }
+impl Dummy {
+    /// Connects to the real client serving `port` with a shared region of
+    /// `pool_bytes` (the caller's pool) + `staging_bytes` (copying calls).
+    ///
+    /// # Errors
+    /// When the region cannot be made or no real client answers.
+    pub async fn connect(
+        port: u16,
+        pool_bytes: u64,
+        staging_bytes: u64,
+    ) -> Result<Self, DummyError> {
+        Ok(Self {
+            client: DummyClient::connect(port, pool_bytes, staging_bytes).await?,
+            shared: Mutex::new(Vec::new()),
+        })
     }
 
-    fn call(&self, py: Python<'_>, request: &DummyRequest) -> Result<DummyReply, i32> {
-        self.wait(py, self.client.call(request))
-            .map_err(|e| code_of(&e))
+    fn call(&self, wait: Wait<'_, '_>, request: &DummyRequest) -> Result<DummyReply, i32> {
+        wait.on(self.client.call(request)).map_err(|e| code_of(&e))
     }
 
-    /// The span of `[ptr, ptr + size)` when it lies in registered memory of the
-    /// shared pool or of shared host memory.
-    fn span(&self, ptr: usize, size: usize) -> Option<Span> {
-        if !self.buffers.contains(ptr, size) {
-            return None;
-        }
+    /// The span of a registered part when it lies in the shared pool or in
+    /// shared host memory.
+    fn span(&self, part: Part) -> Option<Span> {
+        let (ptr, size) = (part.ptr(), part.size());
         let in_pool = ptr
             .checked_sub(self.client.region().base())
             .map(|offset| Span::in_pool(offset as u64, size as u64))
@@ -121,9 +104,30 @@ impl NativeDummy {
         })
     }
 
+    /// Each key's parts as spans: the indexes of the keys whose parts all map,
+    /// and their spans; `refuse` gets the index of every other key.
+    fn spans(
+        &self,
+        parts: &[Vec<Part>],
+        mut refuse: impl FnMut(usize),
+    ) -> (Vec<usize>, Vec<Vec<Span>>) {
+        let mut wanted = Vec::with_capacity(parts.len());
+        let mut spans = Vec::with_capacity(parts.len());
+        for (index, parts) in parts.iter().enumerate() {
+            match parts.iter().map(|&part| self.span(part)).collect() {
+                Some(value) => {
+                    wanted.push(index);
+                    spans.push(value);
+                }
+                None => refuse(index),
+            }
+        }
+        (wanted, spans)
+    }
+
     /// Shares the host allocation holding `[ptr, ptr + size)` with the real
     /// client, unless it is shared already: whether the range is now shared.
-    fn share_host(&self, py: Python<'_>, ptr: usize, size: usize) -> Result<bool, i32> {
+    fn share_host(&self, wait: Wait<'_, '_>, ptr: usize, size: usize) -> Result<bool, i32> {
         if lock(&self.shared)
             .iter()
             .any(|shared| shared.span(ptr, size).is_some())
@@ -133,8 +137,8 @@ impl NativeDummy {
         let Some(memory) = host_memory::containing(ptr, size) else {
             return Ok(false);
         };
-        let region = self
-            .wait(py, self.client.share(memory.fd(), memory.len()))
+        let region = wait
+            .on(self.client.share(memory.fd(), memory.len()))
             .map_err(|error| {
                 tracing::error!(%error, "sharing host memory with the real client");
                 code_of(&error)
@@ -143,29 +147,121 @@ impl NativeDummy {
         Ok(true)
     }
 
-    /// Sizes of `keys` (or codes).
-    fn sizes(&self, py: Python<'_>, keys: &[String]) -> Vec<i64> {
-        match self.call(
-            py,
-            &DummyRequest::Size {
-                keys: keys.to_vec(),
+    /// Has the real client put each key's value from its spans of shared memory.
+    fn put_spans(
+        &self,
+        wait: Wait<'_, '_>,
+        keys: Vec<String>,
+        spans: Vec<Vec<Span>>,
+        placement: Placement,
+    ) -> Batch<i32> {
+        let count = keys.len();
+        let request = DummyRequest::Put {
+            keys,
+            spans,
+            placement: WirePlacement {
+                replicas: placement.replicas,
+                preferred_segment: placement.preferred_segment,
+                hard_pin: placement.hard_pin,
             },
-        ) {
-            Ok(DummyReply::Sizes(sizes)) if sizes.len() == keys.len() => sizes,
-            Ok(_) => vec![i64::from(ErrorCode::InternalError.value()); keys.len()],
-            Err(code) => vec![i64::from(code); keys.len()],
+        };
+        codes(self.call(wait, &request), count)
+    }
+}
+
+impl Backend for Dummy {
+    fn hostname(&self, wait: Wait<'_, '_>) -> String {
+        wait.on(self.client.hostname()).unwrap_or_default()
+    }
+
+    /// Nothing to release beyond dropping the connection and region.
+    fn close(&self, _wait: Wait<'_, '_>) {}
+
+    fn health(&self, wait: Wait<'_, '_>) -> i32 {
+        match self.call(wait, &DummyRequest::Health) {
+            Ok(DummyReply::Health(health)) => health,
+            _ => 2,
         }
     }
 
-    /// Reads each key (of known size) into staging and hands its bytes to `take`;
-    /// per key the code when it failed.
-    fn read_staged(
+    /// Copies each value into a staging range, then has the real client put
+    /// them from there.
+    fn put(
         &self,
-        py: Python<'_>,
+        wait: Wait<'_, '_>,
+        items: &[(&str, &[&[u8]])],
+        placement: Placement,
+    ) -> Batch<i32> {
+        let mut codes = vec![0; items.len()];
+        let mut holding = Staged {
+            client: &self.client,
+            offsets: Vec::new(),
+        };
+        let mut wanted = Vec::new();
+        let mut spans = Vec::new();
+        for (index, (_, parts)) in items.iter().enumerate() {
+            let size: u64 = parts.iter().map(|p| p.len() as u64).sum();
+            let Some(offset) = self.client.staging_alloc(size) else {
+                codes[index] = OVERFLOW;
+                continue;
+            };
+            holding.offsets.push(offset);
+            // SAFETY: a staging range just allocated for this call alone.
+            let Some(target) = (unsafe { self.client.region().slice_mut(offset, size) }) else {
+                codes[index] = INVALID;
+                continue;
+            };
+            let mut at = 0;
+            for part in *parts {
+                target[at..at + part.len()].copy_from_slice(part);
+                at += part.len();
+            }
+            wanted.push(index);
+            spans.push(vec![Span::in_pool(offset, size)]);
+        }
+        if !wanted.is_empty() {
+            let keys = wanted.iter().map(|&i| items[i].0.to_owned()).collect();
+            spread(
+                self.put_spans(wait, keys, spans, placement),
+                &wanted,
+                &mut codes,
+            );
+        }
+        Ok(codes)
+    }
+
+    fn put_from(
+        &self,
+        wait: Wait<'_, '_>,
+        keys: &[&str],
+        parts: &[Vec<Part>],
+        placement: Placement,
+    ) -> Batch<i32> {
+        let mut codes = vec![0; keys.len()];
+        let (wanted, spans) = self.spans(parts, |index| codes[index] = INVALID);
+        if !wanted.is_empty() {
+            let keys = wanted.iter().map(|&i| keys[i].to_owned()).collect();
+            spread(
+                self.put_spans(wait, keys, spans, placement),
+                &wanted,
+                &mut codes,
+            );
+        }
+        Ok(codes)
+    }
+
+    /// Has the real client read each value (of known size) into a staging range,
+    /// then copies it from there into its object.
+    fn read(
+        &self,
+        wait: Wait<'_, '_>,
         keys: &[String],
-        mut take: impl FnMut(usize, &[u8]) -> PyResult<()>,
+        limit: u64,
+        sink: &mut dyn Sink,
     ) -> PyResult<Vec<i32>> {
-        let sizes = self.sizes(py, keys);
+        let sizes = self
+            .size(wait, keys)
+            .unwrap_or_else(|code| vec![i64::from(code); keys.len()]);
         let mut codes = vec![0; keys.len()];
         let mut staged = Staged {
             client: &self.client,
@@ -175,7 +271,7 @@ impl NativeDummy {
         let mut spans = Vec::new();
         for (index, size) in sizes.iter().enumerate() {
             let size = match u64::try_from(*size) {
-                Ok(size) if size <= self.local_buffer_size => size,
+                Ok(size) if size <= limit => size,
                 Ok(_) => {
                     codes[index] = OVERFLOW;
                     continue;
@@ -200,7 +296,7 @@ impl NativeDummy {
             keys: wanted.iter().map(|&i| keys[i].clone()).collect(),
             spans: spans.clone(),
         };
-        match self.call(py, &request) {
+        match self.call(wait, &request) {
             Ok(DummyReply::Sizes(read)) if read.len() == wanted.len() => {
                 for ((&index, span), result) in wanted.iter().zip(&spans).zip(read) {
                     if result < 0 {
@@ -211,15 +307,17 @@ impl NativeDummy {
                     // (its reply arrived) and nobody else uses it until it is freed.
                     let bytes =
                         unsafe { self.client.region().slice(span[0].offset, result as u64) };
-                    match bytes {
-                        Some(bytes) => take(index, bytes)?,
-                        None => codes[index] = INVALID,
-                    }
+                    codes[index] = match bytes {
+                        Some(bytes) => sink.value(index, bytes.len() as u64, &mut |buffer| {
+                            buffer.copy_from_slice(bytes);
+                            Ok(())
+                        })?,
+                        None => INVALID,
+                    };
                 }
             }
-            Ok(_) => codes
-                .iter_mut()
-                .for_each(|c| *c = ErrorCode::InternalError.value()),
+            // A reply of the wrong shape leaves no key's result known.
+            Ok(_) => codes.iter_mut().for_each(|c| *c = INTERNAL),
             Err(code) => {
                 for &index in &wanted {
                     codes[index] = code;
@@ -228,373 +326,129 @@ impl NativeDummy {
         }
         Ok(codes)
     }
-}
 
-#[pymethods]
-impl NativeDummy {
-    /// Connects to the real client serving `server_address` (`host:port`; the
-    /// port names its socket) with a shared region of `mem_pool_size` +
-    /// `local_buffer_size` bytes.
-    ///
-    /// # Errors
-    /// `HkvmError((code, message))` when the address is bad or no real client
-    /// answers.
-    #[new]
-    fn new(
-        py: Python<'_>,
-        mem_pool_size: u64,
-        local_buffer_size: u64,
-        server_address: &str,
-    ) -> PyResult<Self> {
-        let port = server_address
-            .rsplit_once(':')
-            .map_or(server_address, |(_, port)| port)
-            .parse::<u16>()
-            .map_err(|_| {
-                HkvmError::new_err((
-                    INVALID,
-                    format!("server_address {server_address:?} has no port (host:port)"),
-                ))
-            })?;
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("hkvm-dummy")
-            .enable_all()
-            .build()
-            .map_err(|e| HkvmError::new_err((ErrorCode::InternalError.value(), e.to_string())))?;
-        let client = py
-            .detach(|| {
-                runtime.block_on(DummyClient::connect(port, mem_pool_size, local_buffer_size))
-            })
-            .map_err(|e| {
-                let mut message = e.to_string();
-                if let Some(source) = std::error::Error::source(&e) {
-                    message.push_str(&format!(": {source}"));
-                }
-                HkvmError::new_err((code_of(&e), message))
-            })?;
-        Ok(Self {
-            runtime: Some(runtime),
-            client,
-            buffers: BufferRegistry::default(),
-            local_buffer_size,
-            shared: Mutex::new(Vec::new()),
-        })
-    }
-
-    /// The real client's endpoint.
-    fn hostname(&self, py: Python<'_>) -> String {
-        self.wait(py, self.client.hostname()).unwrap_or_default()
-    }
-
-    /// The staging bound of copying calls.
-    fn local_buffer_size(&self) -> u64 {
-        self.local_buffer_size
-    }
-
-    /// Nothing to release beyond dropping the connection and region.
-    fn close(&self, _py: Python<'_>) {}
-
-    /// 0 healthy, 2 when the real client or its sub-master does not answer.
-    fn health(&self, py: Python<'_>) -> i32 {
-        match self.call(py, &DummyRequest::Health) {
-            Ok(DummyReply::Health(health)) => health,
-            _ => 2,
-        }
-    }
-
-    /// Puts values given as bytes parts, staged through the shared region.
-    fn put(
-        &self,
-        py: Python<'_>,
-        keys: Vec<String>,
-        values: Vec<Vec<Bound<'_, PyBytes>>>,
-        placement: PyPlacement,
-        staged: bool,
-    ) -> Vec<i32> {
-        if keys.len() != values.len() {
-            return vec![INVALID; keys.len()];
-        }
-        let mut codes = vec![0; keys.len()];
-        let mut holding = Staged {
-            client: &self.client,
-            offsets: Vec::new(),
-        };
-        let mut wanted = Vec::new();
-        let mut spans = Vec::new();
-        for (index, parts) in values.iter().enumerate() {
-            let size: u64 = parts.iter().map(|p| p.as_bytes().len() as u64).sum();
-            if staged && size > self.local_buffer_size {
-                codes[index] = OVERFLOW;
-                continue;
-            }
-            let Some(offset) = self.client.staging_alloc(size) else {
-                codes[index] = OVERFLOW;
-                continue;
-            };
-            holding.offsets.push(offset);
-            // SAFETY: a staging range just allocated for this call alone.
-            let Some(target) = (unsafe { self.client.region().slice_mut(offset, size) }) else {
-                codes[index] = INVALID;
-                continue;
-            };
-            let mut at = 0;
-            for part in parts {
-                let bytes = part.as_bytes();
-                target[at..at + bytes.len()].copy_from_slice(bytes);
-                at += bytes.len();
-            }
-            wanted.push(index);
-            spans.push(vec![Span::in_pool(offset, size)]);
-        }
+    fn get_into(&self, wait: Wait<'_, '_>, keys: &[&str], parts: &[Vec<Part>]) -> Batch<i64> {
+        let mut results = vec![0; keys.len()];
+        let (wanted, spans) = self.spans(parts, |index| results[index] = i64::from(INVALID));
         if wanted.is_empty() {
-            return codes;
+            return Ok(results);
         }
-        let request = DummyRequest::Put {
-            keys: wanted.iter().map(|&i| keys[i].clone()).collect(),
-            spans,
-            placement: Placement {
-                replicas: placement.0,
-                preferred_segment: placement.1,
-                hard_pin: placement.2,
-            },
-        };
-        spread(self.call(py, &request), &wanted, &mut codes);
-        codes
-    }
-
-    /// Puts values from registered memory of the shared pool.
-    fn put_from(
-        &self,
-        py: Python<'_>,
-        keys: Vec<String>,
-        ptrs: Vec<Vec<usize>>,
-        sizes: Vec<Vec<usize>>,
-        placement: PyPlacement,
-    ) -> Vec<i32> {
-        let Some(selected) = select(keys.len(), &ptrs, &sizes, |ptr, size| self.span(ptr, size))
-        else {
-            return vec![INVALID; keys.len()];
-        };
-        let mut codes = vec![0; keys.len()];
-        for &index in &selected.refused {
-            codes[index] = INVALID;
-        }
-        if selected.indexes.is_empty() {
-            return codes;
-        }
-        let request = DummyRequest::Put {
-            keys: selected.indexes.iter().map(|&i| keys[i].clone()).collect(),
-            spans: selected.parts,
-            placement: Placement {
-                replicas: placement.0,
-                preferred_segment: placement.1,
-                hard_pin: placement.2,
-            },
-        };
-        spread(self.call(py, &request), &selected.indexes, &mut codes);
-        codes
-    }
-
-    /// Reads values as bytes (or int codes).
-    fn get(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<Vec<Py<PyAny>>> {
-        let mut out: Vec<Option<Py<PyAny>>> = keys.iter().map(|_| None).collect();
-        let codes = self.read_staged(py, &keys, |index, bytes| {
-            out[index] = Some(PyBytes::new(py, bytes).into_any().unbind());
-            Ok(())
-        })?;
-        out.into_iter()
-            .zip(codes)
-            .map(|(value, code)| match value {
-                Some(value) => Ok(value),
-                None => Ok(code.into_pyobject(py)?.into_any().unbind()),
-            })
-            .collect()
-    }
-
-    /// Reads values into registered memory of the shared pool.
-    fn get_into(
-        &self,
-        py: Python<'_>,
-        keys: Vec<String>,
-        ptrs: Vec<Vec<usize>>,
-        sizes: Vec<Vec<usize>>,
-    ) -> Vec<i64> {
-        let Some(selected) = select(keys.len(), &ptrs, &sizes, |ptr, size| self.span(ptr, size))
-        else {
-            return vec![i64::from(INVALID); keys.len()];
-        };
-        let mut results = vec![0i64; keys.len()];
-        for &index in &selected.refused {
-            results[index] = i64::from(INVALID);
-        }
-        if selected.indexes.is_empty() {
-            return results;
-        }
-        let wanted = selected.indexes;
         let request = DummyRequest::GetInto {
-            keys: wanted.iter().map(|&i| keys[i].clone()).collect(),
-            spans: selected.parts,
+            keys: wanted.iter().map(|&i| keys[i].to_owned()).collect(),
+            spans,
         };
-        let reply = match self.call(py, &request) {
+        let read = match self.call(wait, &request) {
             Ok(DummyReply::Sizes(read)) if read.len() == wanted.len() => Ok(read),
-            Ok(_) => Err(ErrorCode::InternalError.value()),
+            Ok(_) => Err(INTERNAL),
             Err(code) => Err(code),
         };
-        for (position, &index) in wanted.iter().enumerate() {
-            results[index] = match &reply {
-                Ok(read) => read[position],
-                Err(code) => i64::from(*code),
-            };
-        }
-        results
+        spread(read, &wanted, &mut results);
+        Ok(results)
     }
 
-    /// Reads values into buffers made by `factory(size)`, or `None`.
-    fn get_buffer(
-        &self,
-        py: Python<'_>,
-        keys: Vec<String>,
-        factory: &Bound<'_, PyAny>,
-    ) -> PyResult<Vec<Py<PyAny>>> {
-        let mut out: Vec<Py<PyAny>> = keys.iter().map(|_| py.None()).collect();
-        self.read_staged(py, &keys, |index, bytes| {
-            let handle = factory.call1((bytes.len(),))?;
-            let array = handle.cast::<PyByteArray>()?;
-            // SAFETY: the buffer was just created and is not yet shared.
-            unsafe { array.as_bytes_mut() }.copy_from_slice(bytes);
-            out[index] = handle.unbind();
-            Ok(())
-        })?;
-        Ok(out)
-    }
-
-    /// Whether keys exist anywhere: 1, 0, or -1 each.
-    fn exist(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i32> {
-        match self.call(py, &DummyRequest::Exist { keys: keys.clone() }) {
-            Ok(DummyReply::Exist(exists)) if exists.len() == keys.len() => exists,
-            _ => vec![-1; keys.len()],
+    fn exist(&self, wait: Wait<'_, '_>, keys: &[String]) -> Batch<i32> {
+        match self.call(
+            wait,
+            &DummyRequest::Exist {
+                keys: keys.to_vec(),
+            },
+        ) {
+            Ok(DummyReply::Exist(exists)) if exists.len() == keys.len() => Ok(exists),
+            Ok(_) => Err(INTERNAL),
+            Err(code) => Err(code),
         }
     }
 
-    /// Per key its size or a negative code.
-    fn size(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i64> {
-        self.sizes(py, &keys)
+    fn size(&self, wait: Wait<'_, '_>, keys: &[String]) -> Batch<i64> {
+        match self.call(
+            wait,
+            &DummyRequest::Size {
+                keys: keys.to_vec(),
+            },
+        ) {
+            Ok(DummyReply::Sizes(sizes)) if sizes.len() == keys.len() => Ok(sizes),
+            Ok(_) => Err(INTERNAL),
+            Err(code) => Err(code),
+        }
     }
 
-    /// Removes keys: per key 0 or a negative code.
-    fn remove(&self, py: Python<'_>, keys: Vec<String>, force: bool) -> Vec<i32> {
-        let mut codes = vec![0; keys.len()];
-        let all: Vec<usize> = (0..keys.len()).collect();
-        spread(
-            self.call(py, &DummyRequest::Remove { keys, force }),
-            &all,
-            &mut codes,
-        );
-        codes
+    fn remove(&self, wait: Wait<'_, '_>, keys: Vec<String>, force: bool) -> Batch<i32> {
+        let count = keys.len();
+        codes(
+            self.call(wait, &DummyRequest::Remove { keys, force }),
+            count,
+        )
     }
 
-    /// Removes every object (or those matching `pattern`): a count or a code.
-    #[pyo3(signature = (pattern, force))]
-    fn remove_all(&self, py: Python<'_>, pattern: Option<String>, force: bool) -> i64 {
-        match self.call(py, &DummyRequest::RemoveAll { pattern, force }) {
+    fn remove_all(&self, wait: Wait<'_, '_>, pattern: Option<String>, force: bool) -> i64 {
+        match self.call(wait, &DummyRequest::RemoveAll { pattern, force }) {
             Ok(DummyReply::Count(count)) => count,
-            Ok(_) => i64::from(ErrorCode::InternalError.value()),
+            Ok(_) => i64::from(INTERNAL),
             Err(code) => i64::from(code),
         }
     }
 
-    /// Registers memory for zero-copy calls: 0, or -600 unless it lies in the
-    /// shared pool (`alloc_from_mem_pool`) or in host memory from
-    /// `MooncakeHostMemAllocator` (shared with the real client here).
-    fn register_buffer(&self, py: Python<'_>, ptr: usize, size: usize) -> i32 {
+    /// Accepts memory of the shared pool as it is, and shares host memory from
+    /// `MooncakeHostMemAllocator` with the real client; any other memory is
+    /// refused, since the real client could not reach it.
+    fn attach(&self, wait: Wait<'_, '_>, ptr: usize, size: usize) -> Result<(), i32> {
         let base = self.client.region().base();
         let pool_end = base + self.client.pool_bytes() as usize;
         let in_pool = ptr >= base && ptr.checked_add(size).is_some_and(|end| end <= pool_end);
-        if !in_pool {
-            match self.share_host(py, ptr, size) {
-                Ok(true) => {}
-                Ok(false) => {
-                    tracing::error!(
-                        ptr,
-                        size,
-                        "a dummy client's buffer must lie in its shared pool \
-                         (alloc_from_mem_pool) or in MooncakeHostMemAllocator memory"
-                    );
-                    return INVALID;
-                }
-                Err(code) => return code,
-            }
+        if in_pool || self.share_host(wait, ptr, size)? {
+            return Ok(());
         }
-        match self.buffers.register(ptr, size) {
-            Ok(()) => 0,
-            Err(_) => INVALID,
-        }
+        tracing::error!(
+            ptr,
+            size,
+            "a dummy client's buffer must lie in its shared pool \
+             (alloc_from_mem_pool) or in MooncakeHostMemAllocator memory"
+        );
+        Err(INVALID)
     }
 
-    /// Forgets a registration: 0 or -600. Host memory is no longer shared once
-    /// no registration lies in it.
-    fn unregister_buffer(&self, py: Python<'_>, ptr: usize) -> i32 {
-        if !self.buffers.unregister(ptr) {
-            return INVALID;
-        }
+    /// Host memory is no longer shared once no registration lies in it.
+    fn detach(&self, wait: Wait<'_, '_>, buffers: &BufferRegistry, _ptr: usize) {
         let unused: Vec<u32> = lock(&self.shared)
             .iter()
-            .filter(|shared| {
-                !self
-                    .buffers
-                    .overlaps(shared.memory.base(), shared.memory.len() as usize)
-            })
+            .filter(|shared| !buffers.overlaps(shared.memory.base(), shared.memory.len() as usize))
             .map(|shared| shared.region)
             .collect();
         for region in unused {
             lock(&self.shared).retain(|shared| shared.region != region);
-            if let Err(error) = self.wait(py, self.client.release(region)) {
+            if let Err(error) = wait.on(self.client.release(region)) {
                 tracing::warn!(%error, region, "releasing shared host memory");
             }
         }
-        0
     }
 
-    /// An address of `size` bytes in the shared pool, or 0 when it is full.
-    fn alloc_from_mem_pool(&self, size: u64) -> usize {
+    fn has_mem_pool(&self) -> bool {
+        true
+    }
+
+    fn pool_alloc(&self, size: u64) -> usize {
         self.client
             .pool_alloc(size)
             .map_or(0, |offset| self.client.region().base() + offset as usize)
     }
 
-    /// Gives an address from `alloc_from_mem_pool` back: 0 or -600.
-    fn free_to_mem_pool(&self, ptr: usize) -> i32 {
+    fn pool_free(&self, ptr: usize) -> bool {
         let offset = ptr.wrapping_sub(self.client.region().base()) as u64;
-        if self.client.pool_free(offset) {
-            0
-        } else {
-            INVALID
-        }
+        self.client.pool_free(offset)
+    }
+}
+
+/// Per-key codes from a reply to a request of `count` keys, or the code of the
+/// whole request's failure (a refusal, a lost connection, a reply of the wrong
+/// shape).
+fn codes(reply: Result<DummyReply, i32>, count: usize) -> Batch<i32> {
+    match reply {
+        Ok(DummyReply::Codes(codes)) if codes.len() == count => Ok(codes),
+        Ok(DummyReply::Refused { code, .. }) | Err(code) => Err(code),
+        Ok(_) => Err(INTERNAL),
     }
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Spreads a per-key reply (or a whole-request failure) over `codes` at `indexes`.
-fn spread(reply: Result<DummyReply, i32>, indexes: &[usize], codes: &mut [i32]) {
-    match reply {
-        Ok(DummyReply::Codes(results)) if results.len() == indexes.len() => {
-            for (&index, code) in indexes.iter().zip(results) {
-                codes[index] = code;
-            }
-        }
-        Ok(DummyReply::Refused { code, .. }) | Err(code) => {
-            for &index in indexes {
-                codes[index] = code;
-            }
-        }
-        Ok(_) => {
-            for &index in indexes {
-                codes[index] = ErrorCode::InternalError.value();
-            }
-        }
-    }
 }

@@ -1,10 +1,15 @@
 //! `hkvm._native`: the Rust side of the `hkvm` Python package. It only converts
-//! Python arguments to calls of [`hkvm_client::store::Store`] and results to
-//! Mooncake's integer codes; the Python-facing API (argument forms, defaults, the
-//! `MooncakeDistributedStore` class) is in `hkvm/store.py`. Every network wait and
-//! copy runs with the GIL released, on a Tokio runtime owned by the store.
+//! Python arguments to calls of a store backend (the embedded
+//! [`hkvm_client::store::Store`], or a dummy client of a real client's store) and
+//! results to Mooncake's integer codes; the Python-facing API (argument forms,
+//! defaults, the `MooncakeDistributedStore` class) is in `hkvm/store.py`. Every
+//! network wait and copy runs with the GIL released, on a Tokio runtime owned by
+//! the store.
 
+mod backend;
 mod dummy;
+mod embedded;
+mod error;
 mod host_memory;
 mod native;
 mod zero_copy;
@@ -19,13 +24,6 @@ use pyo3::prelude::*;
 /// binaries, the Rust client's other users, run on it too.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-pyo3::create_exception!(
-    _native,
-    HkvmError,
-    pyo3::exceptions::PyException,
-    "A store could not be set up; `args` are (Mooncake error code, message)."
-);
 
 /// Starts `tracing` output on stderr, filtered by `HKVM_LOG` (e.g. `info`,
 /// `hkvm_client=debug`); warnings only when it is unset. Only the first call acts.
@@ -45,10 +43,9 @@ fn init_logging() {
 /// The extension module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add("HkvmError", m.py().get_type::<HkvmError>())?;
+    m.add("HkvmError", m.py().get_type::<error::HkvmError>())?;
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     m.add_class::<native::NativeStore>()?;
-    m.add_class::<dummy::NativeDummy>()?;
     m.add_function(wrap_pyfunction!(host_memory::host_alloc, m)?)?;
     m.add_function(wrap_pyfunction!(host_memory::host_free, m)?)?;
     Ok(())

@@ -1,50 +1,53 @@
-//! `NativeStore`: one set-up [`Store`] and the Tokio runtime that drives it, with
-//! list-in, list-out methods the Python layer calls. Results are Mooncake codes
-//! (0 or negative), sizes, or Python objects; nothing here raises after setup.
+//! `NativeStore`: one set-up [`Backend`] (the embedded store, or a dummy client
+//! of a real client) and the Tokio runtime that drives it, with the list-in,
+//! list-out methods the Python layer calls. Each method checks its arguments'
+//! shape, calls the backend with the GIL released and places the results at
+//! their keys' positions. Results are Mooncake codes (0 or negative), sizes, or
+//! Python objects; nothing here raises after setup.
 
-use std::future::Future;
-
-use hkvm_client::store::{
-    segment_for, BufferRegistry, ErrorCode, Store, StoreAddress, StoreConfig, StoreError,
-};
-use hkvm_client::{Protocol, PutOptions};
+use hkvm_client::store::BufferRegistry;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes};
 
-use crate::zero_copy::select;
-use crate::HkvmError;
-
-/// The message of an error with its causes, outermost first.
-fn describe(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
-
-fn code_of(error: &StoreError) -> i32 {
-    let code = error.code().value();
-    tracing::debug!(code, error = describe(error), "store call failed");
-    code
-}
-
-const INVALID: i32 = ErrorCode::InvalidParams as i32;
+use crate::backend::{spread, Backend, Fill, Placement, Sink, Wait};
+use crate::dummy::{self, Dummy};
+use crate::embedded::{self, Embedded};
+use crate::error::{setup_failed, setup_refused, HkvmError, INTERNAL, INVALID, OVERFLOW};
+use crate::zero_copy::{select, Part};
 
 /// How Python passes a put's placement: replicas, preferred segment
 /// (`host:port`), hard pin.
-type Placement = (u32, Option<String>, bool);
-const OVERFLOW: i32 = ErrorCode::BufferOverflow as i32;
+type PyPlacement = (u32, Option<String>, bool);
 
-/// A set-up store (see `hkvm.store.MooncakeDistributedStore`).
+impl From<PyPlacement> for Placement {
+    fn from((replicas, preferred_segment, hard_pin): PyPlacement) -> Self {
+        Self {
+            replicas,
+            preferred_segment,
+            hard_pin,
+        }
+    }
+}
+
+/// A multi-threaded runtime of `workers` threads named `name`.
+fn runtime(workers: usize, name: &str) -> PyResult<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .thread_name(name)
+        .enable_all()
+        .build()
+        .map_err(|e| setup_refused(INTERNAL, e.to_string()))
+}
+
+/// A set-up store (see `hkvm.store.MooncakeDistributedStore`): `NativeStore(...)`
+/// for `setup`, `NativeStore.dummy(...)` for `setup_dummy`.
 #[pyclass(frozen, module = "hkvm._native")]
 pub struct NativeStore {
     runtime: Option<tokio::runtime::Runtime>,
-    store: Store,
+    backend: Box<dyn Backend>,
+    /// Memory the caller registered for zero-copy calls.
     buffers: BufferRegistry,
+    /// The staging bound of copying calls.
     local_buffer_size: u64,
 }
 
@@ -59,56 +62,24 @@ impl Drop for NativeStore {
 }
 
 impl NativeStore {
-    /// Runs `future` on the store's runtime with the GIL released.
-    fn wait<F>(&self, py: Python<'_>, future: F) -> F::Output
-    where
-        F: Future + Send,
-        F::Output: Send,
-    {
+    fn with(
+        runtime: tokio::runtime::Runtime,
+        backend: Box<dyn Backend>,
+        local_buffer_size: u64,
+    ) -> Self {
+        Self {
+            runtime: Some(runtime),
+            backend,
+            buffers: BufferRegistry::default(),
+            local_buffer_size,
+        }
+    }
+
+    /// Waits on the store's runtime for the caller holding the GIL as `py`.
+    fn wait<'a, 'py>(&'a self, py: Python<'py>) -> Wait<'a, 'py> {
         match &self.runtime {
-            Some(runtime) => py.detach(|| runtime.block_on(future)),
+            Some(runtime) => Wait::new(py, runtime),
             None => unreachable!("the runtime lives as long as the store"),
-        }
-    }
-
-    /// Placement options from Python's `(replicas, preferred segment, hard pin)`.
-    fn options(placement: &Placement) -> PutOptions {
-        let (replicas, preferred_segment, hard_pin) = placement;
-        PutOptions {
-            replicas: (*replicas).max(1),
-            preferred_segment: preferred_segment
-                .as_deref()
-                .filter(|s| !s.is_empty())
-                .and_then(segment_for),
-            hard_pin: *hard_pin,
-        }
-    }
-
-    /// Puts `items` (key, parts) and spreads the results over `codes` at
-    /// `indexes`.
-    fn put_items(
-        &self,
-        py: Python<'_>,
-        items: &[(&str, &[&[u8]])],
-        indexes: &[usize],
-        options: &PutOptions,
-        codes: &mut [i32],
-    ) {
-        if items.is_empty() {
-            return;
-        }
-        match self.wait(py, self.store.put(items, options)) {
-            Ok(results) => {
-                for (&index, result) in indexes.iter().zip(results) {
-                    codes[index] = result.map_or_else(|e| code_of(&e), |()| 0);
-                }
-            }
-            Err(error) => {
-                let code = code_of(&error);
-                for &index in indexes {
-                    codes[index] = code;
-                }
-            }
         }
     }
 }
@@ -132,36 +103,53 @@ impl NativeStore {
         protocol: &str,
         rdma_devices: &str,
     ) -> PyResult<Self> {
-        let fail = |error: StoreError| HkvmError::new_err((error.code().value(), describe(&error)));
-        let address: StoreAddress = master_server_addr
-            .parse()
-            .map_err(|e| fail(StoreError::Address(e)))?;
-        let protocol = Protocol::parse(protocol, rdma_devices)
-            .map_err(|e| fail(StoreError::InvalidParams(e.to_string())))?;
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("hkvm-store")
-            .enable_all()
-            .build()
-            .map_err(|e| HkvmError::new_err((ErrorCode::InternalError.value(), e.to_string())))?;
-        let mut config = StoreConfig::new(address, local_hostname);
-        config.global_segment_size = global_segment_size;
-        config.local_buffer_size = local_buffer_size;
-        config.protocol = protocol;
-        let store = py
-            .detach(|| runtime.block_on(Store::open(config)))
-            .map_err(fail)?;
-        Ok(Self {
-            runtime: Some(runtime),
-            store,
-            buffers: BufferRegistry::default(),
+        let config = embedded::config(
+            local_hostname,
+            master_server_addr,
+            global_segment_size,
             local_buffer_size,
-        })
+            protocol,
+            rdma_devices,
+        )
+        .map_err(|e| setup_failed(&e))?;
+        let runtime = runtime(2, "hkvm-store")?;
+        let store = Wait::new(py, &runtime)
+            .on(Embedded::open(config))
+            .map_err(|e| setup_failed(&e))?;
+        Ok(Self::with(runtime, Box::new(store), local_buffer_size))
     }
 
-    /// This process's endpoint (`host:port`).
-    fn hostname(&self) -> String {
-        self.store.hostname().to_owned()
+    /// Connects to the real client serving `server_address` (`host:port`; the
+    /// port names its socket) with a shared region of `mem_pool_size` +
+    /// `local_buffer_size` bytes.
+    ///
+    /// # Errors
+    /// `HkvmError((code, message))` when the address is bad or no real client
+    /// answers.
+    #[staticmethod]
+    fn dummy(
+        py: Python<'_>,
+        mem_pool_size: u64,
+        local_buffer_size: u64,
+        server_address: &str,
+    ) -> PyResult<Self> {
+        let port = dummy::socket_port(server_address).ok_or_else(|| {
+            setup_refused(
+                INVALID,
+                format!("server_address {server_address:?} has no port (host:port)"),
+            )
+        })?;
+        let runtime = runtime(1, "hkvm-dummy")?;
+        let client = Wait::new(py, &runtime)
+            .on(Dummy::connect(port, mem_pool_size, local_buffer_size))
+            .map_err(|e| setup_failed(&e))?;
+        Ok(Self::with(runtime, Box::new(client), local_buffer_size))
+    }
+
+    /// This process's transfer endpoint (`host:port`); a dummy's is its real
+    /// client's.
+    fn hostname(&self, py: Python<'_>) -> String {
+        self.backend.hostname(self.wait(py))
     }
 
     /// The staging bound of copying calls.
@@ -169,14 +157,14 @@ impl NativeStore {
         self.local_buffer_size
     }
 
-    /// Unmounts this process's segment and stops its node.
+    /// Unmounts this process's segment and stops its node (a dummy has neither).
     fn close(&self, py: Python<'_>) {
-        self.wait(py, self.store.close());
+        self.backend.close(self.wait(py));
     }
 
-    /// 0 healthy, 1 closed, 2 sub-master unreachable.
+    /// 0 healthy, 1 closed, 2 sub-master (or real client) unreachable.
     fn health(&self, py: Python<'_>) -> i32 {
-        self.wait(py, self.store.health()) as i32
+        self.backend.health(self.wait(py))
     }
 
     /// Puts values given as bytes parts (one list of parts per key). With
@@ -186,7 +174,7 @@ impl NativeStore {
         py: Python<'_>,
         keys: Vec<String>,
         values: Vec<Vec<Bound<'_, PyBytes>>>,
-        placement: Placement,
+        placement: PyPlacement,
         staged: bool,
     ) -> Vec<i32> {
         if keys.len() != values.len() {
@@ -208,8 +196,12 @@ impl NativeStore {
                 indexes.push(index);
             }
         }
-        let options = Self::options(&placement);
-        self.put_items(py, &items, &indexes, &options, &mut codes);
+        if !items.is_empty() {
+            let results = self
+                .backend
+                .put(self.wait(py), &items, Placement::from(placement));
+            spread(results, &indexes, &mut codes);
+        }
         codes
     }
 
@@ -221,15 +213,10 @@ impl NativeStore {
         keys: Vec<String>,
         ptrs: Vec<Vec<usize>>,
         sizes: Vec<Vec<usize>>,
-        placement: Placement,
+        placement: PyPlacement,
     ) -> Vec<i32> {
         let selected = select(keys.len(), &ptrs, &sizes, |ptr, size| {
-            // SAFETY: every range lies inside memory the caller registered and
-            // promised to keep valid until it unregisters it; the bytes are only
-            // read, during this call.
-            self.buffers
-                .contains(ptr, size)
-                .then(|| unsafe { std::slice::from_raw_parts(ptr as *const u8, size) })
+            Part::registered(&self.buffers, ptr, size)
         });
         let Some(selected) = selected else {
             return vec![INVALID; keys.len()];
@@ -238,61 +225,38 @@ impl NativeStore {
         for &index in &selected.refused {
             codes[index] = INVALID;
         }
-        let items: Vec<(&str, &[&[u8]])> = selected
-            .indexes
-            .iter()
-            .zip(&selected.parts)
-            .map(|(&index, parts)| (keys[index].as_str(), parts.as_slice()))
-            .collect();
-        let options = Self::options(&placement);
-        self.put_items(py, &items, &selected.indexes, &options, &mut codes);
+        if selected.indexes.is_empty() {
+            return codes;
+        }
+        let served: Vec<&str> = selected.indexes.iter().map(|&i| keys[i].as_str()).collect();
+        let results = self.backend.put_from(
+            self.wait(py),
+            &served,
+            &selected.parts,
+            Placement::from(placement),
+        );
+        spread(results, &selected.indexes, &mut codes);
         codes
     }
 
     /// Reads values as bytes: per key the bytes, or an int code when it failed
     /// (missing, larger than the staging buffer, unreadable).
-    fn get(&self, py: Python<'_>, keys: Vec<String>) -> Vec<Py<PyAny>> {
-        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let located = match self.wait(py, self.store.locate(&refs)) {
-            Ok(located) => located,
-            Err(error) => {
-                let code = code_of(&error);
-                return keys
-                    .iter()
-                    .map(|_| {
-                        code.into_pyobject(py)
-                            .map_or_else(|_| py.None(), |o| o.into_any().unbind())
-                    })
-                    .collect();
-            }
+    fn get(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<Vec<Py<PyAny>>> {
+        let mut sink = Bytes {
+            py,
+            values: keys.iter().map(|_| None).collect(),
         };
-        let mut out = Vec::with_capacity(keys.len());
-        for (key, located) in keys.iter().zip(located) {
-            let result: Result<Py<PyAny>, i32> = match located {
-                Err(error) => Err(code_of(&error)),
-                Ok(located) if located.list.size > self.local_buffer_size => Err(OVERFLOW),
-                Ok(located) => {
-                    let size = usize::try_from(located.list.size).unwrap_or(usize::MAX);
-                    let mut failed = 0;
-                    // The value is read straight into the new bytes object, with the
-                    // GIL released while it arrives.
-                    let bytes = PyBytes::new_with(py, size, |buffer| {
-                        let read =
-                            self.wait(py, self.store.read_located(key, &located, &mut [buffer]));
-                        read.map(|_| ()).map_err(|error| {
-                            failed = code_of(&error);
-                            HkvmError::new_err(failed)
-                        })
-                    });
-                    bytes.map(|b| b.into_any().unbind()).map_err(|_| failed)
-                }
-            };
-            out.push(result.unwrap_or_else(|code| {
-                code.into_pyobject(py)
-                    .map_or_else(|_| py.None(), |o| o.into_any().unbind())
-            }));
-        }
-        out
+        let codes = self
+            .backend
+            .read(self.wait(py), &keys, self.local_buffer_size, &mut sink)?;
+        sink.values
+            .into_iter()
+            .zip(codes)
+            .map(|(value, code)| match value {
+                Some(value) => Ok(value),
+                None => Ok(code.into_pyobject(py)?.into_any().unbind()),
+            })
+            .collect()
     }
 
     /// Reads values into registered memory: per key a list of (pointer, size)
@@ -305,44 +269,23 @@ impl NativeStore {
         sizes: Vec<Vec<usize>>,
     ) -> Vec<i64> {
         let selected = select(keys.len(), &ptrs, &sizes, |ptr, size| {
-            // SAFETY: every range lies inside memory the caller registered and
-            // promised to keep valid and not to touch while this call writes it.
-            self.buffers
-                .contains(ptr, size)
-                .then(|| unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, size) })
+            Part::registered(&self.buffers, ptr, size)
         });
-        let Some(mut selected) = selected else {
+        let Some(selected) = selected else {
             return vec![i64::from(INVALID); keys.len()];
         };
         let mut results = vec![0i64; keys.len()];
         for &index in &selected.refused {
             results[index] = i64::from(INVALID);
         }
-        let mut items: Vec<(&str, &mut [&mut [u8]])> = selected
-            .indexes
-            .iter()
-            .zip(selected.parts.iter_mut())
-            .map(|(&index, buffers)| (keys[index].as_str(), buffers.as_mut_slice()))
-            .collect();
-        if items.is_empty() {
+        if selected.indexes.is_empty() {
             return results;
         }
-        match self.wait(py, self.store.get_into(&mut items)) {
-            Ok(read) => {
-                for (&index, result) in selected.indexes.iter().zip(read) {
-                    results[index] = result.map_or_else(
-                        |e| i64::from(code_of(&e)),
-                        |size| i64::try_from(size).unwrap_or(i64::MAX),
-                    );
-                }
-            }
-            Err(error) => {
-                let code = i64::from(code_of(&error));
-                for &index in &selected.indexes {
-                    results[index] = code;
-                }
-            }
-        }
+        let served: Vec<&str> = selected.indexes.iter().map(|&i| keys[i].as_str()).collect();
+        let read = self
+            .backend
+            .get_into(self.wait(py), &served, &selected.parts);
+        spread(read, &selected.indexes, &mut results);
         results
     }
 
@@ -354,112 +297,136 @@ impl NativeStore {
         keys: Vec<String>,
         factory: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<Py<PyAny>>> {
-        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let Ok(located) = self.wait(py, self.store.locate(&refs)) else {
-            return Ok(keys.iter().map(|_| py.None()).collect());
+        let mut sink = Buffers {
+            factory,
+            values: keys.iter().map(|_| py.None()).collect(),
         };
-        let mut out = Vec::with_capacity(keys.len());
-        for (key, located) in keys.iter().zip(located) {
-            let Ok(located) = located else {
-                out.push(py.None());
-                continue;
-            };
-            if located.list.size > self.local_buffer_size {
-                out.push(py.None());
-                continue;
-            }
-            let handle = factory.call1((located.list.size,))?;
-            let array = handle.cast::<PyByteArray>()?;
-            // SAFETY: the buffer was just created here and is not yet visible to
-            // any other Python code, so nothing can resize or read it while it is
-            // filled with the GIL released.
-            let buffer = unsafe { array.as_bytes_mut() };
-            let read = self.wait(py, self.store.read_located(key, &located, &mut [buffer]));
-            out.push(match read {
-                Ok(_) => handle.unbind(),
-                Err(error) => {
-                    code_of(&error);
-                    py.None()
-                }
-            });
-        }
-        Ok(out)
+        self.backend
+            .read(self.wait(py), &keys, self.local_buffer_size, &mut sink)?;
+        Ok(sink.values)
     }
 
     /// Whether keys exist anywhere: 1 or 0 each, or -1 each when the check failed.
     fn exist(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i32> {
-        match self.wait(py, self.store.exist(&keys)) {
-            Ok(exists) => exists.into_iter().map(i32::from).collect(),
-            Err(error) => {
-                code_of(&error);
-                vec![-1; keys.len()]
-            }
-        }
+        self.backend
+            .exist(self.wait(py), &keys)
+            .unwrap_or_else(|_| vec![-1; keys.len()])
     }
 
     /// Per key its value's size, or a negative code.
     fn size(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i64> {
-        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        match self.wait(py, self.store.locate(&refs)) {
-            Ok(located) => located
-                .into_iter()
-                .map(|l| {
-                    l.map_or_else(
-                        |e| i64::from(code_of(&e)),
-                        |l| i64::try_from(l.list.size).unwrap_or(i64::MAX),
-                    )
-                })
-                .collect(),
-            Err(error) => vec![i64::from(code_of(&error)); keys.len()],
-        }
+        self.backend
+            .size(self.wait(py), &keys)
+            .unwrap_or_else(|code| vec![i64::from(code); keys.len()])
     }
 
     /// Removes keys wherever they are: per key 0 or a negative code.
     fn remove(&self, py: Python<'_>, keys: Vec<String>, force: bool) -> Vec<i32> {
-        match self.wait(py, self.store.remove(&keys, force)) {
-            Ok(results) => results
-                .into_iter()
-                .map(|r| r.map_or_else(|e| code_of(&e), |()| 0))
-                .collect(),
-            Err(error) => vec![code_of(&error); keys.len()],
-        }
+        let count = keys.len();
+        self.backend
+            .remove(self.wait(py), keys, force)
+            .unwrap_or_else(|code| vec![code; count])
     }
 
     /// Removes every object (or those whose key matches `pattern`) in the cluster:
     /// how many, or a negative code.
     #[pyo3(signature = (pattern, force))]
     fn remove_all(&self, py: Python<'_>, pattern: Option<String>, force: bool) -> i64 {
-        match self.wait(py, self.store.remove_all(pattern.as_deref(), force)) {
-            Ok(removed) => i64::try_from(removed).unwrap_or(i64::MAX),
-            Err(error) => i64::from(code_of(&error)),
-        }
+        self.backend.remove_all(self.wait(py), pattern, force)
     }
 
     /// Registers `[ptr, ptr + size)` for zero-copy calls: 0, or -600 for a null,
-    /// empty or overlapping range.
-    fn register_buffer(&self, ptr: usize, size: usize) -> i32 {
+    /// empty or overlapping range (on a dummy also for memory outside its shared
+    /// pool and `MooncakeHostMemAllocator` memory), or the code of a failure to
+    /// share it.
+    fn register_buffer(&self, py: Python<'_>, ptr: usize, size: usize) -> i32 {
         if self.buffers.register(ptr, size).is_err() {
             return INVALID;
         }
-        // SAFETY: the caller keeps registered memory alive until it unregisters it
-        // (the contract of Mooncake's `register_buffer`).
-        match unsafe { self.store.register_local(ptr as *mut u8, size) } {
+        match self.backend.attach(self.wait(py), ptr, size) {
             Ok(()) => 0,
-            Err(error) => {
-                tracing::warn!(%error, "the transport refused the buffer");
+            Err(code) => {
                 self.buffers.unregister(ptr);
-                INVALID
+                code
             }
         }
     }
 
     /// Forgets a registration: 0, or -600 when `ptr` starts none.
-    fn unregister_buffer(&self, ptr: usize) -> i32 {
-        if self.buffers.unregister(ptr) {
-            self.store.unregister_local(ptr as *mut u8);
+    fn unregister_buffer(&self, py: Python<'_>, ptr: usize) -> i32 {
+        if !self.buffers.unregister(ptr) {
+            return INVALID;
+        }
+        self.backend.detach(self.wait(py), &self.buffers, ptr);
+        0
+    }
+
+    /// Whether zero-copy memory must come from `alloc_from_mem_pool` (a dummy's
+    /// pool shared with its real client) rather than from the caller.
+    fn has_mem_pool(&self) -> bool {
+        self.backend.has_mem_pool()
+    }
+
+    /// An address of `size` bytes in the shared pool, or 0 when it is full (or
+    /// there is none).
+    fn alloc_from_mem_pool(&self, size: u64) -> usize {
+        self.backend.pool_alloc(size)
+    }
+
+    /// Gives an address from `alloc_from_mem_pool` back: 0 or -600.
+    fn free_to_mem_pool(&self, ptr: usize) -> i32 {
+        if self.backend.pool_free(ptr) {
             0
         } else {
             INVALID
         }
+    }
+}
+
+/// Read values as new `bytes` objects, filled in place.
+struct Bytes<'py> {
+    py: Python<'py>,
+    values: Vec<Option<Py<PyAny>>>,
+}
+
+impl Sink for Bytes<'_> {
+    fn value(&mut self, index: usize, size: u64, fill: &mut Fill<'_>) -> PyResult<i32> {
+        let size = usize::try_from(size).unwrap_or(usize::MAX);
+        let mut failed = 0;
+        let bytes = PyBytes::new_with(self.py, size, |buffer| {
+            fill(buffer).map_err(|code| {
+                failed = code;
+                HkvmError::new_err(code)
+            })
+        });
+        if let Ok(bytes) = bytes {
+            self.values[index] = Some(bytes.into_any().unbind());
+        }
+        Ok(failed)
+    }
+}
+
+/// Read values in buffers a Python factory makes (`BufferHandle`); `None` for a
+/// value that could not be read.
+struct Buffers<'a, 'py> {
+    factory: &'a Bound<'py, PyAny>,
+    values: Vec<Py<PyAny>>,
+}
+
+impl Sink for Buffers<'_, '_> {
+    fn value(&mut self, index: usize, size: u64, fill: &mut Fill<'_>) -> PyResult<i32> {
+        let handle = self.factory.call1((size,))?;
+        let array = handle.cast::<PyByteArray>()?;
+        // SAFETY: the buffer was just created here and is not yet visible to any
+        // other Python code, so nothing can resize or read it while it is filled
+        // with the GIL released.
+        let buffer = unsafe { array.as_bytes_mut() };
+        Ok(match fill(buffer) {
+            Ok(()) => {
+                self.values[index] = handle.unbind();
+                0
+            }
+            Err(code) => code,
+        })
     }
 }

@@ -1,7 +1,36 @@
 //! The argument shape every zero-copy call shares: per key a list of pointers and
-//! a list of sizes. Each (pointer, size) is turned into something the backend
-//! uses (a slice of registered memory, a span of the shared region); a key with
-//! any part that does not map is refused on its own.
+//! a list of sizes. Each (pointer, size) is checked against the registered
+//! buffers and becomes a [`Part`] the backend turns into what it uses (a slice of
+//! local memory, a span of memory shared with a real client); a key with any
+//! part outside registered memory is refused on its own.
+
+use hkvm_client::store::BufferRegistry;
+
+/// A range inside one buffer the caller registered (`register_buffer`). The
+/// caller promised to keep that memory valid until it unregisters it, and not to
+/// touch it while a call writes it; only [`Part::registered`] makes one.
+#[derive(Debug, Clone, Copy)]
+pub struct Part {
+    ptr: usize,
+    size: usize,
+}
+
+impl Part {
+    /// `[ptr, ptr + size)` when it lies inside one registered buffer.
+    pub fn registered(buffers: &BufferRegistry, ptr: usize, size: usize) -> Option<Self> {
+        buffers.contains(ptr, size).then_some(Self { ptr, size })
+    }
+
+    /// Its address.
+    pub fn ptr(self) -> usize {
+        self.ptr
+    }
+
+    /// Its length in bytes.
+    pub fn size(self) -> usize {
+        self.size
+    }
+}
 
 /// A zero-copy request split into the keys that can be served and those refused.
 pub struct Selected<T> {
