@@ -5,6 +5,7 @@
 
 mod leases;
 mod maintenance;
+mod mixed;
 mod objects;
 mod segments;
 
@@ -237,7 +238,7 @@ pub fn handle(
         Request::Status(Status {}) => Ok(Outcome::reply(Reply::Status(status(state, serving)))),
         Request::Mixed(mixed) => {
             check_batch(mixed.len(), policy)?;
-            Ok(objects::mixed(state, mixed, now_ms, policy))
+            Ok(mixed::mixed(state, mixed, now_ms, policy))
         }
         Request::LeaseSpace(ask) => leases::lease_space(state, ask, now_ms, policy),
         Request::PutCommit(commit) => {

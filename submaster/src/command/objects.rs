@@ -2,9 +2,9 @@
 //! remove_all.
 
 use hkvm_events::rpc::submaster::{
-    GetReplicaList, GetReplicaListReply, ItemError, ItemResult, Mixed, MixedReply, PutEnd,
-    PutEndItem, PutEndReply, PutRevoke, PutStart, PutStartItem, PutStartReply, Remove, RemoveAll,
-    RemoveAllReply, RemoveMatching, ReplicaList, ReplicaLocation, MAX_KEY_PATTERN_LEN,
+    GetReplicaList, GetReplicaListReply, ItemError, ItemResult, PutEnd, PutEndItem, PutEndReply,
+    PutRevoke, PutStart, PutStartItem, PutStartReply, Remove, RemoveAll, RemoveAllReply,
+    RemoveMatching, ReplicaList, ReplicaLocation, MAX_KEY_PATTERN_LEN,
 };
 use hkvm_events::rpc::RpcError;
 use hkvm_events::{KvEvent, PutCommitted, PutFlags, Removed};
@@ -120,7 +120,9 @@ pub(super) fn put_start(state: &mut State, put: PutStart, now_ms: u64, policy: &
     Outcome::reply(Reply::PutStart(start_all(state, put.items, now_ms, policy)))
 }
 
-fn start_all(
+/// The reservations of a `put_start` request or of a mixed request's part, in
+/// order.
+pub(super) fn start_all(
     state: &mut State,
     items: Vec<PutStartItem>,
     now_ms: u64,
@@ -141,7 +143,9 @@ pub(super) fn put_end(state: &mut State, put: PutEnd) -> Outcome {
     }
 }
 
-fn end_all(state: &State, items: Vec<PutEndItem>) -> (Vec<KvEvent>, PutEndReply) {
+/// The completions of a `put_end` request or of a mixed request's part: the
+/// events to append and each item's result, in order.
+pub(super) fn end_all(state: &State, items: Vec<PutEndItem>) -> (Vec<KvEvent>, PutEndReply) {
     let mut events = Vec::new();
     let mut results = Vec::with_capacity(items.len());
     let mut seen = std::collections::HashSet::new();
@@ -195,37 +199,6 @@ pub(super) fn exist(state: &State, keys: &[String]) -> Vec<bool> {
     keys.iter().map(|key| state.object(key).is_some()).collect()
 }
 
-/// The parts of a mixed request, decided in the order [`Mixed`] documents: reads
-/// first, then reservations, then commits (of reservations, then into leases).
-/// Only the commits cause events, and no part reads what a later part changes, so
-/// nothing needs applying in between.
-pub(super) fn mixed(state: &mut State, mixed: Mixed, now_ms: u64, policy: &Policy) -> Outcome {
-    let Mixed {
-        exist: exist_keys,
-        get_replica_list: get_keys,
-        put_start: start_items,
-        put_end: end_items,
-        put_commit: commit_items,
-    } = mixed;
-    let exist = exist(state, &exist_keys);
-    let get_replica_list = locate_all(state, &get_keys, now_ms, policy.lease_ttl_ms);
-    let put_start = start_all(state, start_items, now_ms, policy);
-    let (mut events, put_end) = end_all(state, end_items);
-    let (commit_events, put_commit) =
-        super::leases::commit_all(state, commit_items, now_ms, policy);
-    events.extend(commit_events);
-    Outcome {
-        events,
-        reply: Reply::Mixed(MixedReply {
-            exist,
-            get_replica_list,
-            put_start,
-            put_end,
-            put_commit,
-        }),
-    }
-}
-
 /// Abandons pending puts and frees their space (ephemeral: no event).
 pub(super) fn put_revoke(state: &mut State, revoke: PutRevoke) -> Outcome {
     let results = revoke
@@ -256,7 +229,7 @@ pub(super) fn get_replica_list(
 }
 
 /// Each key's replicas, leased for `lease_ms` (none when 0).
-fn locate_all(
+pub(super) fn locate_all(
     state: &mut State,
     keys: &[String],
     now_ms: u64,
