@@ -13,12 +13,13 @@ use bytes::Bytes;
 use futures::stream::FuturesOrdered;
 use futures::StreamExt as _;
 use hkvm_events::codec::{Header, MessageBuilder};
-use hkvm_events::registry::{ensure_registry_bucket, register, SubmasterInfo};
-use hkvm_events::stream::{ensure_stream, StreamSettings};
+use hkvm_events::registry::SubmasterInfo;
 use hkvm_events::subject::{bucket_name, event_subject, stream_name};
 use hkvm_events::{
     ClusterId, KvEvent, Placement, ProducerId, PutCommitted, SegmentId, SubclusterId,
 };
+use hkvm_log::registry::{ensure_registry_bucket, register};
+use hkvm_log::stream::{ensure_stream, StreamSettings};
 
 /// Events per published message.
 const EVENTS_PER_MESSAGE: usize = 1024;

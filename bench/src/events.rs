@@ -11,14 +11,14 @@ use bytes::Bytes;
 use futures::stream::FuturesOrdered;
 use futures::StreamExt as _;
 use hkvm_events::codec::{decode_message, Header, MessageBuilder};
-use hkvm_events::commit::{CommitConfig, GroupCommitter};
 use hkvm_events::key_ops::decode_key_ops;
-use hkvm_events::log::{EventLog, JetStreamLog, ReadOptions};
-use hkvm_events::stream::{ensure_stream, StreamSettings};
 use hkvm_events::subject::{event_subject, stream_name};
 use hkvm_events::{
     ClusterId, KvEvent, Limits, Placement, ProducerId, PutCommitted, SegmentId, SubclusterId,
 };
+use hkvm_log::commit::{CommitConfig, GroupCommitter};
+use hkvm_log::stream::{ensure_stream, StreamSettings};
+use hkvm_log::{EventLog, JetStreamLog, ReadOptions};
 
 use super::alloc::allocations;
 use super::report::{BenchResult, Printer};

@@ -10,10 +10,10 @@ use anyhow::Context as _;
 use async_nats::jetstream;
 use futures::StreamExt as _;
 use hkvm_events::key_ops::{decode_key_ops, KeyOps};
-use hkvm_events::log::{EventLog, JetStreamLog, ReadOptions};
 use hkvm_events::subject::{event_subject, stream_name};
 use hkvm_events::Limits;
 use hkvm_globalmaster::GlobalMaster;
+use hkvm_log::{EventLog, JetStreamLog, ReadOptions};
 use hkvm_projector::Projection;
 
 use super::cluster::BenchCluster;

@@ -14,15 +14,15 @@ use futures::stream::FuturesOrdered;
 use futures::StreamExt as _;
 use hkvm_client::{RetryPolicy, SubmasterClient};
 use hkvm_events::codec::{Header, MessageBuilder};
-use hkvm_events::log::{Append, EventLog, JetStreamLog};
 use hkvm_events::rpc::submaster::{ItemResult, PutEndItem, PutStartItem};
-use hkvm_events::snapshot::SnapshotStore;
-use hkvm_events::stream::ensure_stream;
 use hkvm_events::subject::{bucket_name, event_subject, message_id, stream_name};
 use hkvm_events::{
     ClusterId, KvEvent, NodeId, Placement, ProducerId, PutCommitted, SegmentId, SegmentMounted,
     SubclusterId,
 };
+use hkvm_log::stream::ensure_stream;
+use hkvm_log::SnapshotStore;
+use hkvm_log::{Append, EventLog, JetStreamLog};
 use hkvm_submaster::server::load_state;
 use hkvm_submaster::snapshot;
 use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
@@ -165,7 +165,7 @@ impl Bench {
             next = last;
             if pending.len() >= WINDOW {
                 if let Some(ack) = pending.next().await {
-                    let _: hkvm_events::log::AppendAck = ack?;
+                    let _: hkvm_log::AppendAck = ack?;
                 }
             }
             self.messages += 1;

@@ -281,9 +281,7 @@ async fn snapshot_store_entries(
     config: &SubmasterConfig,
 ) -> anyhow::Result<usize> {
     let bucket = Bucket::Snapshots.name(&config.cluster);
-    Ok(hkvm_events::objects::metadata_names(js, &bucket)
-        .await?
-        .len())
+    Ok(hkvm_log::objects::metadata_names(js, &bucket).await?.len())
 }
 
 /// Runs the workload.

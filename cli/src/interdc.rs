@@ -46,8 +46,7 @@ impl ImpairArgs {
         Impairment {
             delay: Duration::from_millis(self.wan_delay_ms),
             loss: self.wan_loss,
-            seed: u64::from(std::process::id())
-                ^ hkvm_events::registry::now_unix_ms().rotate_left(17),
+            seed: u64::from(std::process::id()) ^ hkvm_log::registry::now_unix_ms().rotate_left(17),
         }
     }
 }
@@ -241,7 +240,7 @@ async fn print_status(args: StatusArgs) -> anyhow::Result<()> {
     if args.json {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {
-        print!("{}", status.render(hkvm_events::registry::now_unix_ms()));
+        print!("{}", status.render(hkvm_log::registry::now_unix_ms()));
     }
     Ok(())
 }

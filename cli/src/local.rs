@@ -5,19 +5,16 @@
 //! across sub-clusters — prints where everything is, and stops it all cleanly on
 //! Ctrl-C or SIGTERM.
 
-mod nats;
-
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use hkvm_client::{KvClient, NodeConfig, NodeHandle, SubmasterClient};
 use hkvm_events::{ClusterId, NodeId, ProducerId, SubclusterId};
 use hkvm_globalmaster::{GlobalMaster, GlobalMasterConfig};
+use hkvm_natsd::{port_is_free, ClientPort, NatsServer, ServerOptions, ToolsDir};
 use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
 use hkvm_transfer::TcpTransport;
-
-use nats::EmbeddedNats;
 
 /// Options of `hkvm local`.
 #[derive(Debug, clap::Args)]
@@ -73,18 +70,21 @@ async fn demo(clients: Vec<KvClient>) {
     }
 }
 
-fn port_is_free(port: u16) -> bool {
-    TcpListener::bind(("127.0.0.1", port)).is_ok()
-}
-
 /// Runs the local cluster until Ctrl-C, SIGTERM or `--run-for`.
 ///
 /// # Errors
 /// When nats-server cannot be found or started, or a service fails to start.
 pub async fn run(args: LocalArgs) -> anyhow::Result<()> {
-    let mut nats = EmbeddedNats::start(&format!("hkvm-{}", args.cluster), args.port)
-        .await
-        .context("starting the embedded nats-server")?;
+    // The nats-server next to this binary's checkout, not the one it was built in: an
+    // installed `hkvm` runs the nats-server of the machine it runs on.
+    let mut nats = NatsServer::start_with(ServerOptions {
+        name: format!("hkvm-{}", args.cluster),
+        client_port: ClientPort::Preferred(args.port),
+        tools_dir: ToolsDir::AboveExecutable,
+        ..ServerOptions::default()
+    })
+    .await
+    .context("starting the embedded nats-server")?;
     tracing::info!(url = %nats.url(), store = %nats.store_dir().display(), "nats-server with JetStream is up");
 
     let mut services = Vec::new();

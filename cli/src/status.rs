@@ -9,13 +9,13 @@ use std::time::Duration;
 use anyhow::Context as _;
 use async_nats::jetstream;
 use hkvm_client::{GlobalClient, RetryPolicy};
-use hkvm_events::log::JetStreamLog;
-use hkvm_events::positions::Positions;
-use hkvm_events::registry::{list, now_unix_ms, open_registry};
 use hkvm_events::rpc::global::{GlobalOp, GlobalStatus, GlobalStatusReply};
-use hkvm_events::snapshot::SnapshotStore;
 use hkvm_events::subject::{event_subject, stream_name};
 use hkvm_events::{ClusterId, SubclusterId};
+use hkvm_log::positions::Positions;
+use hkvm_log::registry::{list, now_unix_ms, open_registry};
+use hkvm_log::JetStreamLog;
+use hkvm_log::SnapshotStore;
 
 use crate::target::Target;
 

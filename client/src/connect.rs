@@ -26,7 +26,7 @@ pub enum ConnectError {
 /// `name`. `user:password@` in one of the URLs is used for the connection (the
 /// client library applies credentials of a list only when told to). The
 /// connection's losses and reconnections are logged, and a reconnection ends the
-/// wait of every request whose answer it lost ([`hkvm_events::connection`]).
+/// wait of every request whose answer it lost ([`hkvm_log::connection`]).
 ///
 /// # Errors
 /// [`ConnectError`].
@@ -44,7 +44,7 @@ pub async fn connect(urls: &str, name: &str) -> Result<async_nats::Client, Conne
     let mut options = async_nats::ConnectOptions::new()
         .name(name)
         .event_callback(move |event| {
-            hkvm_events::connection::observe(&connection, &event);
+            hkvm_log::connection::observe(&connection, &event);
             async {}
         });
     if let Some((user, password)) = servers

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::RequestErrorKind;
-use hkvm_events::connection::ConnectionEpoch;
 use hkvm_events::rpc::{self, RpcErrorCode, RpcReply};
+use hkvm_log::connection::ConnectionEpoch;
 use rand::Rng as _;
 use serde::de::DeserializeOwned;
 use serde::Serialize;

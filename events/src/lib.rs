@@ -1,26 +1,21 @@
-//! KVEvent wire types and the event log: the versioned message envelope, event kinds,
-//! validation limits, every subject and stream name, stream settings, the
-//! [`log::EventLog`] trait (in-memory and JetStream) and group commit.
+//! KVEvent formats: the versioned message envelope, event kinds, key operations,
+//! RPC messages, snapshot and checkpoint formats, ids, validation limits, and every
+//! subject and stream name. Formats only: no async runtime and no NATS client, so a
+//! decoder links neither; the JetStream I/O that reads and writes them is
+//! `hkvm-log`.
 
 pub mod checkpoint;
 pub mod codec;
-pub mod commit;
-pub mod connection;
 pub mod error;
 pub mod event;
-pub mod follow;
 pub mod id;
 pub mod key_ops;
 pub mod limits;
-pub mod log;
 mod msgpack;
-pub mod objects;
-pub mod pace;
 pub mod positions;
 pub mod registry;
 pub mod rpc;
 pub mod snapshot;
-pub mod stream;
 pub mod subject;
 pub mod transport;
 

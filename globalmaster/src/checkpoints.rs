@@ -9,10 +9,10 @@
 use async_nats::jetstream::{self, object_store};
 use futures::StreamExt as _;
 use hkvm_events::checkpoint::{Checkpoint, CheckpointError, CheckpointReader};
-use hkvm_events::objects;
-use hkvm_events::positions::{Positions, ReaderKind};
 use hkvm_events::subject::{bloom_object_name, checkpoint_object_name, Bucket};
 use hkvm_events::{ClusterId, SubclusterId};
+use hkvm_log::objects;
+use hkvm_log::positions::{Positions, ReaderKind};
 use hkvm_projector::{checkpoint, Projection};
 use tokio::io::AsyncReadExt as _;
 
@@ -149,7 +149,7 @@ pub async fn load_newest(
 /// `positions` how far it covers each stream (a restart from it reads on from
 /// there, so the streams may be purged up to it), then drops all but the newest
 /// [`CHECKPOINTS_KEPT`] for good (their deleted markers too, see
-/// [`hkvm_events::objects`]).
+/// [`hkvm_log::objects`]).
 ///
 /// # Errors
 /// When encoding or storing fails.

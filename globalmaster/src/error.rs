@@ -65,8 +65,8 @@ impl GlobalMasterError {
     }
 }
 
-impl From<hkvm_events::registry::RegistryError> for GlobalMasterError {
-    fn from(error: hkvm_events::registry::RegistryError) -> Self {
+impl From<hkvm_log::registry::RegistryError> for GlobalMasterError {
+    fn from(error: hkvm_log::registry::RegistryError) -> Self {
         Self::caused(GlobalMasterErrorKind::Registry, "the registry", error)
     }
 }

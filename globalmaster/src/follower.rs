@@ -1,5 +1,5 @@
 //! The projection as a [`FoldTarget`]: one adapter per followed source, driven by
-//! the shared stream follower of [`hkvm_events::follow`]. It takes the projection's
+//! the shared stream follower of [`hkvm_log::follow`]. It takes the projection's
 //! write lock per message (queries wait at most one message's fold), records lag
 //! and resyncs for `status` and the metrics, and opens the serving gate once every
 //! initial source caught up.
@@ -7,9 +7,9 @@
 use std::sync::Arc;
 
 use async_nats::jetstream;
-use hkvm_events::follow::{FoldTarget, FollowConfig, Follower, OutOfOrder, ResyncReason, Seed};
 use hkvm_events::key_ops::KeyOps;
 use hkvm_events::{key_hash, SubclusterId};
+use hkvm_log::follow::{FoldTarget, FollowConfig, Follower, OutOfOrder, ResyncReason, Seed};
 use hkvm_projector::ProjectorErrorKind;
 
 use crate::metrics::source_label;

@@ -24,10 +24,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use async_nats::jetstream;
-use hkvm_events::positions::Positions;
 use hkvm_events::rpc::global::GlobalStatusReply;
 use hkvm_events::subject::Bucket;
+use hkvm_log::positions::Positions;
 use hkvm_projector::Projection;
+use hkvm_telemetry::TelemetryError;
 
 pub use config::GlobalMasterConfig;
 pub use error::{GlobalMasterError, GlobalMasterErrorKind};
@@ -81,20 +82,18 @@ impl GlobalMaster {
         sources.spawn_background().await?;
         let rpc = rpc::serve(Arc::clone(&shared), client).await?;
         sources.keep(rpc);
-        let metrics_server = match metrics_addr {
-            Some(addr) => Some(
-                hkvm_telemetry::MetricsServer::start(addr, shared.metrics.registry())
-                    .await
-                    .map_err(|e| {
-                        GlobalMasterError::caused(
-                            GlobalMasterErrorKind::Metrics,
-                            format!("binding {addr}"),
-                            e,
-                        )
-                    })?,
-            ),
-            None => None,
-        };
+        let metrics_server = shared
+            .metrics
+            .registry()
+            .serve(metrics_addr)
+            .await
+            .map_err(|TelemetryError::Bind { addr, source }| {
+                GlobalMasterError::caused(
+                    GlobalMasterErrorKind::Metrics,
+                    format!("binding {addr}"),
+                    source,
+                )
+            })?;
         Ok(Self {
             shared,
             sources,

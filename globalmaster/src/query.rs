@@ -4,13 +4,13 @@
 
 use std::collections::BTreeMap;
 
-use hkvm_events::registry::Registered;
 use hkvm_events::rpc::global::{
     BatchIsExistReply, LabelFilter, LabelMode, Owner, PrefixLength, Staleness, MAX_BATCH_KEYS,
     MAX_PREFIX_KEYS,
 };
 use hkvm_events::rpc::RpcError;
 use hkvm_events::{key_hash, Limits, SubclusterId};
+use hkvm_log::registry::Registered;
 use hkvm_projector::index::OVERFLOW_BIT;
 use hkvm_projector::Projection;
 
@@ -307,11 +307,12 @@ pub fn route(
 mod tests {
     use std::collections::BTreeMap;
 
-    use hkvm_events::registry::{Registered, SubmasterInfo};
+    use hkvm_events::registry::SubmasterInfo;
     use hkvm_events::rpc::global::{LabelFilter, LabelMode};
     use hkvm_events::{
         ClusterId, KvEvent, Placement, ProducerId, PutCommitted, SegmentId, SubclusterId,
     };
+    use hkvm_log::registry::Registered;
     use hkvm_projector::Projection;
 
     use super::*;

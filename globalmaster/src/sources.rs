@@ -9,12 +9,12 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use futures::StreamExt as _;
-use hkvm_events::log::{EventLog, JetStreamLog};
-use hkvm_events::positions::Positions;
-use hkvm_events::registry::{self, Registered, RegistryChange};
 use hkvm_events::subject::Bucket;
 use hkvm_events::subject::{event_subject, stream_name};
 use hkvm_events::SubclusterId;
+use hkvm_log::positions::Positions;
+use hkvm_log::registry::{self, Registered, RegistryChange};
+use hkvm_log::{EventLog, JetStreamLog};
 use tokio::task::JoinHandle;
 
 use crate::checkpoints;

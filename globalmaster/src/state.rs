@@ -5,10 +5,11 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use hkvm_events::registry::{now_unix_ms, Registered};
 use hkvm_events::rpc::global::{SourceLag, SourceStatus, Staleness};
 use hkvm_events::SubclusterId;
+use hkvm_log::registry::{now_unix_ms, Registered};
 use hkvm_projector::Projection;
+use hkvm_telemetry::metrics::gauge_value;
 
 use crate::config::GlobalMasterConfig;
 use crate::metrics::{source_label, Metrics};
@@ -26,6 +27,22 @@ pub(crate) struct Position {
     pub gates_serving: bool,
 }
 
+/// Each sub-cluster's stream end, from one look at the streams.
+#[derive(Debug, Clone)]
+pub(crate) struct StreamEnds {
+    /// When the look started.
+    pub started: tokio::time::Instant,
+    /// (sub-cluster, last sequence) per followed or registered sub-cluster.
+    pub ends: Vec<(SubclusterId, u64)>,
+}
+
+/// The newest look at the streams, shared by the waiters of sync lookups
+/// (`crate::sync` takes and renews it).
+#[derive(Debug, Default)]
+pub(crate) struct Looks {
+    pub newest: tokio::sync::Mutex<Option<StreamEnds>>,
+}
+
 /// Shared by the followers, the query server and the background tasks.
 #[derive(Debug)]
 pub(crate) struct Shared {
@@ -38,7 +55,7 @@ pub(crate) struct Shared {
     /// Bumped whenever a source's applied sequence moves (sync lookups wait on it).
     pub applied: tokio::sync::watch::Sender<u64>,
     /// The newest look at the streams' ends, shared by sync lookups.
-    pub looks: crate::sync::Looks,
+    pub looks: Looks,
 }
 
 impl Shared {
@@ -51,7 +68,7 @@ impl Shared {
             replaying: AtomicBool::new(true),
             metrics: Metrics::new(),
             applied: tokio::sync::watch::Sender::new(0),
-            looks: crate::sync::Looks::default(),
+            looks: Looks::default(),
         }
     }
 
@@ -94,7 +111,7 @@ impl Shared {
         self.metrics
             .lag_events
             .get_or_create(&source_label(subcluster.as_str()))
-            .set(i64::try_from(lag).unwrap_or(i64::MAX));
+            .set(gauge_value(lag));
     }
 
     /// Marks a source caught up, and the replica serving once every gating source
@@ -178,11 +195,9 @@ impl Shared {
     pub fn update_index_gauges(&self) {
         let projection = self.read();
         let index = projection.index();
-        self.metrics
-            .keys
-            .set(i64::try_from(index.len()).unwrap_or(i64::MAX));
+        self.metrics.keys.set(gauge_value(index.len()));
         self.metrics
             .index_bytes
-            .set(i64::try_from(index.memory_bytes()).unwrap_or(i64::MAX));
+            .set(gauge_value(index.memory_bytes()));
     }
 }

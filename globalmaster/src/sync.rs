@@ -13,54 +13,36 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use async_nats::jetstream;
-use hkvm_events::log::{EventLog as _, JetStreamLog};
 use hkvm_events::rpc::{RpcError, RpcErrorCode};
 use hkvm_events::subject::{event_subject, stream_name};
 use hkvm_events::SubclusterId;
+use hkvm_log::{EventLog as _, JetStreamLog};
 use tokio::time::Instant;
 
-use crate::state::Shared;
-
-/// Each sub-cluster's stream end, from one look at the streams.
-#[derive(Debug, Clone)]
-pub(crate) struct StreamEnds {
-    /// When the look started.
-    started: Instant,
-    /// (sub-cluster, last sequence) per followed or registered sub-cluster.
-    ends: Vec<(SubclusterId, u64)>,
-}
-
-/// The newest look at the streams, shared by the waiters.
-#[derive(Debug, Default)]
-pub(crate) struct Looks {
-    newest: tokio::sync::Mutex<Option<StreamEnds>>,
-}
+use crate::state::{Shared, StreamEnds};
 
 fn stale(message: impl Into<String>) -> RpcError {
     RpcError::new(RpcErrorCode::Stale, message)
 }
 
-impl Looks {
-    /// The stream ends as of a look that started at or after `arrived`.
-    async fn ends_since(
-        &self,
-        shared: &Shared,
-        js: &jetstream::Context,
-        arrived: Instant,
-    ) -> Result<Vec<(SubclusterId, u64)>, RpcError> {
-        // One look at a time; whoever waited for the lock may find a fresh one.
-        let mut newest = self.newest.lock().await;
-        if let Some(look) = newest.as_ref().filter(|look| look.started >= arrived) {
-            return Ok(look.ends.clone());
-        }
-        let started = Instant::now();
-        let ends = look(shared, js).await?;
-        *newest = Some(StreamEnds {
-            started,
-            ends: ends.clone(),
-        });
-        Ok(ends)
+/// The stream ends as of a look that started at or after `arrived`.
+async fn ends_since(
+    shared: &Shared,
+    js: &jetstream::Context,
+    arrived: Instant,
+) -> Result<Vec<(SubclusterId, u64)>, RpcError> {
+    // One look at a time; whoever waited for the lock may find a fresh one.
+    let mut newest = shared.looks.newest.lock().await;
+    if let Some(look) = newest.as_ref().filter(|look| look.started >= arrived) {
+        return Ok(look.ends.clone());
     }
+    let started = Instant::now();
+    let ends = look(shared, js).await?;
+    *newest = Some(StreamEnds {
+        started,
+        ends: ends.clone(),
+    });
+    Ok(ends)
 }
 
 /// The last stream sequence of every sub-cluster this replica follows or sees
@@ -124,7 +106,7 @@ pub(crate) async fn wait_current(
     // Subscribed before the first check, so no application between the check and
     // the wait goes unnoticed.
     let mut applied = shared.applied.subscribe();
-    let ends = tokio::time::timeout_at(deadline, shared.looks.ends_since(shared, js, arrived))
+    let ends = tokio::time::timeout_at(deadline, ends_since(shared, js, arrived))
         .await
         .map_err(|_| stale("the event streams did not say how far they go in time"))??;
     loop {

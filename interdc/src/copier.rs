@@ -7,9 +7,9 @@
 use std::time::Duration;
 
 use hkvm_client::{KvClient, KvError};
-use hkvm_events::registry::now_unix_ms;
 use hkvm_events::rpc::submaster::ItemError;
 use hkvm_events::{ClusterId, SubclusterId};
+use hkvm_log::registry::now_unix_ms;
 use hkvm_transfer::wan::ReceiveReport;
 
 use crate::clients::PoolClients;

@@ -1,7 +1,7 @@
 //! Following both pools: a registry watcher per pool starts one stream follower per
 //! sub-master (on the source side only those the policy's labels allow) and keeps
 //! each sub-cluster's labels and fill current. Each stream is read by the shared
-//! follower of [`hkvm_events::follow`] (gaps, resets, re-created streams, purges,
+//! follower of [`hkvm_log::follow`] (gaps, resets, re-created streams, purges,
 //! undecodable messages, seeding from a snapshot), folding into one slot of the
 //! shared [`Diff`](crate::diff::Diff) through [`DiffSlot`].
 
@@ -10,14 +10,14 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use hkvm_events::codec::Decoded;
-use hkvm_events::follow::{FoldTarget, FollowConfig, Follower, OutOfOrder, ResyncReason, Seed};
-use hkvm_events::positions::{Positions, ReaderKind};
-use hkvm_events::registry::now_unix_ms;
-use hkvm_events::registry::{list, open_registry};
 use hkvm_events::{key_hash, ClusterId};
+use hkvm_log::follow::{FoldTarget, FollowConfig, Follower, OutOfOrder, ResyncReason, Seed};
+use hkvm_log::positions::{Positions, ReaderKind};
+use hkvm_log::registry::now_unix_ms;
+use hkvm_log::registry::{list, open_registry};
+use hkvm_telemetry::metrics::label;
 
 use crate::diff::{Side, SourceBlock};
-use crate::metrics::label;
 use crate::policy::Policy;
 use crate::shared::{Shared, SubclusterInfo};
 

@@ -3,15 +3,17 @@
 //! newest blocks first, each paced to its share of the bandwidth cap, and write a
 //! status record every second.
 
-use hkvm_events::follow::FollowConfig;
-use hkvm_events::positions::Positions;
+use hkvm_log::follow::FollowConfig;
+use hkvm_log::positions::Positions;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
-use hkvm_events::registry::now_unix_ms;
 use hkvm_events::ClusterId;
+use hkvm_log::registry::now_unix_ms;
+use hkvm_telemetry::metrics::{gauge_value, label};
+use hkvm_telemetry::TelemetryError;
 use hkvm_transfer::wan::{FecConfig, Impairment};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -21,7 +23,6 @@ use crate::copier::{Copier, CopyOutcome};
 use crate::diff::{Backlog, Candidate, Diff, Side};
 use crate::error::InterDcError;
 use crate::follow::{discover, watch_pool, Pool};
-use crate::metrics::label;
 use crate::policy::Policy;
 use crate::progress::{CopiedRecord, InFlightRecord, Progress};
 use crate::shared::Shared;
@@ -79,7 +80,7 @@ impl InterDcConfig {
             wan_advertise_host: "127.0.0.1".into(),
             impairment: Impairment::none(),
             wan_rtt: Duration::from_millis(200),
-            registry_ttl: hkvm_events::registry::DEFAULT_TTL,
+            registry_ttl: hkvm_log::registry::DEFAULT_TTL,
             progress_replicas: 1,
             progress_retention: Duration::from_secs(7 * 24 * 3600),
             metrics_addr: None,
@@ -156,14 +157,14 @@ impl InterDc {
         )
         .await;
         let shared = Arc::new(Shared::new(config.policy.clone(), diff));
-        let metrics_server = match config.metrics_addr {
-            Some(addr) => Some(
-                hkvm_telemetry::MetricsServer::start(addr, shared.metrics.registry())
-                    .await
-                    .map_err(|e| InterDcError::Metrics { addr, source: e })?,
-            ),
-            None => None,
-        };
+        let metrics_server = shared
+            .metrics
+            .registry()
+            .serve(config.metrics_addr)
+            .await
+            .map_err(
+                |TelemetryError::Bind { addr, source }| InterDcError::Metrics { addr, source },
+            )?;
         let reader = format!("{}-to-{}", config.source.cluster, config.target.cluster);
         let source_js = jetstream::new(source_nats.clone());
         let pools = [
@@ -328,14 +329,20 @@ impl Runner {
                 now,
                 if caught_up { free } else { 0 },
             );
-            self.shared.metrics.backlog_keys.set(backlog.keys as i64);
-            self.shared.metrics.backlog_bytes.set(backlog.bytes as i64);
+            self.shared
+                .metrics
+                .backlog_keys
+                .set(gauge_value(backlog.keys));
+            self.shared
+                .metrics
+                .backlog_bytes
+                .set(gauge_value(backlog.bytes));
             if caught_up {
                 for candidate in backlog.next.iter().cloned() {
                     self.launch(&mut tasks, candidate);
                 }
             }
-            self.shared.metrics.in_flight.set(tasks.len() as i64);
+            self.shared.metrics.in_flight.set(gauge_value(tasks.len()));
             // Publish at once when the last copy ended, so "idle" is seen without
             // waiting for the next interval.
             let idle = copying && backlog.keys == 0 && tasks.is_empty();

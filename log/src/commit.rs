@@ -21,13 +21,13 @@ use futures::stream::FuturesOrdered;
 use futures::StreamExt as _;
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::codec::{Header, MessageBuilder};
-use crate::error::EncodeError;
-use crate::event::KvEvent;
-use crate::id::ProducerId;
-use crate::limits::Limits;
-use crate::log::{Append, AppendAck, EventLog, LogError, LogErrorKind};
-use crate::subject::message_id;
+use crate::event_log::{Append, AppendAck, EventLog, LogError, LogErrorKind};
+use hkvm_events::codec::{Header, MessageBuilder};
+use hkvm_events::error::EncodeError;
+use hkvm_events::event::KvEvent;
+use hkvm_events::id::ProducerId;
+use hkvm_events::limits::Limits;
+use hkvm_events::subject::message_id;
 
 /// Tuning of a [`GroupCommitter`].
 #[derive(Debug, Clone, Copy)]

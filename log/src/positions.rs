@@ -14,61 +14,15 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt as _;
-use serde::{Deserialize, Serialize};
 
-use crate::id::{ClusterId, SubclusterId};
 use crate::registry::now_unix_ms;
-use crate::subject::Bucket;
+use hkvm_events::id::{ClusterId, SubclusterId};
+pub use hkvm_events::positions::{ReaderKind, ReaderPosition};
+use hkvm_events::subject::Bucket;
 
 /// How long an entry stays in the bucket after its last record: far longer than
 /// any reader TTL, so that the bucket itself forgets readers gone for good.
 pub const ENTRY_MAX_AGE: Duration = Duration::from_secs(24 * 3600);
-
-/// Who reads a stream.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ReaderKind {
-    /// A global-master replica (its position is that of its newest checkpoint).
-    GlobalMaster,
-    /// An inter-DC master following the stream.
-    InterDc,
-    /// A sub-master's hot standby (it writes the snapshots while it stands by).
-    Standby,
-    /// Anything else (a test, a tool).
-    Other,
-}
-
-impl ReaderKind {
-    /// The key part naming the kind.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::GlobalMaster => "global",
-            Self::InterDc => "interdc",
-            Self::Standby => "standby",
-            Self::Other => "other",
-        }
-    }
-
-    fn parse(value: &str) -> Self {
-        match value {
-            "global" => Self::GlobalMaster,
-            "interdc" => Self::InterDc,
-            "standby" => Self::Standby,
-            _ => Self::Other,
-        }
-    }
-}
-
-/// One reader's recorded position (MessagePack, named fields).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ReaderPosition {
-    /// The last stream sequence the reader no longer needs to read again: every
-    /// message up to it may be purged as far as this reader is concerned.
-    #[serde(rename = "q")]
-    pub seq: u64,
-    /// When it was recorded, Unix milliseconds.
-    #[serde(rename = "t")]
-    pub unix_ms: u64,
-}
 
 /// A position as listed, with whose it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -344,19 +298,5 @@ mod tests {
     fn reader_names_become_key_tokens() {
         assert_eq!(key_token("global-12"), "global-12");
         assert_eq!(key_token("g 1.x/y"), "g_1_x_y");
-    }
-
-    #[test]
-    fn positions_decode_what_they_encode() {
-        let value = ReaderPosition {
-            seq: 42,
-            unix_ms: 7,
-        };
-        let bytes = rmp_serde::to_vec_named(&value).unwrap();
-        assert_eq!(
-            rmp_serde::from_slice::<ReaderPosition>(&bytes).unwrap(),
-            value
-        );
-        assert!(rmp_serde::from_slice::<ReaderPosition>(b"\xc1").is_err());
     }
 }

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
 
-use crate::id::{ClusterId, SubclusterId};
-use crate::log::LogError;
-use crate::subject::{event_subject, stream_name};
+use crate::event_log::LogError;
+use hkvm_events::id::{ClusterId, SubclusterId};
+use hkvm_events::subject::{event_subject, stream_name};
 
 /// Settings of an event stream. `Default` suits a single local server.
 #[derive(Debug, Clone, PartialEq, Eq)]

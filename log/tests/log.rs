@@ -5,9 +5,9 @@
 #[path = "support/log_contract.rs"]
 mod log_contract;
 
-use hkvm_events::commit::{CommitConfig, CommitError, GroupCommitter};
-use hkvm_events::log::{EventLog, LogErrorKind, MemoryLog, ReadOptions};
 use hkvm_events::{KvEvent, Limits, ProducerId};
+use hkvm_log::commit::{CommitConfig, CommitError, GroupCommitter};
+use hkvm_log::{EventLog, LogErrorKind, MemoryLog, ReadOptions};
 
 use log_contract::{
     a_follower_sees_later_appends, append, appends_are_fenced_and_deduplicated,
@@ -143,15 +143,10 @@ impl Unanswering {
 }
 
 impl EventLog for Unanswering {
-    type PendingAck = futures::future::BoxFuture<
-        'static,
-        Result<hkvm_events::log::AppendAck, hkvm_events::log::LogError>,
-    >;
+    type PendingAck =
+        futures::future::BoxFuture<'static, Result<hkvm_log::AppendAck, hkvm_log::LogError>>;
 
-    async fn send(
-        &self,
-        append: hkvm_events::log::Append,
-    ) -> Result<Self::PendingAck, hkvm_events::log::LogError> {
+    async fn send(&self, append: hkvm_log::Append) -> Result<Self::PendingAck, hkvm_log::LogError> {
         use std::sync::atomic::Ordering;
         let silent = self
             .silent
@@ -169,22 +164,22 @@ impl EventLog for Unanswering {
             }
         };
         Ok(Box::pin(futures::future::ready(Err(
-            hkvm_events::log::LogError::new("unanswering", kind),
+            hkvm_log::LogError::new("unanswering", kind),
         ))))
     }
 
-    async fn bounds(&self) -> Result<hkvm_events::log::LogBounds, hkvm_events::log::LogError> {
+    async fn bounds(&self) -> Result<hkvm_log::LogBounds, hkvm_log::LogError> {
         self.inner.bounds().await
     }
 
-    async fn first_seq_since(&self, unix_ms: u64) -> Result<u64, hkvm_events::log::LogError> {
+    async fn first_seq_since(&self, unix_ms: u64) -> Result<u64, hkvm_log::LogError> {
         self.inner.first_seq_since(unix_ms).await
     }
 
     async fn read(
         &self,
         options: ReadOptions,
-    ) -> Result<hkvm_events::log::EntryStream, hkvm_events::log::LogError> {
+    ) -> Result<hkvm_log::EntryStream, hkvm_log::LogError> {
         self.inner.read(options).await
     }
 }

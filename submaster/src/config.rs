@@ -4,9 +4,9 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use hkvm_events::commit::CommitConfig;
-use hkvm_events::stream::StreamSettings;
 use hkvm_events::{ClusterId, ProducerId, SubclusterId};
+use hkvm_log::commit::CommitConfig;
+use hkvm_log::stream::StreamSettings;
 
 use crate::command::Policy;
 
@@ -76,7 +76,7 @@ impl SubmasterConfig {
 
 /// How a snapshot is paced so that the requests beside it keep their latency:
 /// the encoder works in slices of about a millisecond with rests between
-/// ([`hkvm_events::pace::CpuShare`]), and storing it and reading it back to
+/// ([`hkvm_log::pace::CpuShare`]), and storing it and reading it back to
 /// verify it go at a bounded byte rate (the NATS server's work for 860 MB, at
 /// 10 M objects, is otherwise a burst that the leader's appends queue behind;
 /// at 64 MiB/s its share alone took put p99 beside it from about 2 ms to 4.6-5.2

@@ -1,8 +1,8 @@
 //! Errors of the sub-master driver, with a [`SubmasterErrorKind`] to match on and
 //! the underlying error kept as the source.
 
-use hkvm_events::log::LogError;
 use hkvm_events::snapshot::SnapshotError;
+use hkvm_log::LogError;
 
 /// The underlying error of a [`SubmasterError`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -66,7 +66,7 @@ impl SubmasterError {
 impl From<LogError> for SubmasterError {
     fn from(error: LogError) -> Self {
         let kind = match error.kind() {
-            hkvm_events::log::LogErrorKind::Fenced { .. } => SubmasterErrorKind::Fenced,
+            hkvm_log::LogErrorKind::Fenced { .. } => SubmasterErrorKind::Fenced,
             _ => SubmasterErrorKind::Log,
         };
         // The log's own words (a purged start, a fence) say what to do next.

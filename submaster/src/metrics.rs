@@ -2,13 +2,14 @@
 
 use std::time::Instant;
 
-use hkvm_events::commit::Committed;
+use hkvm_log::commit::Committed;
+use hkvm_telemetry::metrics::{Buckets, HistogramFamily};
+use hkvm_telemetry::{MetricsRegistry, Registrar};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::Registry;
+use prometheus_client::metrics::histogram::Histogram;
 
 /// Labels of per-operation metrics.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -74,9 +75,9 @@ pub struct SubmasterMetrics {
     /// Requests handled, by operation and result.
     pub requests: Family<OpLabels, Counter>,
     /// Request latency (receipt to reply), by operation.
-    pub latency: Family<OpLabels, Histogram>,
+    pub latency: HistogramFamily<OpLabels>,
     /// Where the time of write requests that append goes, by stage.
-    pub write_stages: Family<StageLabels, Histogram>,
+    pub write_stages: HistogramFamily<StageLabels>,
     /// Events appended.
     pub events_appended: Counter,
     /// Events per commit submission.
@@ -116,127 +117,77 @@ pub struct SubmasterMetrics {
     pub undecodable: Counter,
     /// Leaderships taken.
     pub takeovers: Counter,
+    registry: MetricsRegistry,
 }
 
-fn latency_histogram() -> Histogram {
-    Histogram::new(exponential_buckets(0.000_05, 2.0, 16))
-}
+/// Request latency: 50 µs .. ~1.6 s.
+const LATENCY: Buckets = Buckets::exponential(0.000_05, 2.0, 16);
 
-fn stage_histogram() -> Histogram {
-    Histogram::new(exponential_buckets(0.000_002, 2.0, 18))
+/// Time in one write stage: 2 µs .. ~0.26 s.
+const STAGE: Buckets = Buckets::exponential(0.000_002, 2.0, 18);
+
+/// Events per commit: 1 .. 8192.
+const COMMIT_EVENTS: Buckets = Buckets::exponential(1.0, 2.0, 14);
+
+impl Default for SubmasterMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl SubmasterMetrics {
-    /// Creates the metrics and registers them under `hkvm_submaster_`.
-    pub fn register(registry: &mut Registry) -> Self {
-        let metrics = Self {
-            requests: Family::default(),
-            latency: Family::new_with_constructor(latency_histogram),
-            write_stages: Family::new_with_constructor(stage_histogram),
-            events_appended: Counter::default(),
-            commit_events: Histogram::new(exponential_buckets(1.0, 2.0, 14)),
-            objects: Gauge::default(),
-            pending_puts: Gauge::default(),
-            space_leases: Gauge::default(),
-            used_bytes: Gauge::default(),
-            capacity_bytes: Gauge::default(),
-            evicted: Counter::default(),
-            nodes_lost: Counter::default(),
-            role: Gauge::default(),
-            applied_seq: Gauge::default(),
-            standby_lag: Gauge::default(),
-            snapshots: Counter::default(),
-            snapshots_rebuilt: Counter::default(),
-            purged_messages: Counter::default(),
-            history_first_seq: Gauge::default(),
-            standby_snapshots: Gauge::default(),
-            undecodable: Counter::default(),
-            takeovers: Counter::default(),
-        };
-        let sub = registry.sub_registry_with_prefix("hkvm_submaster");
-        sub.register("requests", "Requests handled", metrics.requests.clone());
-        sub.register(
-            "request_seconds",
-            "Request latency",
-            metrics.latency.clone(),
-        );
-        sub.register(
-            "write_stage_seconds",
-            "Time a write request that appends spends in each stage, receipt to reply",
-            metrics.write_stages.clone(),
-        );
-        sub.register(
-            "events_appended",
-            "Events appended to the stream",
-            metrics.events_appended.clone(),
-        );
-        sub.register(
-            "commit_events",
-            "Events per commit",
-            metrics.commit_events.clone(),
-        );
-        sub.register("objects", "Complete objects", metrics.objects.clone());
-        sub.register("pending_puts", "Pending puts", metrics.pending_puts.clone());
-        sub.register(
-            "space_leases",
-            "Space leases held by clients",
-            metrics.space_leases.clone(),
-        );
-        sub.register("used_bytes", "Bytes allocated", metrics.used_bytes.clone());
-        sub.register(
-            "capacity_bytes",
-            "Bytes mounted",
-            metrics.capacity_bytes.clone(),
-        );
-        sub.register("evicted", "Objects evicted", metrics.evicted.clone());
-        sub.register(
-            "nodes_lost",
-            "Nodes declared lost",
-            metrics.nodes_lost.clone(),
-        );
-        sub.register(
-            "role",
-            "0 standby, 1 recovering, 2 leader",
-            metrics.role.clone(),
-        );
-        sub.register(
-            "applied_seq",
-            "Last applied stream sequence",
-            metrics.applied_seq.clone(),
-        );
-        sub.register(
-            "standby_lag",
-            "Events behind the stream end",
-            metrics.standby_lag.clone(),
-        );
-        sub.register("snapshots", "Snapshots written", metrics.snapshots.clone());
-        sub.register(
-            "snapshots_rebuilt",
-            "Snapshots a leader without a standby rebuilt from the newest snapshot plus the stream",
-            metrics.snapshots_rebuilt.clone(),
-        );
-        sub.register(
-            "purged_messages",
-            "Stream messages purged after verified snapshots",
-            metrics.purged_messages.clone(),
-        );
-        sub.register(
-            "standby_snapshots",
-            "1 while this leader leaves the snapshots to a hot standby",
-            metrics.standby_snapshots.clone(),
-        );
-        sub.register(
-            "history_first_seq",
-            "The stream's first sequence after the last purge",
-            metrics.history_first_seq.clone(),
-        );
-        sub.register(
-            "undecodable",
-            "Stream messages or events skipped as undecodable",
-            metrics.undecodable.clone(),
-        );
-        sub.register("takeovers", "Leaderships taken", metrics.takeovers.clone());
-        metrics
+    /// Creates the metrics, registered under `hkvm_submaster_` in their own registry.
+    pub fn new() -> Self {
+        let mut r = Registrar::new("hkvm_submaster");
+        Self {
+            requests: r.counters("requests", "Requests handled"),
+            latency: r.histograms("request_seconds", "Request latency", LATENCY),
+            write_stages: r.histograms(
+                "write_stage_seconds",
+                "Time a write request that appends spends in each stage, receipt to reply",
+                STAGE,
+            ),
+            events_appended: r.counter("events_appended", "Events appended to the stream"),
+            commit_events: r.histogram("commit_events", "Events per commit", COMMIT_EVENTS),
+            objects: r.gauge("objects", "Complete objects"),
+            pending_puts: r.gauge("pending_puts", "Pending puts"),
+            space_leases: r.gauge("space_leases", "Space leases held by clients"),
+            used_bytes: r.gauge("used_bytes", "Bytes allocated"),
+            capacity_bytes: r.gauge("capacity_bytes", "Bytes mounted"),
+            evicted: r.counter("evicted", "Objects evicted"),
+            nodes_lost: r.counter("nodes_lost", "Nodes declared lost"),
+            role: r.gauge("role", "0 standby, 1 recovering, 2 leader"),
+            applied_seq: r.gauge("applied_seq", "Last applied stream sequence"),
+            standby_lag: r.gauge("standby_lag", "Events behind the stream end"),
+            snapshots: r.counter("snapshots", "Snapshots written"),
+            snapshots_rebuilt: r.counter(
+                "snapshots_rebuilt",
+                "Snapshots a leader without a standby rebuilt from the newest snapshot plus the stream",
+            ),
+            purged_messages: r.counter(
+                "purged_messages",
+                "Stream messages purged after verified snapshots",
+            ),
+            standby_snapshots: r.gauge(
+                "standby_snapshots",
+                "1 while this leader leaves the snapshots to a hot standby",
+            ),
+            history_first_seq: r.gauge(
+                "history_first_seq",
+                "The stream's first sequence after the last purge",
+            ),
+            undecodable: r.counter(
+                "undecodable",
+                "Stream messages or events skipped as undecodable",
+            ),
+            takeovers: r.counter("takeovers", "Leaderships taken"),
+            registry: r.finish(),
+        }
+    }
+
+    /// The registry, to serve on `/metrics` and to read in process.
+    pub fn registry(&self) -> MetricsRegistry {
+        self.registry.clone()
     }
 
     /// Records one handled request.
@@ -273,9 +224,4 @@ impl SubmasterMetrics {
                 .observe(to.saturating_duration_since(from).as_secs_f64());
         }
     }
-}
-
-/// Gauge value from an unsigned count.
-pub fn gauge_value(value: u64) -> i64 {
-    i64::try_from(value).unwrap_or(i64::MAX)
 }

@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-use crate::server::{free_port, RouteConfig};
+use hkvm_natsd::{free_port, NatsdError, Routes};
+
 use crate::{NatsServer, ServerOptions, TestkitError};
 
 /// A running NATS cluster (usually 3 nodes, so R3 streams keep a quorum when one
@@ -38,18 +39,18 @@ impl NatsCluster {
                 name: format!("{}-{index}", template.name),
                 // Cluster formation and meta-leader election take longer than one node.
                 ready_timeout: template.ready_timeout.max(Duration::from_secs(30)),
+                routes: Some(Routes {
+                    cluster_name: template.name.clone(),
+                    route_port: *route_port,
+                    peer_route_ports: route_ports
+                        .iter()
+                        .copied()
+                        .filter(|port| port != route_port)
+                        .collect(),
+                }),
                 ..template.clone()
             };
-            let routes = RouteConfig {
-                cluster_name: template.name.clone(),
-                route_port: *route_port,
-                peer_route_ports: route_ports
-                    .iter()
-                    .copied()
-                    .filter(|port| port != route_port)
-                    .collect(),
-            };
-            nodes.push(NatsServer::prepare(options, Some(routes))?);
+            nodes.push(NatsServer::prepare(options)?);
         }
         // Every node must run before any can become healthy: health needs a quorum.
         for node in &mut nodes {
@@ -105,13 +106,13 @@ impl NatsCluster {
     /// # Errors
     /// [`TestkitError::NoSuchNode`] or a start failure.
     pub async fn restart(&mut self, index: usize) -> Result<(), TestkitError> {
-        self.node(index)?.restart().await
+        Ok(self.node(index)?.restart().await?)
     }
 
     /// Connects a client that knows every node's URL and fails over between them.
     ///
     /// # Errors
-    /// [`TestkitError::Connect`] when no node accepts.
+    /// [`TestkitError::Server`] with [`NatsdError::Connect`] when no node accepts.
     pub async fn connect(&self) -> Result<async_nats::Client, TestkitError> {
         let urls = self.urls();
         let addrs: Vec<async_nats::ServerAddr> = self
@@ -121,6 +122,6 @@ impl NatsCluster {
             .collect();
         async_nats::connect(addrs)
             .await
-            .map_err(|source| TestkitError::Connect { url: urls, source })
+            .map_err(|source| NatsdError::Connect { url: urls, source }.into())
     }
 }

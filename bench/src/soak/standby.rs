@@ -9,7 +9,7 @@ use std::sync::atomic::AtomicBool;
 
 use anyhow::Context as _;
 use async_nats::jetstream;
-use hkvm_events::snapshot::SnapshotStore;
+use hkvm_log::SnapshotStore;
 use hkvm_submaster::server::load_state;
 use hkvm_submaster::snapshot;
 

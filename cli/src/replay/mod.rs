@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use async_nats::jetstream;
 use futures::StreamExt as _;
-use hkvm_events::log::{EventLog, JetStreamLog, LogEntry, ReadOptions};
 use hkvm_events::subject::{event_subject, stream_name, stream_name_prefix, subcluster_of_stream};
 use hkvm_events::{decode_message, EventKind, Limits, SubclusterId};
+use hkvm_log::{EventLog, JetStreamLog, LogEntry, ReadOptions};
 
 use crate::target::Target;
 use render::{OutputFormat, Renderer};

@@ -1,7 +1,7 @@
 //! One output line per event (or per error) of `hkvm replay`, as text or JSON.
 
-use hkvm_events::log::{LogEntry, LogError};
 use hkvm_events::{DecodeError, EventError, Header, KvEvent, SubclusterId};
+use hkvm_log::{LogEntry, LogError};
 use serde_json::{json, Value};
 
 /// How replay lines are written.

@@ -591,10 +591,8 @@ impl Store {
     /// the registry cannot be read).
     async fn subclusters(&self) -> Vec<SubclusterId> {
         let js = async_nats::jetstream::new(self.nats.clone());
-        let listed = match hkvm_events::registry::open_registry(&js, &self.address.cluster).await {
-            Ok(store) => {
-                hkvm_events::registry::list(&store, hkvm_events::registry::DEFAULT_TTL).await
-            }
+        let listed = match hkvm_log::registry::open_registry(&js, &self.address.cluster).await {
+            Ok(store) => hkvm_log::registry::list(&store, hkvm_log::registry::DEFAULT_TTL).await,
             Err(error) => Err(error),
         };
         let mut subclusters: Vec<SubclusterId> = match listed {

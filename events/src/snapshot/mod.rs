@@ -1,6 +1,6 @@
-//! The sub-master snapshot format and its store: the durable state of one
-//! sub-cluster (segments and committed objects, oldest first) stamped with the
-//! stream sequence it covers, as one self-checking blob in a JetStream object store.
+//! The sub-master snapshot format: the durable state of one sub-cluster (segments
+//! and committed objects, oldest first) stamped with the stream sequence it covers,
+//! as one self-checking blob (kept in a JetStream object store by `hkvm-log`).
 //! The sub-master writes snapshots and restores its state from them; the global
 //! master and the inter-DC master read them (through [`SnapshotFile`]) to seed a
 //! source whose stream history was purged, without rebuilding a sub-master.
@@ -22,14 +22,14 @@ use crate::event::Placement;
 use crate::id::{NodeId, SegmentId};
 
 mod canonical;
+mod check;
 mod encode;
 mod pieces;
-mod store;
 mod visit;
 
+pub use check::StoredCheck;
 pub use encode::{encode_from, SnapshotSource};
 pub use pieces::decode_pieces;
-pub use store::{SnapshotStore, StoredCheck};
 pub use visit::{ObjectView, SnapshotHeader, SnapshotVisitor};
 
 /// The snapshot format version this build writes and reads.
@@ -178,7 +178,8 @@ impl SnapshotError {
         }
     }
 
-    fn store(
+    /// A failure of the object store holding snapshots, doing `what`.
+    pub fn store(
         what: impl Into<String>,
         source: impl std::error::Error + Send + Sync + 'static,
     ) -> Self {
@@ -187,6 +188,21 @@ impl SnapshotError {
             source: Box::new(source),
         }
     }
+}
+
+/// Decodes a snapshot body (the bytes after its checksum) into `visitor`, by
+/// the canonical reader when it takes the body and by serde otherwise; returns
+/// the header. On an error the visitor has seen a prefix of the
+/// objects and should be dropped.
+fn decode_body<V: SnapshotVisitor>(
+    body: &[u8],
+    visitor: &mut V,
+) -> Result<SnapshotHeader, SnapshotError> {
+    let max_objects = body.len() / visit::MIN_OBJECT_BYTES;
+    if let Some(decoded) = canonical::decode_body(body, visitor, max_objects) {
+        return decoded;
+    }
+    visit::decode_body_with_serde(body, visitor, max_objects)
 }
 
 /// The sequence a snapshot object's name says it covers (`<subcluster>.<seq>`).
@@ -254,7 +270,7 @@ impl SnapshotFile {
         if stored != computed {
             return Err(SnapshotError::ChecksumMismatch { stored, computed });
         }
-        visit::decode_body(body, visitor)
+        decode_body(body, visitor)
     }
 
     /// The placements of `object` (segment ids and offsets), in replica order.
@@ -271,13 +287,14 @@ impl SnapshotFile {
     }
 }
 
-/// A visitor collecting the records, for [`SnapshotFile::decode`].
-#[derive(Default)]
-struct Records(Vec<ObjectRecord>);
+/// A visitor collecting the records, for [`SnapshotFile::decode`] and for
+/// stores that decode a snapshot as it arrives.
+#[derive(Debug, Default)]
+pub struct Records(Vec<ObjectRecord>);
 
 impl Records {
     /// The whole snapshot: `header` and the records collected.
-    fn into_file(self, header: SnapshotHeader) -> SnapshotFile {
+    pub fn into_file(self, header: SnapshotHeader) -> SnapshotFile {
         SnapshotFile {
             version: header.version,
             covers_seq: header.covers_seq,

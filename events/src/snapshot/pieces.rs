@@ -2,7 +2,7 @@
 //! restore decodes while the rest is still being read and never holds the
 //! whole blob (860 MB at 10 M objects, all of it fresh memory to fault in).
 //!
-//! It decides nothing the whole-bytes decoder ([`super::visit::decode_body`])
+//! It decides nothing the whole-bytes decoder ([`super::decode_body`])
 //! would decide otherwise. Objects are read by the canonical reader from a
 //! window of the bytes received so far; one it cannot read is tried again with
 //! more bytes, and only at the end of the stream is it handed to serde with
@@ -17,7 +17,8 @@
 use xxhash_rust::xxh3::Xxh3Default;
 
 use super::canonical::{announce, read_header, read_object, serde_objects};
-use super::visit::{decode_body, hand_over, MIN_OBJECT_BYTES};
+use super::decode_body;
+use super::visit::{hand_over, MIN_OBJECT_BYTES};
 use super::{SnapshotError, SnapshotHeader, SnapshotVisitor};
 use crate::msgpack::CanonicalReader as Reader;
 

@@ -73,21 +73,7 @@ pub trait SnapshotVisitor {
     fn object(&mut self, object: ObjectView<'_>);
 }
 
-/// Decodes a snapshot body (the bytes after its checksum) into `visitor`;
-/// returns the header. On an error the visitor has seen a prefix of the
-/// objects and should be dropped.
-pub(super) fn decode_body<V: SnapshotVisitor>(
-    body: &[u8],
-    visitor: &mut V,
-) -> Result<SnapshotHeader, SnapshotError> {
-    let max_objects = body.len() / MIN_OBJECT_BYTES;
-    if let Some(decoded) = super::canonical::decode_body(body, visitor, max_objects) {
-        return decoded;
-    }
-    decode_body_with_serde(body, visitor, max_objects)
-}
-
-/// [`decode_body`] through serde alone: the decoder of every form, and the
+/// [`decode_body`](super::decode_body) through serde alone: the decoder of every form, and the
 /// reference the canonical reader is tested against.
 pub(super) fn decode_body_with_serde<V: SnapshotVisitor>(
     body: &[u8],

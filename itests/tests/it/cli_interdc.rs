@@ -347,10 +347,9 @@ async fn a_source_stream_purged_up_to_a_snapshot_is_seeded_from_it() {
         .await
         .unwrap();
     let needed = stream.info().await.unwrap().state.last_sequence;
-    let store =
-        hkvm_events::snapshot::SnapshotStore::open(&js, &source.fixture.cluster, &subcluster, 1)
-            .await
-            .unwrap();
+    let store = hkvm_log::SnapshotStore::open(&js, &source.fixture.cluster, &subcluster, 1)
+        .await
+        .unwrap();
     let mut filler = 0;
     let covers = loop {
         if let Some(state) = hkvm_submaster::snapshot::load_newest(&store).await.unwrap() {

@@ -3,11 +3,11 @@
 
 use bytes::Bytes;
 use hkvm_events::codec::{encode_message, Header};
-use hkvm_events::log::{Append, EventLog};
 use hkvm_events::{
     Evicted, KvEvent, Limits, NodeId, Placement, ProducerId, PutCommitted, SegmentId,
     SegmentMounted,
 };
+use hkvm_log::{Append, EventLog};
 
 use crate::fixture::Fixture;
 use crate::process::{run_hkvm, Ran};

@@ -9,13 +9,13 @@ use std::sync::Arc;
 use hkvm_client::{
     GlobalClient, KvClient, KvError, NodeConfig, NodeHandle, RetryPolicy, SubmasterClient,
 };
-use hkvm_events::commit::{CommitConfig, GroupCommitter};
 use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp};
 use hkvm_events::SubclusterId;
 use hkvm_events::{
     KvEvent, NodeId, Placement, ProducerId, PutCommitted, SegmentId, SegmentMounted,
 };
 use hkvm_globalmaster::GlobalMasterConfig;
+use hkvm_log::commit::{CommitConfig, GroupCommitter};
 use hkvm_submaster::SubmasterHandle;
 use hkvm_transfer::TcpTransport;
 

@@ -2,7 +2,7 @@
 //! keeps (shared with the in-memory twin's tests in `hkvm-events`), truncation,
 //! vanished and full streams, stream settings, and group commit.
 
-#[path = "../../../events/tests/support/log_contract.rs"]
+#[path = "../../../log/tests/support/log_contract.rs"]
 mod log_contract;
 
 use std::sync::Arc;
@@ -10,10 +10,10 @@ use std::sync::Arc;
 use futures::StreamExt as _;
 
 use async_nats::jetstream;
-use hkvm_events::commit::{CommitConfig, GroupCommitter};
-use hkvm_events::log::{Append, EventLog, JetStreamLog, LogErrorKind, ReadOptions};
-use hkvm_events::stream::{ensure_stream, StreamSettings};
 use hkvm_events::{ProducerId, SubclusterId};
+use hkvm_log::commit::{CommitConfig, GroupCommitter};
+use hkvm_log::stream::{ensure_stream, StreamSettings};
+use hkvm_log::{Append, EventLog, JetStreamLog, LogErrorKind, ReadOptions};
 use hkvm_testkit::ServerOptions;
 
 use log_contract::{
@@ -215,9 +215,7 @@ struct ReadWarnings(Arc<std::sync::atomic::AtomicUsize>);
 impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for ReadWarnings {
     fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
         let metadata = event.metadata();
-        if *metadata.level() == tracing::Level::WARN
-            && metadata.target().starts_with("hkvm_events::log")
-        {
+        if *metadata.level() == tracing::Level::WARN && metadata.target().starts_with("hkvm_log") {
             self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
     }

@@ -16,17 +16,18 @@ use hkvm_client::{
     GlobalClient, KvClient, NodeConfig, NodeHandle, Protocol, RetryPolicy, SubmasterClient,
     Transports,
 };
-use hkvm_events::commit::{CommitConfig, GroupCommitter};
-use hkvm_events::log::{EventLog, JetStreamLog, LogErrorKind, ReadOptions};
-use hkvm_events::registry::{ensure_registry_bucket, register, SubmasterInfo};
+use hkvm_events::registry::SubmasterInfo;
 use hkvm_events::rpc::global::{GlobalOp, GlobalStatus, GlobalStatusReply};
-use hkvm_events::stream::{ensure_stream, StreamSettings};
 use hkvm_events::subject::{event_subject, stream_name, submaster_rpc_subject};
 use hkvm_events::{
     decode_message, ClusterId, Evicted, KvEvent, Limits, NodeId, Placement, ProducerId,
     PutCommitted, Removed, SegmentId, SubclusterId,
 };
 use hkvm_globalmaster::{GlobalMaster, GlobalMasterConfig};
+use hkvm_log::commit::{CommitConfig, GroupCommitter};
+use hkvm_log::registry::{ensure_registry_bucket, register};
+use hkvm_log::stream::{ensure_stream, StreamSettings};
+use hkvm_log::{EventLog, JetStreamLog, LogErrorKind, ReadOptions};
 use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
 use hkvm_testkit::{NatsServer, ServerOptions};
 use hkvm_transfer::{TcpConfig, TcpTransport};

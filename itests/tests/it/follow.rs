@@ -1,4 +1,4 @@
-//! The one stream follower (`hkvm_events::follow`) against a real JetStream, with a
+//! The one stream follower (`hkvm_log::follow`) against a real JetStream, with a
 //! model fold target that records every call: batching, re-created streams,
 //! undecodable messages (one re-read, then skipped; resyncs bounded), purges and
 //! seeding from a snapshot, a purge past the position. The global master and the
@@ -11,12 +11,13 @@ use std::time::Duration;
 use async_nats::jetstream;
 use bytes::Bytes;
 use hkvm_events::codec::{Decoded, Header};
-use hkvm_events::follow::{FoldTarget, FollowConfig, Follower, OutOfOrder, ResyncReason, Seed};
-use hkvm_events::log::{Append, EventLog as _, JetStreamLog};
-use hkvm_events::snapshot::{ObjectRecord, SnapshotFile, SnapshotStore};
+use hkvm_events::snapshot::{ObjectRecord, SnapshotFile};
 use hkvm_events::{
     encode_message, ClusterId, KvEvent, Limits, ProducerId, PutCommitted, SubclusterId,
 };
+use hkvm_log::follow::{FoldTarget, FollowConfig, Follower, OutOfOrder, ResyncReason, Seed};
+use hkvm_log::SnapshotStore;
+use hkvm_log::{Append, EventLog as _, JetStreamLog};
 
 use crate::fixture::Fixture;
 

@@ -5,18 +5,18 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use async_nats::jetstream::object_store;
-use hkvm_events::commit::{CommitConfig, GroupCommitter};
 use hkvm_events::key_hash;
 use hkvm_events::rpc::global::BloomFilter;
 use hkvm_events::rpc::global::GlobalStatusReply;
 use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp, GlobalStatus};
-use hkvm_events::snapshot::SnapshotStore;
-use hkvm_events::stream::{ensure_stream, StreamSettings};
 use hkvm_events::subject::{event_subject, Bucket};
 use hkvm_events::{
     KvEvent, NodeId, Placement, ProducerId, PutCommitted, SegmentId, SegmentMounted,
 };
 use hkvm_globalmaster::checkpoints;
+use hkvm_log::commit::{CommitConfig, GroupCommitter};
+use hkvm_log::stream::{ensure_stream, StreamSettings};
+use hkvm_log::SnapshotStore;
 use hkvm_projector::{Projection, SourceContent};
 use tokio::io::AsyncReadExt as _;
 

@@ -8,10 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt as _;
-use hkvm_events::log::{EventLog as _, JetStreamLog, ReadOptions};
-use hkvm_events::positions::{Positions, ReaderKind};
 use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp};
 use hkvm_events::{decode_message, Limits, SubclusterId};
+use hkvm_log::positions::{Positions, ReaderKind};
+use hkvm_log::{EventLog as _, JetStreamLog, ReadOptions};
 use hkvm_submaster::state::State;
 use tokio::sync::Mutex;
 
@@ -320,7 +320,7 @@ async fn with_a_hot_standby_the_standby_writes_the_snapshots_not_the_leader() {
     for i in 0..100 {
         put(&client, &format!("k{i}")).await.unwrap();
     }
-    let store = hkvm_events::snapshot::SnapshotStore::open(&fixture.js, &fixture.cluster, &sc(), 1)
+    let store = hkvm_log::SnapshotStore::open(&fixture.js, &fixture.cluster, &sc(), 1)
         .await
         .unwrap();
     poll_every(
@@ -414,7 +414,7 @@ async fn a_leader_alone_whose_snapshots_are_lost_copies_its_state_once_and_snaps
     for i in 0..60 {
         put(&client, &format!("k{i}")).await.unwrap();
     }
-    let store = hkvm_events::snapshot::SnapshotStore::open(&fixture.js, &fixture.cluster, &sc(), 1)
+    let store = hkvm_log::SnapshotStore::open(&fixture.js, &fixture.cluster, &sc(), 1)
         .await
         .unwrap();
     // Quiet: a snapshot of everything put, its history purged, none in flight.

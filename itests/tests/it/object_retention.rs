@@ -6,11 +6,12 @@ use std::collections::BTreeSet;
 
 use async_nats::jetstream::{self, object_store::ObjectStore};
 use futures::StreamExt as _;
-use hkvm_events::objects;
-use hkvm_events::snapshot::{SnapshotFile, SnapshotStore, SNAPSHOTS_KEPT};
+use hkvm_events::snapshot::{SnapshotFile, SNAPSHOTS_KEPT};
 use hkvm_events::subject::{snapshot_object_name, Bucket};
 use hkvm_events::SubclusterId;
 use hkvm_globalmaster::checkpoints;
+use hkvm_log::objects;
+use hkvm_log::SnapshotStore;
 
 use crate::fixture::{put, Fixture};
 

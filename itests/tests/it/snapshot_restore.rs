@@ -5,9 +5,10 @@
 
 use std::sync::Arc;
 
-use hkvm_events::snapshot::{ObjectRecord, SegmentRecord, SnapshotFile, SnapshotStore};
+use hkvm_events::snapshot::{ObjectRecord, SegmentRecord, SnapshotFile};
 use hkvm_events::subject::{snapshot_object_name, Bucket};
 use hkvm_events::{NodeId, SegmentId, SubclusterId};
+use hkvm_log::SnapshotStore;
 
 use crate::fixture::Fixture;
 

@@ -7,13 +7,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hkvm_client::{ClientErrorKind, RetryPolicy, SubmasterClient};
-use hkvm_events::log::{Append, EventLog, JetStreamLog, ReadOptions};
 use hkvm_events::rpc::submaster::{
     ItemError, ItemResult, MountSegment, Ping, PutEndItem, PutStartItem,
 };
 use hkvm_events::rpc::RpcErrorCode;
 use hkvm_events::subject::submaster_rpc_subject;
 use hkvm_events::{decode_message, KvEvent, Limits, NodeId, SegmentId, SubclusterId};
+use hkvm_log::{Append, EventLog, JetStreamLog, ReadOptions};
 use hkvm_submaster::SubmasterConfig;
 
 use hkvm_testkit::ServerOptions;

@@ -20,13 +20,13 @@ use std::time::Duration;
 use async_nats::jetstream;
 use futures::StreamExt as _;
 
-use crate::id::{ClusterId, SubclusterId};
-use crate::limits::Limits;
-use crate::log::{
+use crate::event_log::{
     EventLog as _, JetStreamLog, LogBounds, LogEntry, LogError, LogErrorKind, ReadOptions,
 };
-use crate::snapshot::SnapshotStore;
-use crate::subject::{event_subject, stream_name};
+use crate::SnapshotStore;
+use hkvm_events::id::{ClusterId, SubclusterId};
+use hkvm_events::limits::Limits;
+use hkvm_events::subject::{event_subject, stream_name};
 
 pub use target::{FoldTarget, OutOfOrder, ResyncReason, Seed, StoredMessage};
 

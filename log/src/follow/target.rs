@@ -1,10 +1,10 @@
 //! What a [`Follower`](super::Follower) folds into: the projection of the global
 //! master, the diff of the inter-DC master, or a test's model.
 
-use crate::codec::{decode_stored, Decoded, UndecodableMessage};
-use crate::key_ops::{decode_key_ops, KeyOps};
-use crate::limits::Limits;
-use crate::snapshot::SnapshotFile;
+use hkvm_events::codec::{decode_stored, Decoded, UndecodableMessage};
+use hkvm_events::key_ops::{decode_key_ops, KeyOps};
+use hkvm_events::limits::Limits;
+use hkvm_events::snapshot::SnapshotFile;
 
 /// A form a stored message decodes into for a [`FoldTarget`].
 pub trait StoredMessage: Send + Sized + 'static {

@@ -6,11 +6,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt as _;
-use hkvm_events::commit::{CommitConfig, GroupCommitter};
-use hkvm_events::log::{Append, EventLog, LogEntry, LogErrorKind, ReadOptions};
 use hkvm_events::{
     decode_message, KvEvent, Limits, Placement, ProducerId, PutCommitted, SegmentId,
 };
+use hkvm_log::commit::{CommitConfig, GroupCommitter};
+use hkvm_log::{Append, EventLog, LogEntry, LogErrorKind, ReadOptions};
 
 /// An append of `payload` as message `id`, fenced on `expected`.
 pub fn append(expected: Option<u64>, id: &str, payload: &'static str) -> Append {

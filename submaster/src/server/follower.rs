@@ -2,14 +2,15 @@
 //! snapshot, replay the tail, and (as a hot standby) keep applying new messages.
 
 use futures::StreamExt as _;
-use hkvm_events::log::{EventLog, JetStreamLog, LogEntry, LogError, LogErrorKind, ReadOptions};
 use hkvm_events::{decode_message, Limits};
+use hkvm_log::{EventLog, JetStreamLog, LogEntry, LogError, LogErrorKind, ReadOptions};
+use hkvm_telemetry::metrics::gauge_value;
 use tokio::time::Instant;
 
 use crate::error::SubmasterError;
-use crate::metrics::{gauge_value, SubmasterMetrics};
+use crate::metrics::SubmasterMetrics;
 use crate::state::State;
-use hkvm_events::snapshot::SnapshotStore;
+use hkvm_log::SnapshotStore;
 
 /// Applies one stored message; returns how many events it applied. Undecodable
 /// messages or events are skipped with an error log and a metric: only a foreign
@@ -193,9 +194,8 @@ mod tests {
 
     use bytes::Bytes;
     use hkvm_events::codec::{encode_message, Header};
-    use hkvm_events::log::{Append, MemoryLog};
     use hkvm_events::{KvEvent, NodeId, ProducerId, SegmentId, SegmentMounted};
-    use prometheus_client::registry::Registry;
+    use hkvm_log::{Append, MemoryLog};
 
     use super::*;
 
@@ -239,7 +239,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_restore_loads_again_when_the_log_was_purged_past_its_snapshot() {
-        let metrics = SubmasterMetrics::register(&mut Registry::default());
+        let metrics = SubmasterMetrics::new();
         let log = log_of(30).await;
         // Popped from the end: the older snapshot is loaded first.
         let mut snapshots = vec![
@@ -266,7 +266,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_restore_gives_up_after_its_reloads() {
-        let metrics = SubmasterMetrics::register(&mut Registry::default());
+        let metrics = SubmasterMetrics::new();
         let log = log_of(30).await;
         let mut snapshots = Vec::new();
         for _ in 0..=RELOADS_AFTER_PURGE {

@@ -11,13 +11,15 @@ use std::time::{Duration, Instant as StdInstant};
 
 use bytes::Bytes;
 use hkvm_events::codec::{encode_message, Header};
-use hkvm_events::commit::{CommitError, GroupCommitter, PendingCommit};
-use hkvm_events::connection::ConnectionEpoch;
-use hkvm_events::log::{Append, EventLog, LogErrorKind};
-use hkvm_events::registry::{self, SubmasterInfo};
+use hkvm_events::registry::SubmasterInfo;
 use hkvm_events::rpc::{RpcError, RpcErrorCode};
 use hkvm_events::subject::{epoch_marker_id, leader_subject, submaster_rpc_subject};
 use hkvm_events::KvEvent;
+use hkvm_log::commit::{CommitError, GroupCommitter, PendingCommit};
+use hkvm_log::connection::ConnectionEpoch;
+use hkvm_log::registry;
+use hkvm_log::{Append, EventLog, LogErrorKind};
+use hkvm_telemetry::metrics::gauge_value;
 use tokio::sync::{mpsc, watch};
 use tokio::time::{interval, Instant, MissedTickBehavior};
 
@@ -30,7 +32,6 @@ use crate::command::{self, ServingInfo};
 use crate::election::LeaseHolder;
 use crate::error::{SubmasterError, SubmasterErrorKind};
 use crate::liveness::{collect_pings, LiveNodes};
-use crate::metrics::gauge_value;
 use crate::state::State;
 
 /// Why a leadership ended.

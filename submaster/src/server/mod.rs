@@ -10,17 +10,17 @@ mod renewer;
 mod rpc;
 mod snapshotter;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt as _;
-use hkvm_events::log::{EventLog, JetStreamLog, ReadOptions};
-use hkvm_events::stream::ensure_stream;
 use hkvm_events::subject::{event_subject, stream_name};
-use hkvm_events::{registry, Limits};
-use hkvm_telemetry::MetricsServer;
-use prometheus_client::registry::Registry;
+use hkvm_events::Limits;
+use hkvm_log::registry;
+use hkvm_log::stream::ensure_stream;
+use hkvm_log::{EventLog, JetStreamLog, ReadOptions};
+use hkvm_telemetry::metrics::gauge_value;
+use hkvm_telemetry::{MetricsRegistry, TelemetryError};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -29,10 +29,10 @@ pub use rpc::QUEUE_GROUP;
 use crate::config::SubmasterConfig;
 use crate::election::{LeaderLease, LeaseHolder};
 use crate::error::{SubmasterError, SubmasterErrorKind};
-use crate::metrics::{gauge_value, SubmasterMetrics};
+use crate::metrics::SubmasterMetrics;
 use crate::state::State;
-use hkvm_events::positions::Positions;
-use hkvm_events::snapshot::SnapshotStore;
+use hkvm_log::positions::Positions;
+use hkvm_log::SnapshotStore;
 use leader::LeadEnd;
 use purger::Purger;
 use snapshotter::{SnapshotSink, StandbySnapshots};
@@ -287,27 +287,21 @@ pub async fn run(
     config: SubmasterConfig,
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), SubmasterError> {
-    let mut registry = Registry::default();
-    let metrics = SubmasterMetrics::register(&mut registry);
-    run_observed(client, config, Arc::new(registry), metrics, shutdown).await
+    run_observed(client, config, SubmasterMetrics::new(), shutdown).await
 }
 
-/// [`run`] with metrics registered in `registry` by the caller, who can read them.
+/// [`run`] with metrics created by the caller, who can read them.
 async fn run_observed(
     client: async_nats::Client,
     config: SubmasterConfig,
-    registry: Arc<Registry>,
     metrics: SubmasterMetrics,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<(), SubmasterError> {
-    let _metrics_server = match config.metrics_addr {
-        Some(addr) => Some(
-            MetricsServer::start(addr, registry)
-                .await
-                .map_err(|e| setup_error("metrics endpoint", e))?,
-        ),
-        None => None,
-    };
+    let _metrics_server = metrics
+        .registry()
+        .serve(config.metrics_addr)
+        .await
+        .map_err(|TelemetryError::Bind { source, .. }| setup_error("metrics endpoint", source))?;
     let ctx = Context::new(client, config, metrics).await?;
     tracing::info!(
         subcluster = %ctx.config.subcluster,
@@ -375,7 +369,7 @@ pub async fn load_state(
         stream_name(&config.cluster, &config.subcluster),
         event_subject(&config.cluster, &config.subcluster),
     );
-    let metrics = SubmasterMetrics::register(&mut Registry::default());
+    let metrics = SubmasterMetrics::new();
     let snapshots = if use_snapshot {
         Some(
             SnapshotStore::open(
@@ -414,23 +408,16 @@ async fn pause(shutdown: &mut watch::Receiver<bool>, delay: Duration) {
 pub struct SubmasterHandle {
     shutdown: watch::Sender<bool>,
     task: JoinHandle<Result<(), SubmasterError>>,
-    registry: Arc<Registry>,
+    registry: MetricsRegistry,
 }
 
 impl SubmasterHandle {
     /// Starts a sub-master task.
     pub fn spawn(client: async_nats::Client, config: SubmasterConfig) -> Self {
         let (shutdown, watch) = watch::channel(false);
-        let mut registry = Registry::default();
-        let metrics = SubmasterMetrics::register(&mut registry);
-        let registry = Arc::new(registry);
-        let task = tokio::spawn(run_observed(
-            client,
-            config,
-            Arc::clone(&registry),
-            metrics,
-            watch,
-        ));
+        let metrics = SubmasterMetrics::new();
+        let registry = metrics.registry();
+        let task = tokio::spawn(run_observed(client, config, metrics, watch));
         Self {
             shutdown,
             task,
@@ -441,10 +428,7 @@ impl SubmasterHandle {
     /// The sub-master's metrics in the Prometheus text format, as its metrics
     /// endpoint would serve them.
     pub fn metrics_text(&self) -> String {
-        let mut text = String::new();
-        // Writing into a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut text, &self.registry);
-        text
+        self.registry.text()
     }
 
     /// Stops gracefully (hands the lease over) and waits.

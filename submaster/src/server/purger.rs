@@ -6,12 +6,13 @@
 
 use std::time::Duration;
 
-use hkvm_events::log::JetStreamLog;
-use hkvm_events::positions::{purge_point, Positions};
-use hkvm_events::registry::now_unix_ms;
 use hkvm_events::SubclusterId;
+use hkvm_log::positions::{purge_point, Positions};
+use hkvm_log::registry::now_unix_ms;
+use hkvm_log::JetStreamLog;
+use hkvm_telemetry::metrics::gauge_value;
 
-use crate::metrics::{gauge_value, SubmasterMetrics};
+use crate::metrics::SubmasterMetrics;
 
 /// Purges one sub-cluster's stream after its snapshots.
 #[derive(Clone)]

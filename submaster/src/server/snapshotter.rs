@@ -18,15 +18,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use hkvm_events::commit::{CommitError, GroupCommitter};
-use hkvm_events::log::JetStreamLog;
-use hkvm_events::pace::CpuShare;
-use hkvm_events::positions::{Positions, ReaderKind};
-use hkvm_events::registry::now_unix_ms;
-use hkvm_events::snapshot::SnapshotStore;
 use hkvm_events::{KvEvent, ProducerId, SnapshotTaken, SubclusterId};
+use hkvm_log::commit::{CommitError, GroupCommitter};
+use hkvm_log::pace::CpuShare;
+use hkvm_log::positions::{Positions, ReaderKind};
+use hkvm_log::registry::now_unix_ms;
+use hkvm_log::JetStreamLog;
+use hkvm_log::SnapshotStore;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
 use tokio::task::JoinHandle;
 use tracing::Instrument as _;
 
@@ -240,8 +239,8 @@ async fn rebuild(
     if state.applied_seq >= covers_seq {
         return Ok(None);
     }
-    // A throwaway registry: the rebuild's gauges are not the leader's.
-    let metrics = SubmasterMetrics::register(&mut Registry::default());
+    // Metrics of their own: the rebuild's gauges are not the leader's.
+    let metrics = SubmasterMetrics::new();
     follower::fold_until(log, &mut state, covers_seq, &metrics).await?;
     if state.applied_seq != covers_seq {
         return Err(SubmasterError::new(

@@ -1,13 +1,14 @@
 //! The sub-master's side of snapshots: its [`State`] to and from the snapshot
-//! format of [`hkvm_events::snapshot`] (which also owns the store). A restore
+//! format of [`hkvm_events::snapshot`] (kept by [`hkvm_log::SnapshotStore`]). A restore
 //! builds the state while the snapshot is decoded ([`Restorer`]): segments through
 //! [`State::apply`], objects in bulk; the result equals the fold of the same events.
 
-use hkvm_events::pace::CpuShare;
 use hkvm_events::snapshot::{
     encode_from, ObjectRecord, ObjectView, SegmentRecord, SnapshotFile, SnapshotHeader,
-    SnapshotSource, SnapshotStore,
+    SnapshotSource,
 };
+use hkvm_log::pace::CpuShare;
+use hkvm_log::SnapshotStore;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};

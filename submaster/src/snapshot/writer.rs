@@ -8,9 +8,9 @@
 use std::future::Future;
 use std::sync::atomic::AtomicBool;
 
-use hkvm_events::snapshot::SnapshotStore;
+use hkvm_log::SnapshotStore;
 
-use hkvm_events::pace::CpuShare;
+use hkvm_log::pace::CpuShare;
 
 use super::encode_paced;
 use crate::error::SubmasterError;

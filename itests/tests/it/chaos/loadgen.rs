@@ -129,7 +129,7 @@ pub async fn start(
     let container = hkvm_image()
         .with_network(&topology.network)
         .with_mount(Mount::bind_mount(host_dir, RESULTS_DIR))
-        .with_env_var("RUST_LOG", "error,hkvm_events::connection=info")
+        .with_env_var("RUST_LOG", "error,hkvm_log::connection=info")
         .with_startup_timeout(Duration::from_secs(60))
         .with_cmd(cmd)
         .start()

@@ -11,11 +11,11 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
-use hkvm_events::log::{EventLog, JetStreamLog, ReadOptions};
 use hkvm_events::subject::{event_subject, stream_name};
 use hkvm_events::{decode_message, ClusterId, KvEvent, Limits, SubclusterId};
 use hkvm_interdc::ClusterAddress;
 use hkvm_itests::images::hkvm_image;
+use hkvm_log::{EventLog, JetStreamLog, ReadOptions};
 use testcontainers::core::WaitFor;
 use testcontainers::runners::AsyncRunner as _;
 use testcontainers::ImageExt as _;
@@ -53,13 +53,11 @@ async fn commits(topology: &Topology) -> BTreeMap<String, u32> {
 }
 
 /// One whole read of the stream; a stream that does not exist yet has no commits.
-async fn read_commits(
-    log: &JetStreamLog,
-) -> Result<BTreeMap<String, u32>, hkvm_events::log::LogError> {
+async fn read_commits(log: &JetStreamLog) -> Result<BTreeMap<String, u32>, hkvm_log::LogError> {
     let mut commits = BTreeMap::new();
     let mut entries = match log.read(ReadOptions::from(1)).await {
         Ok(entries) => entries,
-        Err(error) if *error.kind() == hkvm_events::log::LogErrorKind::StreamNotFound => {
+        Err(error) if *error.kind() == hkvm_log::LogErrorKind::StreamNotFound => {
             return Ok(commits)
         }
         Err(error) => return Err(error),

@@ -117,9 +117,9 @@ fn strip_colours(line: &str) -> String {
 
 #[test]
 fn hkvm_log_marks_parse() {
-    let log = "\u{1b}[2m2026-12-01T02:15:42.417000Z\u{1b}[0m \u{1b}[33m WARN\u{1b}[0m hkvm_events::connection: NATS connection lost; reconnecting\n\
-               2026-12-01T02:15:42.500000Z  WARN hkvm_events::commit: append unanswered; sending it again\n\
-               2026-12-01T02:15:40.000000Z  INFO hkvm_events::connection: NATS connection (re)established\n\
+    let log = "\u{1b}[2m2026-12-01T02:15:42.417000Z\u{1b}[0m \u{1b}[33m WARN\u{1b}[0m hkvm_log::connection: NATS connection lost; reconnecting\n\
+               2026-12-01T02:15:42.500000Z  WARN hkvm_log::commit: append unanswered; sending it again\n\
+               2026-12-01T02:15:40.000000Z  INFO hkvm_log::connection: NATS connection (re)established\n\
                2026-12-01T02:15:43.000000Z  INFO something else";
     let killed = 1_796_091_341_417;
     assert_eq!(

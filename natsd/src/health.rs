@@ -3,8 +3,11 @@
 
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
+
+/// How long one probe may take.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Probes `GET /healthz` on `127.0.0.1:port`; `Ok(())` when it answered 200.
 ///
@@ -33,7 +36,7 @@ pub(crate) async fn probe(port: u16) -> Result<(), String> {
             Err(format!("{status_line} {body}"))
         }
     };
-    match tokio::time::timeout(Duration::from_secs(2), attempt).await {
+    match tokio::time::timeout(PROBE_TIMEOUT, attempt).await {
         Ok(result) => result,
         Err(_) => Err("health probe timed out".to_owned()),
     }

@@ -1,8 +1,8 @@
-//! One `nats-server` child process with JetStream, on ephemeral loopback ports and a
-//! temp store dir that survives [`NatsServer::kill`] + [`NatsServer::restart`] (so a
-//! restart finds its data again) and is removed on drop.
+//! One `nats-server` child process on loopback ports, with its config, log and
+//! JetStream store in a temp dir that survives [`NatsServer::kill`] and
+//! [`NatsServer::restart`] (so a restart finds its data again) and is removed on
+//! drop.
 
-use std::fmt::Write as _;
 use std::fs::File;
 use std::io::Read as _;
 use std::net::TcpListener;
@@ -12,42 +12,14 @@ use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
-use crate::{find_nats_server, health, TestkitError};
+use crate::options::render;
+use crate::{find_nats_server, health, ClientPort, NatsdError, ServerOptions};
 
-/// How to start a server. Fill what you need and take the rest from `Default`.
-#[derive(Debug, Clone)]
-pub struct ServerOptions {
-    /// `server_name`, also used in logs and errors.
-    pub name: String,
-    /// Enable JetStream (file storage in the temp dir).
-    pub jetstream: bool,
-    /// Raw config text appended to the generated config (accounts, users, limits).
-    pub extra_config: String,
-    /// How long to wait for `/healthz` to answer 200.
-    pub ready_timeout: Duration,
-    /// A fixed client port; an ephemeral one when `None`.
-    pub client_port: Option<u16>,
-}
+/// How often readiness is probed while waiting.
+const PROBE_INTERVAL: Duration = Duration::from_millis(50);
 
-impl Default for ServerOptions {
-    fn default() -> Self {
-        Self {
-            name: "hkvm-test".to_owned(),
-            jetstream: true,
-            extra_config: String::new(),
-            ready_timeout: Duration::from_secs(30),
-            client_port: None,
-        }
-    }
-}
-
-/// Cluster membership of one node: its route port and its peers' route ports.
-#[derive(Debug, Clone)]
-pub(crate) struct RouteConfig {
-    pub(crate) cluster_name: String,
-    pub(crate) route_port: u16,
-    pub(crate) peer_route_ports: Vec<u16>,
-}
+/// How many of the server's last log lines an error report carries.
+const LOG_TAIL_LINES: usize = 40;
 
 /// A running (or killed, restartable) `nats-server` child process.
 #[derive(Debug)]
@@ -60,11 +32,24 @@ pub struct NatsServer {
     child: Option<Child>,
 }
 
+/// Whether `127.0.0.1:port` can be bound right now.
+pub fn port_is_free(port: u16) -> bool {
+    TcpListener::bind(("127.0.0.1", port)).is_ok()
+}
+
 /// Reserves a free loopback port by binding port 0 and releasing it. The tiny race
-/// with other processes is accepted: tests need ports they can reuse on restart.
-pub(crate) fn free_port() -> Result<u16, TestkitError> {
-    let listener = TcpListener::bind(("127.0.0.1", 0))?;
-    Ok(listener.local_addr()?.port())
+/// with other processes is accepted: a server needs ports it can reuse on restart,
+/// and a cluster needs its peers' route ports before any node runs.
+///
+/// # Errors
+/// [`NatsdError::Io`] when no port can be bound.
+pub fn free_port() -> Result<u16, NatsdError> {
+    let listener =
+        TcpListener::bind(("127.0.0.1", 0)).map_err(NatsdError::io("finding a free port"))?;
+    let addr = listener
+        .local_addr()
+        .map_err(NatsdError::io("finding a free port"))?;
+    Ok(addr.port())
 }
 
 impl NatsServer {
@@ -72,31 +57,36 @@ impl NatsServer {
     ///
     /// # Errors
     /// See [`NatsServer::start_with`].
-    pub async fn start() -> Result<Self, TestkitError> {
+    pub async fn start() -> Result<Self, NatsdError> {
         Self::start_with(ServerOptions::default()).await
     }
 
-    /// Starts a single server with `options` and waits until it is healthy.
+    /// Starts a server with `options` and waits until it is healthy.
     ///
     /// # Errors
     /// No binary, a spawn failure, an early exit or a health timeout.
-    pub async fn start_with(options: ServerOptions) -> Result<Self, TestkitError> {
-        let mut server = Self::prepare(options, None)?;
+    pub async fn start_with(options: ServerOptions) -> Result<Self, NatsdError> {
+        let mut server = Self::prepare(options)?;
         server.spawn()?;
         server.wait_ready().await?;
         Ok(server)
     }
 
-    /// Writes the config and reserves ports without starting the process.
-    pub(crate) fn prepare(
-        options: ServerOptions,
-        routes: Option<RouteConfig>,
-    ) -> Result<Self, TestkitError> {
-        let binary = find_nats_server()?;
-        let dir = tempfile::Builder::new().prefix("hkvm-nats-").tempdir()?;
+    /// Finds the binary, reserves the ports and writes the config without starting
+    /// the process: the nodes of a cluster must all run before any is healthy.
+    ///
+    /// # Errors
+    /// No binary, no free port, or the temp dir or config cannot be written.
+    pub fn prepare(options: ServerOptions) -> Result<Self, NatsdError> {
+        let binary = find_nats_server(options.tools_dir)?;
+        let dir = tempfile::Builder::new()
+            .prefix("hkvm-nats-")
+            .tempdir()
+            .map_err(NatsdError::io("creating the nats-server temp dir"))?;
         let client_port = match options.client_port {
-            Some(port) => port,
-            None => free_port()?,
+            ClientPort::Fixed(port) => port,
+            ClientPort::Preferred(port) if port != 0 && port_is_free(port) => port,
+            ClientPort::Preferred(_) | ClientPort::Ephemeral => free_port()?,
         };
         let server = Self {
             client_port,
@@ -106,40 +96,15 @@ impl NatsServer {
             dir,
             child: None,
         };
-        std::fs::write(server.config_path(), server.render_config(routes.as_ref()))?;
+        let config = render(
+            &server.options,
+            server.client_port,
+            server.monitor_port,
+            &server.store_dir(),
+        );
+        std::fs::write(server.config_path(), config)
+            .map_err(NatsdError::io("writing the nats-server config"))?;
         Ok(server)
-    }
-
-    fn render_config(&self, routes: Option<&RouteConfig>) -> String {
-        let mut config = String::new();
-        // Writing into a String cannot fail.
-        let _ = writeln!(config, "server_name: \"{}\"", self.options.name);
-        let _ = writeln!(config, "listen: \"127.0.0.1:{}\"", self.client_port);
-        let _ = writeln!(config, "http: \"127.0.0.1:{}\"", self.monitor_port);
-        if self.options.jetstream {
-            let _ = writeln!(
-                config,
-                "jetstream {{\n  store_dir: \"{}\"\n}}",
-                self.store_dir().display()
-            );
-        }
-        if let Some(routes) = routes {
-            let peers: Vec<String> = routes
-                .peer_route_ports
-                .iter()
-                .map(|port| format!("\"nats-route://127.0.0.1:{port}\""))
-                .collect();
-            let _ = writeln!(
-                config,
-                "cluster {{\n  name: \"{}\"\n  listen: \"127.0.0.1:{}\"\n  routes: [{}]\n}}",
-                routes.cluster_name,
-                routes.route_port,
-                peers.join(", ")
-            );
-        }
-        config.push_str(&self.options.extra_config);
-        config.push('\n');
-        config
     }
 
     fn config_path(&self) -> PathBuf {
@@ -153,6 +118,11 @@ impl NatsServer {
     /// The JetStream store directory (kept across kill and restart).
     pub fn store_dir(&self) -> PathBuf {
         self.dir.path().join("jetstream")
+    }
+
+    /// The path of the server's working dir (config, log, store).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
     }
 
     /// The server name from its options.
@@ -188,32 +158,54 @@ impl NatsServer {
         }
     }
 
-    pub(crate) fn spawn(&mut self) -> Result<(), TestkitError> {
+    /// Spawns the process with the written config, its output going to the log.
+    ///
+    /// # Errors
+    /// [`NatsdError::Io`] when the log cannot be opened or the process not spawned.
+    pub fn spawn(&mut self) -> Result<(), NatsdError> {
         let log = File::options()
             .create(true)
             .append(true)
-            .open(self.log_path())?;
+            .open(self.log_path())
+            .map_err(NatsdError::io("opening the nats-server log"))?;
+        let stdout = log
+            .try_clone()
+            .map_err(NatsdError::io("opening the nats-server log"))?;
         let mut command = Command::new(&self.binary);
         command
             .arg("--config")
             .arg(self.config_path())
             .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
+            .stdout(stdout)
             .stderr(log);
         die_with_parent(&mut command);
-        self.child = Some(command.spawn()?);
-        tracing::debug!(name = %self.options.name, url = %self.url(), "nats-server spawned");
+        let child = command.spawn().map_err(NatsdError::io(format!(
+            "starting {}",
+            self.binary.display()
+        )))?;
+        self.child = Some(child);
+        tracing::debug!(
+            name = %self.options.name,
+            binary = %self.binary.display(),
+            url = %self.url(),
+            "nats-server spawned"
+        );
         Ok(())
     }
 
-    pub(crate) async fn wait_ready(&mut self) -> Result<(), TestkitError> {
+    /// Probes `/healthz` until it answers 200, failing early if the process exits.
+    ///
+    /// # Errors
+    /// [`NatsdError::Exited`] when the process ends first, [`NatsdError::NotReady`]
+    /// when the ready timeout passes first; both carry the log's tail.
+    pub async fn wait_ready(&mut self) -> Result<(), NatsdError> {
         let started = Instant::now();
         let mut last = String::from("not probed yet");
         while started.elapsed() < self.options.ready_timeout {
             if let Some(child) = self.child.as_mut() {
                 if let Ok(Some(status)) = child.try_wait() {
                     self.child = None;
-                    return Err(TestkitError::Exited {
+                    return Err(NatsdError::Exited {
                         name: self.options.name.clone(),
                         status,
                         log_tail: self.log_tail(),
@@ -224,12 +216,13 @@ impl NatsServer {
                 Ok(()) => return Ok(()),
                 Err(seen) => last = seen,
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            tokio::time::sleep(PROBE_INTERVAL).await;
         }
-        Err(TestkitError::NotReady {
+        Err(NatsdError::NotReady {
             name: self.options.name.clone(),
             waited_ms: started.elapsed().as_millis(),
             last,
+            log_tail: self.log_tail(),
         })
     }
 
@@ -240,7 +233,7 @@ impl NatsServer {
             let _ = file.read_to_string(&mut text);
         }
         let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(40)..].join("\n")
+        lines[lines.len().saturating_sub(LOG_TAIL_LINES)..].join("\n")
     }
 
     /// Kills the process with SIGKILL (a crash, no graceful shutdown) and reaps it.
@@ -255,12 +248,15 @@ impl NatsServer {
     /// Asks the process to shut down gracefully (SIGTERM) and waits for it.
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
+            #[cfg(unix)]
             if let Ok(pid) = i32::try_from(child.id()) {
                 // SAFETY: kill(2) with a pid we spawned and have not reaped yet.
                 unsafe {
                     libc::kill(pid, libc::SIGTERM);
                 }
             }
+            #[cfg(not(unix))]
+            let _ = child.kill();
             let _ = child.wait();
         }
     }
@@ -270,7 +266,7 @@ impl NatsServer {
     ///
     /// # Errors
     /// As for [`NatsServer::start_with`].
-    pub async fn restart(&mut self) -> Result<(), TestkitError> {
+    pub async fn restart(&mut self) -> Result<(), NatsdError> {
         self.kill();
         self.spawn()?;
         self.wait_ready().await
@@ -279,17 +275,12 @@ impl NatsServer {
     /// Connects a client to this server.
     ///
     /// # Errors
-    /// [`TestkitError::Connect`] when the server does not accept the connection.
-    pub async fn connect(&self) -> Result<async_nats::Client, TestkitError> {
+    /// [`NatsdError::Connect`] when the server does not accept the connection.
+    pub async fn connect(&self) -> Result<async_nats::Client, NatsdError> {
         let url = self.url();
         async_nats::connect(&url)
             .await
-            .map_err(|source| TestkitError::Connect { url, source })
-    }
-
-    /// The path of the server's working dir (config, log, store).
-    pub fn dir(&self) -> &Path {
-        self.dir.path()
+            .map_err(|source| NatsdError::Connect { url, source })
     }
 }
 
@@ -299,8 +290,9 @@ impl Drop for NatsServer {
     }
 }
 
-/// Makes the child receive SIGKILL when the thread that spawned it dies, so a test
-/// process that aborts does not leave nats-servers behind.
+/// Makes the child receive SIGKILL when the thread that spawned it dies, so that an
+/// aborted `hkvm local` or test process does not leave its nats-servers behind.
+#[cfg(target_os = "linux")]
 fn die_with_parent(command: &mut Command) {
     use std::os::unix::process::CommandExt as _;
     // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
@@ -313,3 +305,7 @@ fn die_with_parent(command: &mut Command) {
         });
     }
 }
+
+/// Elsewhere the child outlives an aborted parent; a clean stop still stops it.
+#[cfg(not(target_os = "linux"))]
+fn die_with_parent(_command: &mut Command) {}
