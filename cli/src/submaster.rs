@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use hkvm_events::{ProducerId, SubclusterId};
 use hkvm_submaster::placement::PlacementStrategy;
-use hkvm_submaster::SubmasterConfig;
+use hkvm_submaster::{DirectListen, SubmasterConfig};
 use serde::Deserialize;
 
 use crate::globalmaster::parse_label;
@@ -39,6 +39,15 @@ pub struct SubmasterArgs {
     /// Stream and bucket replicas (3 in a NATS cluster).
     #[arg(long)]
     pub replicas: Option<usize>,
+    /// Where the leader takes clients' hot requests directly, without the NATS
+    /// broker: `auto` (the address the NATS server sees this process at, any
+    /// port), `off`, or an address such as `10.0.0.5:4100`.
+    #[arg(long)]
+    pub direct: Option<DirectListen>,
+    /// The `host` or `host:port` clients are told to connect to for direct
+    /// requests, when it is not the listening address (NAT, port mapping).
+    #[arg(long)]
+    pub direct_advertise: Option<String>,
 }
 
 /// Tunables a TOML file may set; every field is optional.
@@ -65,6 +74,8 @@ struct FileConfig {
     purge_history: Option<bool>,
     reader_ttl_ms: Option<u64>,
     request_queue: Option<usize>,
+    direct: Option<String>,
+    direct_advertise: Option<String>,
 }
 
 /// Builds the sub-master configuration from flags, file and defaults.
@@ -122,6 +133,18 @@ pub fn config(args: &SubmasterArgs) -> anyhow::Result<SubmasterConfig> {
         config.history.reader_ttl = Duration::from_millis(ms);
     }
     config.request_queue = file.request_queue.unwrap_or(config.request_queue);
+    let from_file = match file.direct.as_deref() {
+        Some(text) => Some(
+            text.parse::<DirectListen>()
+                .map_err(|why| anyhow::anyhow!("direct: {why}"))?,
+        ),
+        None => None,
+    };
+    config.direct.listen = args.direct.or(from_file).unwrap_or(config.direct.listen);
+    config.direct.advertise = args
+        .direct_advertise
+        .clone()
+        .or(file.direct_advertise);
     Ok(config)
 }
 

@@ -7,8 +7,12 @@
 //! by the client's first call: no JetStream consumer per client, so ten thousand
 //! clients cost the NATS server one interest each.
 
+use std::sync::Arc;
+
 use futures::StreamExt as _;
 use tokio::sync::{watch, OnceCell};
+
+use crate::direct::DirectRoute;
 
 /// The announcements of one sub-cluster's leaders, subscribed on first use.
 /// Shared by the clones of a client.
@@ -17,6 +21,9 @@ pub struct LeaderWatch {
     nats: async_nats::Client,
     subject: String,
     announcements: OnceCell<watch::Receiver<u64>>,
+    /// The direct route to the leader, told of every announcement (none: every
+    /// request goes over NATS).
+    direct: Option<Arc<DirectRoute>>,
 }
 
 impl LeaderWatch {
@@ -26,7 +33,21 @@ impl LeaderWatch {
             nats,
             subject,
             announcements: OnceCell::new(),
+            direct: None,
         }
+    }
+
+    /// This watch with a direct route to the announced leaders.
+    pub fn with_direct(self, direct: Arc<DirectRoute>) -> Self {
+        Self {
+            direct: Some(direct),
+            ..self
+        }
+    }
+
+    /// The direct route to the leader, if requests may go direct.
+    pub fn direct(&self) -> Option<&Arc<DirectRoute>> {
+        self.direct.as_ref()
     }
 
     /// A receiver whose value changes with every announcement, once the server
@@ -49,12 +70,16 @@ impl LeaderWatch {
         // Flushed: every announcement from now on reaches this subscription.
         self.nats.flush().await.map_err(|_| SubscribeFailed)?;
         let (sender, receiver) = watch::channel(0u64);
+        let direct = self.direct.clone();
         tokio::spawn(async move {
             loop {
                 tokio::select! {
                     message = subscription.next() => {
-                        if message.is_none() {
+                        let Some(message) = message else {
                             break;
+                        };
+                        if let Some(direct) = &direct {
+                            direct.announced(&message.payload);
                         }
                         sender.send_modify(|count| *count += 1);
                     }

@@ -5,6 +5,7 @@
 
 pub mod coalesce;
 pub mod connect;
+pub mod direct;
 pub mod dummy;
 pub mod error;
 pub mod global;

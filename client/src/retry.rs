@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::RequestErrorKind;
+use hkvm_events::rpc::direct::is_direct_name;
 use hkvm_events::rpc::{self, RpcErrorCode, RpcReply};
 use hkvm_log::connection::ConnectionEpoch;
 use rand::Rng as _;
@@ -19,6 +20,7 @@ use serde::Serialize;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use crate::direct::{DirectLink, DirectRoute, LinkFailure};
 use crate::error::{ClientError, RetryCause};
 use crate::leader_watch::LeaderWatch;
 
@@ -248,8 +250,18 @@ impl RpcCaller {
                 // What was announced before this attempt cannot help after it.
                 announcements.borrow_and_update();
             }
+            let direct = leader
+                .and_then(LeaderWatch::direct)
+                .filter(|_| is_direct_name(op));
             let attempt = self
-                .attempt(op, &subject, body.clone(), resend, announcements.as_mut())
+                .attempt(
+                    op,
+                    &subject,
+                    body.clone(),
+                    resend,
+                    announcements.as_mut(),
+                    direct,
+                )
                 .await;
             let cause = match attempt {
                 Attempt::Done(result) => return result,
@@ -372,7 +384,95 @@ impl RpcCaller {
         }
     }
 
+    /// One attempt: over the direct link when `direct` has one up, otherwise
+    /// (or when the link was closed before the request left) over NATS.
     async fn attempt<Rep: DeserializeOwned>(
+        &self,
+        op: &'static str,
+        subject: &str,
+        body: bytes::Bytes,
+        resend: Resend,
+        announcements: Option<&mut watch::Receiver<u64>>,
+        direct: Option<&Arc<DirectRoute>>,
+    ) -> Attempt<Rep> {
+        if let Some((route, link)) = direct.and_then(|route| Some((route, route.link()?))) {
+            match self
+                .attempt_direct(op, &link, &body, resend, announcements)
+                .await
+            {
+                Ok(payload) => {
+                    let attempt = Self::answer(op, &payload);
+                    if matches!(attempt, Attempt::Retry(RetryCause::NotLeader)) {
+                        // A leader stepping down: the next one is found anew.
+                        route.discard(&link);
+                    }
+                    return attempt;
+                }
+                Err(DirectEnd::NotSent) => route.discard(&link),
+                Err(DirectEnd::Ended(attempt)) => {
+                    route.discard(&link);
+                    return attempt;
+                }
+            }
+            // Not sent: go over NATS at once, without waiting for a relink.
+            return self
+                .attempt_nats(op, subject, body, resend, None)
+                .await;
+        }
+        self.attempt_nats(op, subject, body, resend, announcements)
+            .await
+    }
+
+    /// Sends `body` on `link` and waits for its reply, its timeout, or a new
+    /// leader's announcement (for a resendable request: its answer will not
+    /// come from a deposed leader).
+    async fn attempt_direct<Rep>(
+        &self,
+        op: &'static str,
+        link: &DirectLink,
+        body: &[u8],
+        resend: Resend,
+        announcements: Option<&mut watch::Receiver<u64>>,
+    ) -> Result<Vec<u8>, DirectEnd<Rep>> {
+        let timeout = self.policy.request_timeout;
+        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        self.stats.requests.fetch_add(1, Ordering::Relaxed);
+        let announced = async {
+            match announcements {
+                Some(announced) if resend == Resend::Safe => {
+                    if announced.changed().await.is_err() {
+                        std::future::pending::<()>().await;
+                    }
+                }
+                _ => std::future::pending().await,
+            }
+        };
+        let timed_out = || match resend {
+            Resend::Safe => DirectEnd::Ended(Attempt::Retry(RetryCause::TimedOut)),
+            Resend::Unsafe => DirectEnd::Ended(Attempt::Done(Err(ClientError::Timeout {
+                op,
+                ms: timeout_ms,
+            }))),
+        };
+        tokio::select! {
+            answer = tokio::time::timeout(timeout, link.call(op, body)) => match answer {
+                Ok(Ok(payload)) => Ok(payload),
+                Ok(Err(LinkFailure::NotSent)) => Err(DirectEnd::NotSent),
+                // The connection went down with the request on it: as a lost
+                // answer when it may be sent again, else as a timeout (it may
+                // have been served), without waiting for the timeout.
+                Ok(Err(LinkFailure::Lost)) => Err(match resend {
+                    Resend::Safe => DirectEnd::Ended(Attempt::Retry(RetryCause::AnswerLost)),
+                    Resend::Unsafe => timed_out(),
+                }),
+                Err(_) => Err(timed_out()),
+            },
+            () = announced => Err(DirectEnd::Ended(Attempt::Retry(RetryCause::AnswerLost))),
+        }
+    }
+
+    /// One attempt over NATS request/reply.
+    async fn attempt_nats<Rep: DeserializeOwned>(
         &self,
         op: &'static str,
         subject: &str,
@@ -420,7 +520,12 @@ impl RpcCaller {
             }
             Err(SendError::Failed(error)) => return Attempt::Done(Err(error)),
         };
-        let reply: RpcReply<Rep> = match rpc::decode(&message.payload) {
+        Self::answer(op, &message.payload)
+    }
+
+    /// What a reply body comes to: a result, or a reason to retry.
+    fn answer<Rep: DeserializeOwned>(op: &'static str, payload: &[u8]) -> Attempt<Rep> {
+        let reply: RpcReply<Rep> = match rpc::decode(payload) {
             Ok(reply) => reply,
             Err(source) => return Attempt::Done(Err(ClientError::Codec { op, source })),
         };
@@ -435,6 +540,14 @@ impl RpcCaller {
             },
         }
     }
+}
+
+/// How a direct attempt ended without a reply.
+enum DirectEnd<Rep> {
+    /// The request never left: send it over NATS.
+    NotSent,
+    /// What the attempt came to.
+    Ended(Attempt<Rep>),
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ pub mod error;
 pub mod event;
 pub mod id;
 pub mod key_ops;
+pub mod lease;
 pub mod limits;
 mod msgpack;
 pub mod positions;

@@ -8,19 +8,10 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
 use hkvm_events::subject::Bucket;
-use hkvm_events::{ClusterId, ProducerId, SubclusterId};
-use serde::{Deserialize, Serialize};
+use hkvm_events::{ClusterId, SubclusterId};
+pub use hkvm_events::lease::LeaseHolder;
 
 use crate::error::{SubmasterError, SubmasterErrorKind};
-
-/// The lease record (wire type).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LeaseHolder {
-    /// Who holds it.
-    pub producer: ProducerId,
-    /// The epoch it leads in.
-    pub epoch: u64,
-}
 
 /// Access to the leader lease of one sub-cluster.
 #[derive(Debug, Clone)]
@@ -85,7 +76,7 @@ impl LeaderLease {
             if entry.operation != kv::Operation::Put {
                 return None;
             }
-            let holder = rmp_serde::from_slice(&entry.value).ok()?;
+            let holder = LeaseHolder::decode(&entry.value).ok()?;
             Some((holder, entry.revision))
         }))
     }
@@ -95,7 +86,7 @@ impl LeaderLease {
     /// # Errors
     /// When the bucket cannot be written for another reason than a live holder.
     pub async fn try_acquire(&self, holder: &LeaseHolder) -> Result<Option<u64>, SubmasterError> {
-        let value = rmp_serde::to_vec_named(holder).map_err(|e| lease_error("encoding", e))?;
+        let value = holder.encode().map_err(|e| lease_error("encoding", e))?;
         match self.store.create(&self.key, value.into()).await {
             Ok(revision) => Ok(Some(revision)),
             Err(error) if error.kind() == kv::CreateErrorKind::AlreadyExists => Ok(None),
@@ -115,7 +106,7 @@ impl LeaderLease {
         holder: &LeaseHolder,
         revision: u64,
     ) -> Result<Option<u64>, SubmasterError> {
-        let value = rmp_serde::to_vec_named(holder).map_err(|e| lease_error("encoding", e))?;
+        let value = holder.encode().map_err(|e| lease_error("encoding", e))?;
         match self.store.update(&self.key, value.into(), revision).await {
             Ok(revision) => Ok(Some(revision)),
             Err(error) if error.kind() == kv::UpdateErrorKind::WrongLastRevision => {

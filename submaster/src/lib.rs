@@ -21,6 +21,6 @@ pub mod server;
 pub mod snapshot;
 pub mod state;
 
-pub use config::{HistoryConfig, SnapshotPace, SubmasterConfig};
+pub use config::{DirectConfig, DirectListen, HistoryConfig, SnapshotPace, SubmasterConfig};
 pub use error::{SubmasterError, SubmasterErrorKind};
 pub use server::{run, SubmasterHandle};

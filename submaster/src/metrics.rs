@@ -117,6 +117,8 @@ pub struct SubmasterMetrics {
     pub undecodable: Counter,
     /// Leaderships taken.
     pub takeovers: Counter,
+    /// Open direct connections (clients sending hot operations without NATS).
+    pub direct_connections: Gauge,
     registry: MetricsRegistry,
 }
 
@@ -181,6 +183,10 @@ impl SubmasterMetrics {
                 "Stream messages or events skipped as undecodable",
             ),
             takeovers: r.counter("takeovers", "Leaderships taken"),
+            direct_connections: r.gauge(
+                "direct_connections",
+                "Open direct connections of clients (hot operations without NATS)",
+            ),
             registry: r.finish(),
         }
     }

@@ -1,5 +1,7 @@
-//! The sub-master client: one async method per operation, over NATS request/reply,
-//! every call through the shared [`RpcCaller`] retry policy.
+//! The sub-master client: one async method per operation, every call through the
+//! shared [`RpcCaller`] retry policy: hot operations on a direct link to the
+//! leader when one is up ([`crate::direct`]), everything else (and everything
+//! while no link is up) over NATS request/reply.
 
 use hkvm_events::rpc::submaster::{
     Exist, ExistReply, GetReplicaList, GetReplicaListReply, LeaseId, LeaseReturn, LeaseSpace,
@@ -18,6 +20,7 @@ use std::sync::Arc;
 mod mixed;
 
 use crate::coalesce::{CoalesceConfig, Coalescer};
+use crate::direct::DirectRoute;
 use crate::error::ClientError;
 use crate::leader_watch::LeaderWatch;
 use crate::retry::{ClientStats, Presence, Resend, RetryPolicy, RpcCaller};
@@ -98,10 +101,15 @@ impl SubmasterClient {
 
     /// A client sharing `caller` (its connection, policy and stats).
     pub fn with_caller(caller: RpcCaller, cluster: ClusterId, subcluster: SubclusterId) -> Self {
-        let leader = Some(Arc::new(LeaderWatch::new(
+        let direct = Arc::new(DirectRoute::new(
             caller.nats().clone(),
-            leader_subject(&cluster, &subcluster),
-        )));
+            cluster.clone(),
+            subcluster.clone(),
+        ));
+        let leader = Some(Arc::new(
+            LeaderWatch::new(caller.nats().clone(), leader_subject(&cluster, &subcluster))
+                .with_direct(direct),
+        ));
         Self {
             caller,
             cluster,
@@ -109,6 +117,24 @@ impl SubmasterClient {
             coalescing: None,
             leader,
         }
+    }
+
+    /// This client with every request over NATS, none on a direct link to the
+    /// leader (for comparisons, and where only the broker may be reached).
+    pub fn without_direct(self) -> Self {
+        let leader = Some(Arc::new(LeaderWatch::new(
+            self.caller.nats().clone(),
+            leader_subject(&self.cluster, &self.subcluster),
+        )));
+        Self { leader, ..self }
+    }
+
+    /// Requests this client (and its clones) sent on direct links to the leader.
+    pub fn direct_requests(&self) -> u64 {
+        self.leader
+            .as_deref()
+            .and_then(LeaderWatch::direct)
+            .map_or(0, |direct| direct.sent())
     }
 
     /// This client without leader announcements: for a client made for one

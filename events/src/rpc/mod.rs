@@ -4,6 +4,7 @@
 //! optional ones default). Every reply is an [`RpcReply`]: the operation's result or
 //! an [`RpcError`] with a code the caller can act on (`Busy` means retry later).
 
+pub mod direct;
 pub mod dummy;
 pub mod global;
 pub mod interdc;

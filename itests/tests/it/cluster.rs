@@ -10,6 +10,7 @@ use hkvm_client::{
     GlobalClient, KvClient, KvError, NodeConfig, NodeHandle, RetryPolicy, SubmasterClient,
 };
 use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp};
+use hkvm_events::subject::global_rpc_subject;
 use hkvm_events::SubclusterId;
 use hkvm_events::{
     KvEvent, NodeId, Placement, ProducerId, PutCommitted, SegmentId, SegmentMounted,
@@ -99,6 +100,26 @@ async fn a_block_put_in_one_subcluster_is_read_from_another() {
     if let Some(global) = pool.global.take() {
         global.shutdown();
     }
+    // Its subscriptions end after the shutdown returns: until the server has
+    // dropped them, a query is delivered to nobody and times out instead.
+    let subject = global_rpc_subject(&pool.fixture.cluster, GlobalOp::Status.name());
+    let probe = pool.fixture.connect().await;
+    let mut unsubscribed = false;
+    for _ in 0..100 {
+        let asked = tokio::time::timeout(
+            Duration::from_millis(200),
+            probe.request(subject.clone(), Vec::new().into()),
+        )
+        .await;
+        match asked {
+            Ok(Err(error)) if error.kind() == async_nats::RequestErrorKind::NoResponders => {
+                unsubscribed = true;
+                break;
+            }
+            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+    assert!(unsubscribed, "the stopped global master left its subscriptions");
     let mut unresolved = None;
     for _ in 0..100 {
         match kv[1].get("nowhere").await {

@@ -13,6 +13,7 @@ use bytes::Bytes;
 use hkvm_events::codec::{encode_message, Header};
 use hkvm_events::registry::SubmasterInfo;
 use hkvm_events::rpc::{RpcError, RpcErrorCode};
+use hkvm_events::rpc::direct::DirectWelcome;
 use hkvm_events::subject::{epoch_marker_id, leader_subject, submaster_rpc_subject};
 use hkvm_events::KvEvent;
 use hkvm_log::commit::{CommitError, GroupCommitter, PendingCommit};
@@ -25,6 +26,7 @@ use tokio::time::{interval, Instant, MissedTickBehavior};
 
 use super::follower::catch_up;
 use super::renewer::{LeaseState, Renewer};
+use super::direct::DirectFront;
 use super::rpc::{self, Job, Requester};
 use super::snapshotter::{Snapshotter, StandbyWatch};
 use super::Context;
@@ -434,13 +436,22 @@ pub(crate) async fn lead(
     let (ready_tx, ready_rx) = watch::channel(false);
     let (jobs_tx, mut jobs) = mpsc::channel(config.request_queue);
     let live = Arc::new(LiveNodes::new());
-    let front = rpc::subscribe(ctx, jobs_tx, Arc::clone(&live), ready_rx).await?;
+    let gate = rpc::Gate::new(ctx, jobs_tx, Arc::clone(&live), ready_rx);
+    let front = rpc::subscribe(ctx, &gate).await?;
     let started = std::time::Instant::now();
     catch_up(&ctx.log, state, &ctx.metrics).await?;
     let epoch = open_epoch(ctx, state).await?;
+    // Bound before serving, so that the announcement and the renewed lease
+    // carry the endpoint; it closes with this leadership.
+    let welcome = DirectWelcome {
+        producer: config.producer.clone(),
+        epoch,
+    };
+    let direct = DirectFront::start(ctx, gate, welcome).await?;
     let holder = LeaseHolder {
         producer: config.producer.clone(),
         epoch,
+        direct: direct.as_ref().map(|front| front.endpoint.clone()),
     };
 
     let clock = Instant::now();
@@ -573,6 +584,9 @@ pub(crate) async fn lead(
     };
     let _ = ready_tx.send(false);
     drop(front);
+    // No new direct requests; replies owed are still written, then each
+    // connection closes and its client turns to NATS and the next leader.
+    drop(direct);
     ctx.metrics.role.set(0);
     if matches!(end, LeadEnd::Shutdown) {
         // Let in-flight writes finish and their replies go out, then hand over.

@@ -6,6 +6,7 @@
 mod follower;
 mod leader;
 mod purger;
+mod direct;
 mod renewer;
 mod rpc;
 mod snapshotter;
@@ -238,6 +239,7 @@ async fn stand_by(
     let holder = LeaseHolder {
         producer: ctx.config.producer.clone(),
         epoch: state.max_epoch + 1,
+        direct: None,
     };
     // The leader renews every third of the TTL; a revision that stood still for a
     // whole TTL means the leader is gone, without waiting for the entry to expire.

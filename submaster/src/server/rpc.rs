@@ -1,5 +1,6 @@
-//! The RPC front: one queue-group subscription per operation subject, decoding
-//! requests into [`Request`]s for the state machine. Pings it answers itself, from
+//! The NATS RPC front: one queue-group subscription per operation subject,
+//! decoding requests into [`Request`]s for the state machine through the
+//! [`Gate`] it shares with the direct front. Pings the gate answers itself, from
 //! [`LiveNodes`]. It never queues without bound: while the leader recovers, or when
 //! the state machine's queue is full, requests get `Busy { retry_after }` at once.
 
@@ -14,19 +15,30 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use super::direct::DirectReply;
 use super::Context;
 use crate::command::{Reply, Request};
 use crate::error::{SubmasterError, SubmasterErrorKind};
 use crate::liveness::LiveNodes;
+use crate::metrics::SubmasterMetrics;
 
 /// The queue group every sub-master instance of a sub-cluster joins.
 pub const QUEUE_GROUP: &str = "hkvm-submaster";
+
+/// Where a reply goes: the requester's NATS inbox, or its direct connection.
+#[derive(Debug)]
+pub(crate) enum ReplyTo {
+    /// A NATS reply subject.
+    Nats(Subject),
+    /// A request on a direct connection.
+    Direct(DirectReply),
+}
 
 /// Who asked, and when: what a reply needs.
 #[derive(Debug)]
 pub(crate) struct Requester {
     pub(crate) op: Op,
-    pub(crate) reply_to: Subject,
+    pub(crate) reply_to: ReplyTo,
     pub(crate) received: Instant,
 }
 
@@ -35,6 +47,101 @@ pub(crate) struct Requester {
 pub(crate) struct Job {
     pub(crate) requester: Requester,
     pub(crate) request: Request,
+}
+
+/// What both fronts do with a request before the state machine sees it: refuse
+/// it while the leader recovers or its queue is full, answer pings and
+/// malformed requests at once, queue the rest. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Gate {
+    jobs: mpsc::Sender<Job>,
+    live: Arc<LiveNodes>,
+    ready: watch::Receiver<bool>,
+    metrics: SubmasterMetrics,
+    retry_after_ms: u64,
+}
+
+impl Gate {
+    /// A gate queueing into `jobs`, answering pings from `live`, refusing with
+    /// `Busy` until `ready`.
+    pub(crate) fn new(
+        ctx: &Context,
+        jobs: mpsc::Sender<Job>,
+        live: Arc<LiveNodes>,
+        ready: watch::Receiver<bool>,
+    ) -> Self {
+        Self {
+            jobs,
+            live,
+            ready,
+            metrics: ctx.metrics.clone(),
+            retry_after_ms: u64::try_from(ctx.config.busy_retry_after.as_millis())
+                .unwrap_or(u64::MAX),
+        }
+    }
+
+    /// Takes one request of `op` received at `received`: queues it for the
+    /// state machine (`None`), or returns the answer to send `reply_to` now.
+    pub(crate) fn admit(
+        &self,
+        op: Op,
+        payload: &[u8],
+        reply_to: ReplyTo,
+        received: Instant,
+    ) -> Option<(ReplyTo, Vec<u8>)> {
+        let refuse = |error: RpcError, result: &'static str| {
+            self.metrics
+                .request(op.name(), result, received.elapsed().as_secs_f64());
+            encode_error(&error)
+        };
+        if !*self.ready.borrow() {
+            let body = refuse(
+                RpcError::busy(self.retry_after_ms, "recovering the sub-cluster state"),
+                "busy",
+            );
+            return Some((reply_to, body));
+        }
+        let request = match decode_request(op, payload) {
+            Ok(Incoming::Request(request)) => request,
+            Ok(Incoming::Ping(ping)) => {
+                let body = match rpc::encode(&RpcReply::Ok(self.live.ping(&ping.node))) {
+                    Ok(body) => {
+                        self.metrics
+                            .request(op.name(), "ok", received.elapsed().as_secs_f64());
+                        body
+                    }
+                    Err(error) => refuse(error, "error"),
+                };
+                return Some((reply_to, body));
+            }
+            Err(error) => return Some((reply_to, refuse(error, "error"))),
+        };
+        let job = Job {
+            requester: Requester {
+                op,
+                reply_to,
+                received,
+            },
+            request,
+        };
+        match self.jobs.try_send(job) {
+            Ok(()) => None,
+            Err(mpsc::error::TrySendError::Full(job)) => {
+                let body = refuse(
+                    RpcError::busy(self.retry_after_ms, "request queue full"),
+                    "busy",
+                );
+                Some((job.requester.reply_to, body))
+            }
+            Err(mpsc::error::TrySendError::Closed(job)) => {
+                let body = refuse(
+                    RpcError::new(RpcErrorCode::NotLeader, "stepping down"),
+                    "error",
+                );
+                Some((job.requester.reply_to, body))
+            }
+        }
+    }
 }
 
 /// The running subscriptions; dropping it unsubscribes.
@@ -103,12 +210,19 @@ pub(crate) fn encode_error(error: &RpcError) -> Vec<u8> {
     rpc::encode(&RpcReply::<()>::Err(error.clone())).unwrap_or_default()
 }
 
-/// Sends a reply (an error instead when it is over the server's payload limit);
-/// a vanished requester is not an error worth more than a debug line.
-pub(crate) async fn send(client: &Client, reply_to: Subject, body: Vec<u8>) {
+/// Sends a reply (an error instead when it is over the NATS server's payload
+/// limit: on a direct connection too, so that what a request may ask for does
+/// not depend on the route it took); a vanished requester is not an error worth
+/// more than a debug line.
+pub(crate) async fn send(client: &Client, reply_to: ReplyTo, body: Vec<u8>) {
     let body = rpc::fit_reply(body, client.server_info().max_payload);
-    if let Err(error) = client.publish(reply_to, body.into()).await {
-        tracing::debug!(%error, "reply not sent");
+    match reply_to {
+        ReplyTo::Nats(subject) => {
+            if let Err(error) = client.publish(subject, body.into()).await {
+                tracing::debug!(%error, "reply not sent");
+            }
+        }
+        ReplyTo::Direct(reply) => reply.send(body),
     }
 }
 
@@ -116,15 +230,9 @@ pub(crate) async fn send(client: &Client, reply_to: Subject, body: Vec<u8>) {
 ///
 /// # Errors
 /// When a subscription fails.
-pub(crate) async fn subscribe(
-    ctx: &Context,
-    jobs: mpsc::Sender<Job>,
-    live: Arc<LiveNodes>,
-    ready: watch::Receiver<bool>,
-) -> Result<RpcFront, SubmasterError> {
-    let (client, config, metrics) = (&ctx.client, &ctx.config, &ctx.metrics);
+pub(crate) async fn subscribe(ctx: &Context, gate: &Gate) -> Result<RpcFront, SubmasterError> {
+    let (client, config) = (&ctx.client, &ctx.config);
     let (cluster, subcluster) = (&config.cluster, &config.subcluster);
-    let busy_retry_after = config.busy_retry_after;
     let mut tasks = Vec::new();
     for op in Op::ALL {
         let subject = submaster_rpc_subject(cluster, subcluster, op.name());
@@ -134,72 +242,17 @@ pub(crate) async fn subscribe(
             .map_err(|e| {
                 SubmasterError::caused(SubmasterErrorKind::Rpc, format!("subscribing {subject}"), e)
             })?;
-        let (client, jobs, ready, metrics, live) = (
-            client.clone(),
-            jobs.clone(),
-            ready.clone(),
-            metrics.clone(),
-            Arc::clone(&live),
-        );
+        let (client, gate) = (client.clone(), gate.clone());
         tasks.push(tokio::spawn(async move {
-            let retry_after_ms = busy_retry_after.as_millis() as u64;
             while let Some(message) = subscription.next().await {
                 let Some(reply_to) = message.reply else {
                     continue;
                 };
                 let received = Instant::now();
-                let refuse = |error: RpcError, result: &'static str| {
-                    metrics.request(op.name(), result, received.elapsed().as_secs_f64());
-                    encode_error(&error)
-                };
-                if !*ready.borrow() {
-                    let body = refuse(
-                        RpcError::busy(retry_after_ms, "recovering the sub-cluster state"),
-                        "busy",
-                    );
+                if let Some((reply_to, body)) =
+                    gate.admit(op, &message.payload, ReplyTo::Nats(reply_to), received)
+                {
                     send(&client, reply_to, body).await;
-                    continue;
-                }
-                let request = match decode_request(op, &message.payload) {
-                    Ok(Incoming::Request(request)) => request,
-                    Ok(Incoming::Ping(ping)) => {
-                        let body = match rpc::encode(&RpcReply::Ok(live.ping(&ping.node))) {
-                            Ok(body) => {
-                                metrics.request(op.name(), "ok", received.elapsed().as_secs_f64());
-                                body
-                            }
-                            Err(error) => refuse(error, "error"),
-                        };
-                        send(&client, reply_to, body).await;
-                        continue;
-                    }
-                    Err(error) => {
-                        send(&client, reply_to, refuse(error, "error")).await;
-                        continue;
-                    }
-                };
-                let job = Job {
-                    requester: Requester {
-                        op,
-                        reply_to,
-                        received,
-                    },
-                    request,
-                };
-                match jobs.try_send(job) {
-                    Ok(()) => {}
-                    Err(mpsc::error::TrySendError::Full(job)) => {
-                        let body =
-                            refuse(RpcError::busy(retry_after_ms, "request queue full"), "busy");
-                        send(&client, job.requester.reply_to, body).await;
-                    }
-                    Err(mpsc::error::TrySendError::Closed(job)) => {
-                        let body = refuse(
-                            RpcError::new(RpcErrorCode::NotLeader, "stepping down"),
-                            "error",
-                        );
-                        send(&client, job.requester.reply_to, body).await;
-                    }
                 }
             }
         }));
