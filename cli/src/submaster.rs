@@ -42,7 +42,7 @@ pub struct SubmasterArgs {
     /// Where the leader takes clients' hot requests directly, without the NATS
     /// broker: `auto` (the address the NATS server sees this process at, any
     /// port), `off`, or an address such as `10.0.0.5:4100`.
-    #[arg(long)]
+    #[arg(long, env = "HKVM_SUBMASTER_DIRECT")]
     pub direct: Option<DirectListen>,
     /// The `host` or `host:port` clients are told to connect to for direct
     /// requests, when it is not the listening address (NAT, port mapping).

@@ -351,6 +351,14 @@ impl DirectRoute {
         self.sent.load(Ordering::Relaxed)
     }
 
+    /// The endpoint and epoch of the open link, if one is up.
+    pub fn linked(&self) -> Option<(String, u64)> {
+        lock(&self.link)
+            .as_ref()
+            .filter(|link| !link.is_closed())
+            .map(|link| (link.endpoint().to_owned(), link.welcome().epoch))
+    }
+
     /// The open link, if any; when there is none, starts making one in the
     /// background (at most one attempt at a time, and not again within
     /// [`RELINK_AFTER`] of a failed one), and the caller goes over NATS.

@@ -137,6 +137,15 @@ impl SubmasterClient {
             .map_or(0, |direct| direct.sent())
     }
 
+    /// The endpoint and epoch of the leader this client has a direct link to,
+    /// if it has one up.
+    pub fn direct_link(&self) -> Option<(String, u64)> {
+        self.leader
+            .as_deref()
+            .and_then(LeaderWatch::direct)
+            .and_then(|direct| direct.linked())
+    }
+
     /// This client without leader announcements: for a client made for one
     /// short call (the global master's proxy makes one per request), which would
     /// otherwise subscribe to them first.

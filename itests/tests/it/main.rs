@@ -19,6 +19,7 @@ mod client_data_path;
 mod cluster;
 mod connection_loss;
 mod containers;
+mod direct_requests;
 mod dummies;
 mod events_log;
 mod follow;

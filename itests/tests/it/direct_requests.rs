@@ -1,0 +1,197 @@
+//! Direct requests to the sub-master leader: hot operations on a TCP link of
+//! their own, everything else over NATS, the link following the leader across a
+//! failover, NATS alone when the leader takes no direct requests, and foreign
+//! bytes on the direct port refused without harm.
+
+use std::time::Duration;
+
+use hkvm_client::SubmasterClient;
+use hkvm_events::rpc::direct::{encode_hello, frame_len, DirectHello, DirectWelcome};
+use hkvm_events::rpc::submaster::{ItemResult, PutEndItem};
+use hkvm_events::rpc::{self, RpcReply};
+use hkvm_events::{ClusterId, SubclusterId};
+use hkvm_submaster::DirectListen;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpStream;
+
+use crate::fixture::Fixture;
+use crate::submaster_server::{client, config, mount, start_item, SC};
+
+/// Sends `exist` until the client has a direct link up (it links in the
+/// background after its first call); returns the link's endpoint and epoch.
+async fn wait_linked(client: &SubmasterClient) -> (String, u64) {
+    for _ in 0..200 {
+        client.exist(vec!["probe".into()]).await.unwrap();
+        if let Some(linked) = client.direct_link() {
+            return linked;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the client never linked to the leader");
+}
+
+/// Puts `key` (put_start then put_end with `put_id`) and checks both succeed.
+async fn put(client: &SubmasterClient, key: &str, put_id: u64) {
+    let mut item = start_item(key, 4096, 1);
+    item.put_id = put_id;
+    let started = client.put_start(vec![item]).await.unwrap();
+    assert!(matches!(started[0], ItemResult::Ok(_)), "{started:?}");
+    let ended = client
+        .put_end(vec![PutEndItem {
+            key: key.into(),
+            checksum: 1,
+            put_id,
+        }])
+        .await
+        .unwrap();
+    assert_eq!(ended, vec![ItemResult::Ok(())]);
+}
+
+#[tokio::test]
+async fn hot_operations_go_direct_and_management_stays_on_nats() {
+    let fixture = Fixture::new("t").await;
+    let leader = fixture.spawn_submaster(config(&fixture, "sm-a")).await;
+    let client = client(&fixture).await;
+    mount(&client, "n1", 64 << 20).await;
+    let (endpoint, epoch) = wait_linked(&client).await;
+    assert!(epoch > 0, "linked to a leader in its epoch: {endpoint}");
+    let before = client.direct_requests();
+    for i in 0..20 {
+        put(&client, &format!("k{i}"), 100 + i).await;
+    }
+    let keys: Vec<String> = (0..21).map(|i| format!("k{i}")).collect();
+    let mut expected = vec![true; 20];
+    expected.push(false);
+    assert_eq!(client.exist(keys).await.unwrap(), expected);
+    assert_eq!(
+        client.direct_requests() - before,
+        41,
+        "every put_start, put_end and exist went direct"
+    );
+    // Management goes over NATS, and answers as before.
+    assert_eq!(client.status().await.unwrap().producer, "sm-a");
+    assert_eq!(client.direct_requests() - before, 41);
+    assert!(
+        leader
+            .metrics_text()
+            .contains("hkvm_submaster_direct_connections 1"),
+        "{}",
+        leader.metrics_text()
+    );
+    leader.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_link_follows_the_leader_across_a_failover_and_nothing_acknowledged_is_lost() {
+    let fixture = Fixture::new("t").await;
+    let leader = fixture.spawn_submaster(config(&fixture, "sm-a")).await;
+    let client = client(&fixture).await;
+    mount(&client, "n1", 64 << 20).await;
+    let (old_endpoint, old_epoch) = wait_linked(&client).await;
+    put(&client, "before", 1).await;
+    let readers = fixture.readers(SC).await;
+    let standby = fixture.spawn_submaster(config(&fixture, "sm-b")).await;
+    fixture.wait_new_reader_at_end(SC, &readers).await;
+    leader.abort();
+
+    // Through the takeover: the link breaks, calls go over NATS until the new
+    // leader serves, then direct to it.
+    put(&client, "after", 2).await;
+    let (new_endpoint, new_epoch) = wait_linked(&client).await;
+    assert!(
+        new_epoch > old_epoch,
+        "linked to the new leader: {old_endpoint} epoch {old_epoch} -> {new_endpoint} epoch {new_epoch}"
+    );
+    assert_eq!(
+        client
+            .exist(vec!["before".into(), "after".into()])
+            .await
+            .unwrap(),
+        vec![true, true]
+    );
+    assert_eq!(client.status().await.unwrap().producer, "sm-b");
+    standby.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_leader_without_a_direct_front_is_reached_over_nats_alone() {
+    let fixture = Fixture::new("t").await;
+    let mut off = config(&fixture, "sm-a");
+    off.direct.listen = DirectListen::Off;
+    let leader = fixture.spawn_submaster(off).await;
+    let client = client(&fixture).await;
+    mount(&client, "n1", 64 << 20).await;
+    for i in 0..10 {
+        put(&client, &format!("k{i}"), 1 + i).await;
+        // Each call may start a background look for an endpoint; none exists.
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    assert_eq!(client.exist(vec!["k9".into()]).await.unwrap(), vec![true]);
+    assert_eq!(client.direct_requests(), 0);
+    assert_eq!(client.direct_link(), None);
+    leader.shutdown().await.unwrap();
+}
+
+/// Reads one frame's content from `stream`; `None` at the end of the stream.
+async fn read_frame(stream: &mut TcpStream) -> Option<Vec<u8>> {
+    let mut prefix = [0u8; 4];
+    stream.read_exact(&mut prefix).await.ok()?;
+    let mut content = vec![0; frame_len(prefix).unwrap()];
+    stream.read_exact(&mut content).await.ok()?;
+    Some(content)
+}
+
+#[tokio::test]
+async fn foreign_bytes_and_another_subclusters_hello_are_refused_without_harm() {
+    let fixture = Fixture::new("t").await;
+    let leader = fixture.spawn_submaster(config(&fixture, "sm-a")).await;
+    let client = client(&fixture).await;
+    mount(&client, "n1", 64 << 20).await;
+    let (endpoint, epoch) = wait_linked(&client).await;
+
+    // Not a hello: the connection is closed.
+    let mut garbage = TcpStream::connect(&endpoint).await.unwrap();
+    garbage
+        .write_all(b"\x00\x00\x00\x10GET / HTTP/1.1\r\n")
+        .await
+        .unwrap();
+    assert_eq!(read_frame(&mut garbage).await, None);
+
+    // A length past the limit: closed before anything is read.
+    let mut oversized = TcpStream::connect(&endpoint).await.unwrap();
+    oversized.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
+    assert_eq!(read_frame(&mut oversized).await, None);
+
+    // Another sub-cluster's hello: an error answer, then the end.
+    let mut other = TcpStream::connect(&endpoint).await.unwrap();
+    let hello = DirectHello {
+        cluster: fixture.cluster.clone(),
+        subcluster: SubclusterId::new("elsewhere").unwrap(),
+    };
+    other.write_all(&encode_hello(&hello)).await.unwrap();
+    let answer = read_frame(&mut other).await.expect("an answer");
+    let refused: RpcReply<DirectWelcome> = rpc::decode(&answer).unwrap();
+    assert!(matches!(refused, RpcReply::Err(_)), "{refused:?}");
+    assert_eq!(read_frame(&mut other).await, None);
+
+    // The right hello is welcomed by the serving leader.
+    let mut right = TcpStream::connect(&endpoint).await.unwrap();
+    let hello = DirectHello {
+        cluster: ClusterId::new(fixture.cluster.as_str()).unwrap(),
+        subcluster: SubclusterId::new(SC).unwrap(),
+    };
+    right.write_all(&encode_hello(&hello)).await.unwrap();
+    let welcome: RpcReply<DirectWelcome> =
+        rpc::decode(&read_frame(&mut right).await.unwrap()).unwrap();
+    match welcome {
+        RpcReply::Ok(welcome) => {
+            assert_eq!(welcome.producer.as_str(), "sm-a");
+            assert_eq!(welcome.epoch, epoch);
+        }
+        RpcReply::Err(error) => panic!("{error}"),
+    }
+
+    // The leader kept serving through all of it.
+    put(&client, "still", 7).await;
+    leader.shutdown().await.unwrap();
+}
