@@ -160,13 +160,22 @@ async fn echo_round_trips(
 }
 
 /// Pings of one node through the sub-master, one at a time for `duration`
-/// (a request its RPC front answers alone: no request loop, no append).
-/// Returns every round trip, sorted.
+/// (a request its RPC front answers alone: no request loop, no append), after
+/// the client's direct link is up when `linked` asks for one. Returns every
+/// round trip, sorted.
 async fn ping_round_trips(
     client: &SubmasterClient,
+    linked: bool,
     duration: Duration,
 ) -> anyhow::Result<Vec<Duration>> {
     let node = NodeId::new("node-0")?;
+    for _ in 0..if linked { 100 } else { 0 } {
+        client.ping(Ping { node: node.clone() }).await?;
+        if client.direct_link().is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let deadline = Instant::now() + duration;
     let mut latencies = Vec::new();
     while Instant::now() < deadline {
@@ -331,7 +340,8 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     ));
     // Where one client's put spends its time: each half against its floor.
     let echo = echo_round_trips(&nats.connect().await?, duration).await?;
-    let pings = ping_round_trips(&client, duration).await?;
+    let pings = ping_round_trips(&client, true, duration).await?;
+    let nats_pings = ping_round_trips(&client.clone().without_direct(), false, duration).await?;
     for (metric, value, baseline, baseline_value) in [
         (
             "NATS request-reply p50 (a responder in this process that answers at once)",
@@ -340,10 +350,16 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
             0.0,
         ),
         (
-            "ping p50, 1 client (answered by the sub-master's RPC front alone: no request loop, no append)",
-            quantile_us(&pings, 0.5),
+            "ping p50, 1 client, over NATS (answered by the sub-master's RPC front alone: no request loop, no append)",
+            quantile_us(&nats_pings, 0.5),
             "NATS request-reply p50",
             quantile_us(&echo, 0.5),
+        ),
+        (
+            "ping p50, 1 client, on the direct link to the leader (no broker)",
+            quantile_us(&pings, 0.5),
+            "the same ping over NATS",
+            quantile_us(&nats_pings, 0.5),
         ),
         (
             "put_start p50, 1 client (reserves space; appends nothing)",

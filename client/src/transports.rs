@@ -6,11 +6,11 @@
 //! and falls back to TCP, with one log line per node, for the others.
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use hkvm_events::rpc::submaster::ReplicaLocation;
 use hkvm_events::NodeId;
-use hkvm_transfer::{RegionId, RemoteRegion, TransferError, Transport};
+use hkvm_transfer::{LocalTransport, RegionId, RemoteRegion, Segment, TransferError, Transport};
 
 /// How a node serves, and a client moves, KV bytes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -183,10 +183,15 @@ impl std::fmt::Debug for Route<'_> {
     }
 }
 
-/// A client's transports: TCP always, RDMA when configured.
+/// A client's transports: TCP always, RDMA when configured, and memory copies
+/// for the segments of this very process.
 pub struct Transports {
     tcp: Arc<dyn Transport>,
     rdma: Option<Arc<dyn Transport>>,
+    /// This process's own segments, reached by memory copy.
+    local: LocalTransport,
+    /// The endpoints under which this process's segments are advertised.
+    local_endpoints: RwLock<HashSet<String>>,
     /// Nodes already reported as reached over TCP for want of RDMA.
     fell_back: Mutex<HashSet<NodeId>>,
 }
@@ -206,8 +211,33 @@ impl Transports {
         Self {
             tcp,
             rdma: None,
+            local: LocalTransport::new(),
+            local_endpoints: RwLock::new(HashSet::new()),
             fell_back: Mutex::new(HashSet::new()),
         }
+    }
+
+    /// Reaches `segment`, which this process serves under `endpoint`, by memory
+    /// copy instead of through that endpoint.
+    ///
+    /// # Errors
+    /// [`TransferError::Invalid`] when a segment of that id is local already.
+    pub fn add_local(&self, endpoint: &str, segment: Arc<Segment>) -> Result<(), TransferError> {
+        self.local.register(segment)?;
+        self.local_endpoints
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(endpoint.to_owned());
+        Ok(())
+    }
+
+    /// Whether `replica` is on a segment of this process.
+    fn is_local(&self, replica: &ReplicaLocation) -> bool {
+        self.local_endpoints
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&replica.endpoint)
+            && self.local.holds(replica.segment.as_str())
     }
 
     /// Adds an RDMA transport, used for the replicas whose node advertises RDMA.
@@ -221,10 +251,17 @@ impl Transports {
         self.rdma.is_some()
     }
 
-    /// The transport and endpoint for `replica`: RDMA when both this client and the
-    /// replica's node have it (the transport learns the segment's address from the
-    /// descriptor), TCP otherwise.
+    /// The transport and endpoint for `replica`: a memory copy when its segment is
+    /// this process's own; RDMA when both this client and the replica's node have
+    /// it (the transport learns the segment's address from the descriptor); TCP
+    /// otherwise.
     pub fn route<'a>(&'a self, replica: &'a ReplicaLocation) -> Route<'a> {
+        if self.is_local(replica) {
+            return Route {
+                transport: &self.local,
+                endpoint: &replica.endpoint,
+            };
+        }
         match (&self.rdma, &replica.rdma) {
             (Some(rdma), Some(advert)) => {
                 // Segment ids are valid region ids (both 1–255 bytes).

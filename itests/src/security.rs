@@ -1,7 +1,8 @@
 //! The NATS authorization of an HKVM deployment: one user per sub-master that may
 //! write only its own event stream, lease, registry entry and snapshots; one user
 //! for global masters that reads streams and writes only its own checkpoints; one
-//! user for nodes and clients that may only send RPC requests. `docs/security.md`
+//! user for nodes and clients that may only send RPC requests and read the leader
+//! lease (where the leader takes direct requests). `docs/security.md`
 //! shows the output of [`nats_conf`] and a test (`tests/it/library.rs`) keeps the two
 //! identical.
 
@@ -188,7 +189,13 @@ pub fn nats_conf(cluster: &str, subclusters: &[&str]) -> Result<String, IdError>
     user_block(
         &mut out,
         CLIENT_USER,
-        &[every_subcluster_rpc_subject(&cluster, "*")?],
+        &[
+            every_subcluster_rpc_subject(&cluster, "*")?,
+            // Reading the leader lease, for the leader's direct endpoint.
+            format!("$JS.API.STREAM.INFO.{leader}"),
+            format!("$JS.API.DIRECT.GET.{leader}"),
+            format!("$JS.API.DIRECT.GET.{leader}.>"),
+        ],
         &[
             "_INBOX.>".to_owned(),
             every_subcluster_leader_subject(&cluster)?,

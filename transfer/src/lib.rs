@@ -9,6 +9,7 @@
 
 pub mod error;
 pub mod frame;
+pub mod local;
 pub mod rdma;
 pub mod region;
 pub mod tcp;
@@ -18,5 +19,6 @@ pub mod wan;
 pub use error::{ErrorKind, TransferError};
 pub use rdma::exchange::RemoteRegion;
 pub use region::{RegionId, RegionTable, Segment};
+pub use local::LocalTransport;
 pub use tcp::{ServerHandle, TcpConfig, TcpTransport};
 pub use transport::{ReadInto, ReadOp, Transport, WriteOp};

@@ -297,6 +297,13 @@ impl Store {
             };
             transports = transports.with_rdma(rdma);
         }
+        if let Some(node) = &node {
+            // Its own segment is read and written by memory copy, not through
+            // its own TCP port.
+            transports
+                .add_local(node.endpoint(), Arc::clone(node.segment()))
+                .map_err(|error| StoreError::Node(NodeError::Transfer(error)))?;
+        }
         let mut kv = KvClient::with_transports(metadata, transports);
         if let Some(node) = &node {
             kv = kv.with_local_endpoint(node.endpoint());
