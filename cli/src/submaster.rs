@@ -141,10 +141,7 @@ pub fn config(args: &SubmasterArgs) -> anyhow::Result<SubmasterConfig> {
         None => None,
     };
     config.direct.listen = args.direct.or(from_file).unwrap_or(config.direct.listen);
-    config.direct.advertise = args
-        .direct_advertise
-        .clone()
-        .or(file.direct_advertise);
+    config.direct.advertise = args.direct_advertise.clone().or(file.direct_advertise);
     Ok(config)
 }
 

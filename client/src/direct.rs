@@ -167,7 +167,11 @@ impl DirectLink {
             Arc::clone(&pending),
             Arc::clone(&closed),
         ));
-        tokio::spawn(read_replies(read, Arc::clone(&pending), Arc::clone(&closed)));
+        tokio::spawn(read_replies(
+            read,
+            Arc::clone(&pending),
+            Arc::clone(&closed),
+        ));
         Ok(Self {
             endpoint: endpoint.to_owned(),
             welcome,

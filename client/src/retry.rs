@@ -415,9 +415,7 @@ impl RpcCaller {
                 }
             }
             // Not sent: go over NATS at once, without waiting for a relink.
-            return self
-                .attempt_nats(op, subject, body, resend, None)
-                .await;
+            return self.attempt_nats(op, subject, body, resend, None).await;
         }
         self.attempt_nats(op, subject, body, resend, announcements)
             .await

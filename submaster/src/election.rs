@@ -7,9 +7,9 @@
 use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
+pub use hkvm_events::lease::LeaseHolder;
 use hkvm_events::subject::Bucket;
 use hkvm_events::{ClusterId, SubclusterId};
-pub use hkvm_events::lease::LeaseHolder;
 
 use crate::error::{SubmasterError, SubmasterErrorKind};
 

@@ -17,8 +17,8 @@ pub mod transport;
 pub mod wan;
 
 pub use error::{ErrorKind, TransferError};
+pub use local::LocalTransport;
 pub use rdma::exchange::RemoteRegion;
 pub use region::{RegionId, RegionTable, Segment};
-pub use local::LocalTransport;
 pub use tcp::{ServerHandle, TcpConfig, TcpTransport};
 pub use transport::{ReadInto, ReadOp, Transport, WriteOp};

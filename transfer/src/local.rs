@@ -55,11 +55,9 @@ impl Transport for LocalTransport {
         _endpoint: &'a str,
         ops: &'a [WriteOp<'a>],
     ) -> BoxFuture<'a, Result<(), TransferError>> {
-        let result = ops.iter().try_for_each(|op| {
-            self.regions
-                .get(op.region)?
-                .write_at(op.offset, op.data)
-        });
+        let result = ops
+            .iter()
+            .try_for_each(|op| self.regions.get(op.region)?.write_at(op.offset, op.data));
         Box::pin(std::future::ready(result))
     }
 

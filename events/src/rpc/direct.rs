@@ -146,7 +146,9 @@ pub fn encode_hello(hello: &DirectHello) -> Vec<u8> {
 /// [`FrameError::NotHello`], [`FrameError::UnknownVersion`] or
 /// [`FrameError::Malformed`].
 pub fn decode_hello(frame: &[u8]) -> Result<DirectHello, FrameError> {
-    let rest = frame.strip_prefix(HELLO_MAGIC).ok_or(FrameError::NotHello)?;
+    let rest = frame
+        .strip_prefix(HELLO_MAGIC)
+        .ok_or(FrameError::NotHello)?;
     let (&version, body) = rest.split_first().ok_or(FrameError::Truncated {
         len: frame.len(),
         needed: HELLO_MAGIC.len() + 1,

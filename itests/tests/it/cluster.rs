@@ -119,7 +119,10 @@ async fn a_block_put_in_one_subcluster_is_read_from_another() {
             _ => tokio::time::sleep(Duration::from_millis(50)).await,
         }
     }
-    assert!(unsubscribed, "the stopped global master left its subscriptions");
+    assert!(
+        unsubscribed,
+        "the stopped global master left its subscriptions"
+    );
     let mut unresolved = None;
     for _ in 0..100 {
         match kv[1].get("nowhere").await {

@@ -195,3 +195,72 @@ async fn foreign_bytes_and_another_subclusters_hello_are_refused_without_harm() 
     put(&client, "still", 7).await;
     leader.shutdown().await.unwrap();
 }
+
+/// Sends one raw `exist` request of `id` on `stream` and reads its reply body.
+async fn raw_exist(stream: &mut TcpStream, id: u64) -> RpcReply<Vec<bool>> {
+    let body = rpc::encode(&hkvm_events::rpc::submaster::Exist {
+        keys: vec!["k".into()],
+    })
+    .unwrap();
+    let mut frame = Vec::new();
+    hkvm_events::rpc::direct::push_request(&mut frame, id, "exist", &body);
+    stream.write_all(&frame).await.unwrap();
+    let reply = read_frame(stream).await.expect("a reply");
+    let (replied, body) = hkvm_events::rpc::direct::decode_reply(&reply).unwrap();
+    assert_eq!(replied, id);
+    rpc::decode(body).unwrap()
+}
+
+#[tokio::test]
+async fn a_leader_whose_lease_is_unconfirmed_sends_direct_clients_back_to_nats() {
+    let fixture = Fixture::new("t").await;
+    let leader = fixture.spawn_submaster(config(&fixture, "sm-a")).await;
+    let client = client(&fixture).await;
+    mount(&client, "n1", 64 << 20).await;
+    let (endpoint, _) = wait_linked(&client).await;
+    let hello = DirectHello {
+        cluster: fixture.cluster.clone(),
+        subcluster: SubclusterId::new(SC).unwrap(),
+    };
+    let mut raw = TcpStream::connect(&endpoint).await.unwrap();
+    raw.write_all(&encode_hello(&hello)).await.unwrap();
+    let welcome: RpcReply<DirectWelcome> =
+        rpc::decode(&read_frame(&mut raw).await.unwrap()).unwrap();
+    assert!(matches!(welcome, RpcReply::Ok(_)), "{welcome:?}");
+    assert!(matches!(raw_exist(&mut raw, 1).await, RpcReply::Ok(_)));
+
+    // The lease can no longer be renewed: within two thirds of its TTL the
+    // leader no longer knows it leads.
+    let js = async_nats::jetstream::new(fixture.connect().await);
+    js.delete_key_value(hkvm_events::subject::Bucket::Leader.name(&fixture.cluster))
+        .await
+        .unwrap();
+    let mut refused = None;
+    for id in 2..200 {
+        match raw_exist(&mut raw, id).await {
+            RpcReply::Err(error) => {
+                refused = Some(error);
+                break;
+            }
+            RpcReply::Ok(_) => tokio::time::sleep(Duration::from_millis(25)).await,
+        }
+    }
+    let refused = refused.expect("the leader kept answering direct requests unconfirmed");
+    assert_eq!(
+        refused.code,
+        hkvm_events::rpc::RpcErrorCode::NotLeader,
+        "{refused}"
+    );
+    // A new link is refused the same way.
+    let mut again = TcpStream::connect(&endpoint).await.unwrap();
+    again.write_all(&encode_hello(&hello)).await.unwrap();
+    let answer: RpcReply<DirectWelcome> =
+        rpc::decode(&read_frame(&mut again).await.unwrap()).unwrap();
+    match answer {
+        RpcReply::Err(error) => {
+            assert_eq!(error.code, hkvm_events::rpc::RpcErrorCode::NotLeader)
+        }
+        RpcReply::Ok(welcome) => panic!("welcomed unconfirmed: {welcome:?}"),
+    }
+    leader.abort();
+}

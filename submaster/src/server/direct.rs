@@ -17,8 +17,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hkvm_events::rpc::direct::{
-    decode_hello, decode_request, frame_len, is_direct_op, push_reply, push_welcome,
-    DirectWelcome, FrameError,
+    decode_hello, decode_request, frame_len, is_direct_op, push_reply, push_welcome, DirectWelcome,
+    FrameError,
 };
 use hkvm_events::rpc::submaster::Op;
 use hkvm_events::rpc::{self, RpcError, RpcErrorCode, RpcReply};
@@ -157,7 +157,11 @@ fn listen_addr(ctx: &Context) -> Option<SocketAddr> {
 fn advertised(advertise: Option<&str>, bound: SocketAddr) -> String {
     match advertise {
         None => bound.to_string(),
-        Some(host_port) if host_port.rsplit_once(':').is_some_and(|(_, port)| port.parse::<u16>().is_ok()) => {
+        Some(host_port)
+            if host_port
+                .rsplit_once(':')
+                .is_some_and(|(_, port)| port.parse::<u16>().is_ok()) =>
+        {
             host_port.to_owned()
         }
         Some(host) => format!("{host}:{}", bound.port()),
@@ -268,6 +272,8 @@ async fn read_requests(
             "this endpoint serves {}/{}, not {}/{}",
             serving.hello.cluster, serving.hello.subcluster, hello.cluster, hello.subcluster
         )))
+    } else if let Some(why) = not_serving(serving) {
+        Err(RpcError::new(RpcErrorCode::NotLeader, why))
     } else {
         Ok(serving.hello.serving.clone())
     };
@@ -305,14 +311,8 @@ async fn read_requests(
                 continue;
             }
         };
-        if serving.client.connection_state() != async_nats::connection::State::Connected {
-            // A leader cut off from NATS may already be replaced: it must not
-            // answer reads from a state a new leader has moved past.
-            let error = RpcError::new(
-                RpcErrorCode::NotLeader,
-                "the leader lost its NATS connection; ask over NATS",
-            );
-            reply.send(encode_error(&error));
+        if let Some(why) = not_serving(serving) {
+            reply.send(encode_error(&RpcError::new(RpcErrorCode::NotLeader, why)));
             continue;
         }
         if let Some((ReplyTo::Direct(reply), body)) =
@@ -322,6 +322,22 @@ async fn read_requests(
         {
             reply.send(body);
         }
+    }
+}
+
+/// Why this leader must not answer direct requests now, if it must not. Its
+/// clients then drop the link and ask over NATS, which reaches whoever leads:
+/// a leader whose lease is unconfirmed, or whose NATS connection is down, may
+/// already be replaced, and must neither answer reads from a state a new leader
+/// has moved past nor keep its nodes' pings away from the new leader. (Over
+/// NATS such a leader answers `Busy`: there the new leader is reached too.)
+fn not_serving(serving: &Serving) -> Option<&'static str> {
+    if !serving.gate.is_ready() {
+        Some("this leader's lease is unconfirmed; ask over NATS")
+    } else if serving.client.connection_state() != async_nats::connection::State::Connected {
+        Some("this leader lost its NATS connection; ask over NATS")
+    } else {
+        None
     }
 }
 

@@ -3,10 +3,10 @@
 //! lease when it frees up, lead until the lease is lost or an append is fenced, and
 //! start over from the log. Shutdown hands the lease over at once.
 
+mod direct;
 mod follower;
 mod leader;
 mod purger;
-mod direct;
 mod renewer;
 mod rpc;
 mod snapshotter;

@@ -80,6 +80,11 @@ impl Gate {
         }
     }
 
+    /// Whether the leader serves now (not recovering, its lease confirmed).
+    pub(crate) fn is_ready(&self) -> bool {
+        *self.ready.borrow()
+    }
+
     /// Takes one request of `op` received at `received`: queues it for the
     /// state machine (`None`), or returns the answer to send `reply_to` now.
     pub(crate) fn admit(
