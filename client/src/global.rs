@@ -11,14 +11,20 @@ use hkvm_events::ClusterId;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use std::sync::Arc;
+
+use crate::direct::DirectRoute;
 use crate::error::ClientError;
 use crate::retry::{Resend, RetryPolicy, RpcCaller};
 
-/// A handle for global-master requests of one cluster. Cheap to clone.
+/// A handle for global-master requests of one cluster: on a direct link to a
+/// replica when one is up ([`crate::direct`]), over NATS otherwise. Cheap to
+/// clone; clones share the link.
 #[derive(Debug, Clone)]
 pub struct GlobalClient {
     caller: RpcCaller,
     cluster: ClusterId,
+    direct: Option<Arc<DirectRoute>>,
 }
 
 impl GlobalClient {
@@ -34,7 +40,37 @@ impl GlobalClient {
 
     /// A handle sharing `caller` (its connection, policy and stats).
     pub fn with_caller(caller: RpcCaller, cluster: ClusterId) -> Self {
-        Self { caller, cluster }
+        let direct = Some(Arc::new(DirectRoute::global(
+            caller.nats().clone(),
+            cluster.clone(),
+        )));
+        Self {
+            caller,
+            cluster,
+            direct,
+        }
+    }
+
+    /// This handle with every request over NATS, none on a direct link.
+    pub fn without_direct(self) -> Self {
+        Self {
+            direct: None,
+            ..self
+        }
+    }
+
+    /// Requests this handle (and its clones) sent on direct links.
+    pub fn direct_requests(&self) -> u64 {
+        self.direct.as_deref().map_or(0, DirectRoute::sent)
+    }
+
+    /// The endpoint of the replica this handle has a direct link to, if one is
+    /// up.
+    pub fn direct_link(&self) -> Option<String> {
+        self.direct
+            .as_deref()
+            .and_then(DirectRoute::linked)
+            .map(|(endpoint, _)| endpoint)
     }
 
     /// The caller (connection, retry policy, stats) this handle uses.
@@ -53,7 +89,9 @@ impl GlobalClient {
         request: &Req,
     ) -> Result<RpcReply<Rep>, ClientError> {
         let subject = global_rpc_subject(&self.cluster, op.name());
-        self.caller.call_once(op.name(), subject, request).await
+        self.caller
+            .call_once_via(op.name(), subject, request, self.direct.as_ref())
+            .await
     }
 
     /// Which sub-clusters hold each of `keys`, asked once (the reply may be
@@ -105,7 +143,13 @@ impl GlobalClient {
     ) -> Result<Rep, ClientError> {
         let subject = global_rpc_subject(&self.cluster, op.name());
         self.caller
-            .call(op.name(), subject, request, Resend::Safe)
+            .call_via(
+                op.name(),
+                subject,
+                request,
+                Resend::Safe,
+                self.direct.as_ref(),
+            )
             .await
     }
 }

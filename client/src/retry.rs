@@ -11,7 +11,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::RequestErrorKind;
-use hkvm_events::rpc::direct::is_direct_name;
 use hkvm_events::rpc::{self, RpcErrorCode, RpcReply};
 use hkvm_log::connection::ConnectionEpoch;
 use rand::Rng as _;
@@ -191,13 +190,30 @@ impl RpcCaller {
         request: &Req,
         resend: Resend,
     ) -> Result<Rep, ClientError> {
-        self.call_checked(
+        self.call_via(op, subject, request, resend, None).await
+    }
+
+    /// As [`RpcCaller::call`], on a link of `direct` when it has one up for
+    /// `op`, over NATS otherwise.
+    ///
+    /// # Errors
+    /// As for [`RpcCaller::call`].
+    pub async fn call_via<Req: Serialize, Rep: DeserializeOwned>(
+        &self,
+        op: &'static str,
+        subject: String,
+        request: &Req,
+        resend: Resend,
+        direct: Option<&Arc<DirectRoute>>,
+    ) -> Result<Rep, ClientError> {
+        self.call_routed(
             op,
             subject,
             request,
             resend,
             || async { Presence::Unknown },
             None,
+            direct,
         )
         .await
     }
@@ -227,6 +243,31 @@ impl RpcCaller {
         F: Fn() -> Fut,
         Fut: std::future::Future<Output = Presence>,
     {
+        let direct = leader.and_then(LeaderWatch::direct);
+        self.call_routed(op, subject, request, resend, presence, leader, direct)
+            .await
+    }
+
+    /// Every call's loop: attempts (on a link of `direct` when one is up for
+    /// `op`, over NATS otherwise) until a definite answer or the deadline.
+    #[allow(clippy::too_many_arguments)]
+    async fn call_routed<Req, Rep, F, Fut>(
+        &self,
+        op: &'static str,
+        subject: String,
+        request: &Req,
+        resend: Resend,
+        presence: F,
+        leader: Option<&LeaderWatch>,
+        direct: Option<&Arc<DirectRoute>>,
+    ) -> Result<Rep, ClientError>
+    where
+        Req: Serialize,
+        Rep: DeserializeOwned,
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = Presence>,
+    {
+        let direct = direct.filter(|route| route.carries(op));
         let body: bytes::Bytes = rpc::encode(request)
             .map_err(|source| ClientError::Codec { op, source })?
             .into();
@@ -250,9 +291,6 @@ impl RpcCaller {
                 // What was announced before this attempt cannot help after it.
                 announcements.borrow_and_update();
             }
-            let direct = leader
-                .and_then(LeaderWatch::direct)
-                .filter(|_| is_direct_name(op));
             let attempt = self
                 .attempt(
                     op,
@@ -343,7 +381,35 @@ impl RpcCaller {
         subject: String,
         request: &Req,
     ) -> Result<RpcReply<Rep>, ClientError> {
+        self.call_once_via(op, subject, request, None).await
+    }
+
+    /// As [`RpcCaller::call_once`], on a link of `direct` when it has one up
+    /// for `op`; a request whose link fails before it is answered goes over
+    /// NATS (only read-only requests should be sent this way).
+    ///
+    /// # Errors
+    /// As for [`RpcCaller::call_once`].
+    pub async fn call_once_via<Req: Serialize, Rep: DeserializeOwned>(
+        &self,
+        op: &'static str,
+        subject: String,
+        request: &Req,
+        direct: Option<&Arc<DirectRoute>>,
+    ) -> Result<RpcReply<Rep>, ClientError> {
         let body = rpc::encode(request).map_err(|source| ClientError::Codec { op, source })?;
+        let direct = direct.filter(|route| route.carries(op));
+        if let Some((route, link)) = direct.and_then(|route| Some((route, route.link()?))) {
+            self.stats.requests.fetch_add(1, Ordering::Relaxed);
+            match tokio::time::timeout(self.policy.request_timeout, link.call(op, &body)).await {
+                Ok(Ok(payload)) => {
+                    return rpc::decode(&payload)
+                        .map_err(|source| ClientError::Codec { op, source })
+                }
+                // Sent or not, a read-only request may go again over NATS.
+                _ => route.discard(&link),
+            }
+        }
         let started = Instant::now();
         let epoch = ConnectionEpoch::of(&self.nats);
         let message = match self.send(op, subject, body.into(), epoch.replaced()).await {

@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use hkvm_direct::DirectConfig;
 use hkvm_events::rpc::global::LabelFilter;
 use hkvm_events::{ClusterId, SubclusterId};
 use serde::Deserialize;
@@ -43,6 +44,9 @@ pub struct GlobalMasterConfig {
     pub sync_timeout_ms: u64,
     /// Where to serve `/metrics` (none: not served).
     pub metrics_addr: Option<SocketAddr>,
+    /// Where this replica takes direct queries (clients' queries without the
+    /// NATS broker in between); TOML table `[direct]`.
+    pub direct: DirectConfig,
 }
 
 impl Default for GlobalMasterConfig {
@@ -62,6 +66,7 @@ impl Default for GlobalMasterConfig {
             proxy_timeout_ms: 2_000,
             sync_timeout_ms: 1_000,
             metrics_addr: None,
+            direct: DirectConfig::default(),
         }
     }
 }

@@ -10,6 +10,7 @@
 
 pub mod checkpoints;
 mod config;
+mod direct;
 mod error;
 mod follower;
 pub mod metrics;
@@ -45,6 +46,8 @@ pub struct GlobalMaster {
     js: jetstream::Context,
     restored_from: Option<String>,
     metrics_server: Option<hkvm_telemetry::MetricsServer>,
+    /// The direct front, while it serves.
+    _direct: Option<hkvm_direct::DirectServer>,
 }
 
 impl GlobalMaster {
@@ -80,6 +83,7 @@ impl GlobalMaster {
         let sources = Arc::new(Sources::new(Arc::clone(&shared), js.clone()));
         sources.start_initial().await?;
         sources.spawn_background().await?;
+        let direct = direct::start(&shared, &client).await?;
         let rpc = rpc::serve(Arc::clone(&shared), client).await?;
         sources.keep(rpc);
         let metrics_server = shared
@@ -100,6 +104,7 @@ impl GlobalMaster {
             js,
             restored_from,
             metrics_server,
+            _direct: direct,
         })
     }
 
@@ -129,14 +134,12 @@ impl GlobalMaster {
 
     /// The replica's state, as the status RPC reports it.
     pub fn status(&self) -> GlobalStatusReply {
-        let projection = self.shared.read();
-        GlobalStatusReply {
-            replica: self.shared.config.replica.clone(),
-            replaying: self.shared.is_replaying(),
-            keys: projection.index().len() as u64,
-            bytes_per_key: projection.bytes_per_key(),
-            sources: self.shared.source_statuses(&projection),
-        }
+        rpc::status(&self.shared)
+    }
+
+    /// Where this replica takes direct queries, if it does.
+    pub fn direct_endpoint(&self) -> Option<&str> {
+        self.shared.direct_endpoint.get().map(String::as_str)
     }
 
     /// Runs `f` over the projection (read-locked), for tests and benchmarks.

@@ -33,6 +33,8 @@ pub struct Metrics {
     pub index_bytes: Gauge,
     /// Checkpoints written.
     pub checkpoints: Counter,
+    /// Open direct connections (clients' queries without NATS).
+    pub direct_connections: Gauge,
     registry: MetricsRegistry,
 }
 
@@ -73,6 +75,10 @@ impl Metrics {
             keys: r.gauge("keys", "Distinct keys indexed"),
             index_bytes: r.gauge("index_bytes", "Index memory in bytes"),
             checkpoints: r.counter("checkpoints", "Checkpoints written"),
+            direct_connections: r.gauge(
+                "direct_connections",
+                "Open direct connections of clients (queries without NATS)",
+            ),
             registry: r.finish(),
         }
     }

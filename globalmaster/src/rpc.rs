@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_nats::Message;
 use futures::StreamExt as _;
@@ -118,22 +118,66 @@ async fn handle(
     let Some(reply_to) = message.reply.clone() else {
         return;
     };
-    let started = Instant::now();
     let arrived = tokio::time::Instant::now();
-    let label = op_label(op.map_or("unknown", GlobalOp::name));
-    let body = match answer_locally(shared, op, op_name(&message), &message.payload) {
+    let name = op_name(&message);
+    let body = match local_reply(shared, client, op, name, &message.payload, arrived) {
         Some(body) => body,
-        None => reply_bytes(proxy(shared, client, &message.payload, arrived).await),
+        None => proxied_reply(shared, client, &message.payload, arrived).await,
     };
-    let body = hkvm_events::rpc::fit_reply(body, client.server_info().max_payload);
     if let Err(error) = client.publish(reply_to, body.into()).await {
         tracing::debug!(%error, "replying");
     }
+}
+
+/// The reply to a request of operation `op` (subject token `name`) that the
+/// projection answers alone, fitted to the NATS payload limit and timed; `None`
+/// for a proxied `get_replica_list` ([`proxied_reply`]). Both fronts answer
+/// through it.
+pub(crate) fn local_reply(
+    shared: &Shared,
+    client: &async_nats::Client,
+    op: Option<GlobalOp>,
+    name: &str,
+    payload: &[u8],
+    arrived: tokio::time::Instant,
+) -> Option<Vec<u8>> {
+    let body = answer_locally(shared, op, name, payload)?;
+    Some(finish(shared, client, op, body, arrived))
+}
+
+/// The reply to a `get_replica_list`, asked of the owning sub-masters, fitted
+/// and timed as [`local_reply`]'s.
+pub(crate) async fn proxied_reply(
+    shared: &Shared,
+    client: &async_nats::Client,
+    payload: &[u8],
+    arrived: tokio::time::Instant,
+) -> Vec<u8> {
+    let body = reply_bytes(proxy(shared, client, payload, arrived).await);
+    finish(
+        shared,
+        client,
+        Some(GlobalOp::GetReplicaList),
+        body,
+        arrived,
+    )
+}
+
+/// `body` fitted to the payload limit, with the request's time recorded.
+fn finish(
+    shared: &Shared,
+    client: &async_nats::Client,
+    op: Option<GlobalOp>,
+    body: Vec<u8>,
+    arrived: tokio::time::Instant,
+) -> Vec<u8> {
+    let body = hkvm_events::rpc::fit_reply(body, client.server_info().max_payload);
     shared
         .metrics
         .query_seconds
-        .get_or_create(&label)
-        .observe(started.elapsed().as_secs_f64());
+        .get_or_create(&op_label(op.map_or("unknown", GlobalOp::name)))
+        .observe(arrived.elapsed().as_secs_f64());
+    body
 }
 
 /// The encoded reply to operation `op` (subject token `name`), when the
@@ -248,7 +292,8 @@ fn locate(shared: &Shared, body: &[u8]) -> Result<LocateReply, RpcError> {
     })
 }
 
-fn status(shared: &Shared) -> GlobalStatusReply {
+/// The replica's state, as the status RPC reports it.
+pub(crate) fn status(shared: &Shared) -> GlobalStatusReply {
     let projection = shared.read();
     GlobalStatusReply {
         replica: shared.config.replica.clone(),
@@ -256,6 +301,7 @@ fn status(shared: &Shared) -> GlobalStatusReply {
         keys: projection.index().len() as u64,
         bytes_per_key: projection.bytes_per_key(),
         sources: shared.source_statuses(&projection),
+        direct: shared.direct_endpoint.get().cloned(),
     }
 }
 

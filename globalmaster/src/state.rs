@@ -56,6 +56,8 @@ pub(crate) struct Shared {
     pub applied: tokio::sync::watch::Sender<u64>,
     /// The newest look at the streams' ends, shared by sync lookups.
     pub looks: Looks,
+    /// Where this replica takes direct queries, once its front serves.
+    pub direct_endpoint: std::sync::OnceLock<String>,
 }
 
 impl Shared {
@@ -69,6 +71,7 @@ impl Shared {
             metrics: Metrics::new(),
             applied: tokio::sync::watch::Sender::new(0),
             looks: Looks::default(),
+            direct_endpoint: std::sync::OnceLock::new(),
         }
     }
 

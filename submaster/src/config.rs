@@ -8,6 +8,8 @@ use hkvm_events::{ClusterId, ProducerId, SubclusterId};
 use hkvm_log::commit::CommitConfig;
 use hkvm_log::stream::StreamSettings;
 
+pub use hkvm_direct::config::{DirectConfig, DirectListen};
+
 use crate::command::Policy;
 
 /// Everything a sub-master needs to run. Build with `..SubmasterConfig::new(..)`.
@@ -74,44 +76,6 @@ impl SubmasterConfig {
             registry_ttl: Duration::from_secs(10),
             metrics_addr: None,
             direct: DirectConfig::default(),
-        }
-    }
-}
-
-/// Where the leader listens for direct requests, and what it tells clients.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct DirectConfig {
-    /// The listening address.
-    pub listen: DirectListen,
-    /// The `host` or `host:port` clients are told to connect to, when it is not
-    /// the listening address (behind NAT, a proxy, a container port mapping);
-    /// without a port, the listening port.
-    pub advertise: Option<String>,
-}
-
-/// Whether and where the leader listens for direct requests.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum DirectListen {
-    /// No direct front: every request crosses NATS.
-    Off,
-    /// The address the NATS server sees this process connect from (so one that
-    /// routes from the network NATS serves), on a port the system picks.
-    #[default]
-    Auto,
-    /// This address.
-    At(SocketAddr),
-}
-
-impl std::str::FromStr for DirectListen {
-    type Err = String;
-
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        match text {
-            "off" => Ok(Self::Off),
-            "auto" => Ok(Self::Auto),
-            addr => addr.parse().map(Self::At).map_err(|_| {
-                format!("{addr:?} is neither `off`, `auto` nor an address like 10.0.0.5:4100")
-            }),
         }
     }
 }

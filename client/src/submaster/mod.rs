@@ -101,7 +101,7 @@ impl SubmasterClient {
 
     /// A client sharing `caller` (its connection, policy and stats).
     pub fn with_caller(caller: RpcCaller, cluster: ClusterId, subcluster: SubclusterId) -> Self {
-        let direct = Arc::new(DirectRoute::new(
+        let direct = Arc::new(DirectRoute::leader(
             caller.nats().clone(),
             cluster.clone(),
             subcluster.clone(),

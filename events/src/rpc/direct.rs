@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use super::submaster::Op;
 use super::MAX_RPC_BYTES;
-use crate::id::{ClusterId, ProducerId, SubclusterId};
+use crate::id::{ClusterId, SubclusterId};
 
 /// The first bytes of a hello: a connection that does not start with them is
 /// not a direct client.
@@ -28,25 +28,26 @@ pub const MAX_FRAME_BYTES: usize = MAX_RPC_BYTES + 512;
 /// Bytes of a request's or reply's id.
 const ID_BYTES: usize = 8;
 
-/// What a client says first: which sub-cluster it wants, so that an endpoint
-/// now used by another sub-master is recognised at once.
+/// What a client says first: which service it wants (a sub-cluster's leader, or
+/// a global-master replica), so that an endpoint now used by another server is
+/// recognised at once.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DirectHello {
     /// The cluster.
     #[serde(rename = "c")]
     pub cluster: ClusterId,
-    /// The sub-cluster.
-    #[serde(rename = "s")]
-    pub subcluster: SubclusterId,
+    /// The sub-cluster whose leader it wants; none: a global-master replica.
+    #[serde(rename = "s", default, skip_serializing_if = "Option::is_none")]
+    pub subcluster: Option<SubclusterId>,
 }
 
 /// The server's answer to a hello it accepts: who serves, in which epoch.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DirectWelcome {
-    /// The serving sub-master.
+    /// The serving sub-master's producer id, or the global-master replica's name.
     #[serde(rename = "p")]
-    pub producer: ProducerId,
-    /// Its leadership epoch.
+    pub server: String,
+    /// The sub-master's leadership epoch (0 for a global-master replica).
     #[serde(rename = "e")]
     pub epoch: u64,
 }
@@ -245,10 +246,18 @@ mod tests {
     fn a_hello_round_trips_and_foreign_bytes_are_refused() {
         let hello = DirectHello {
             cluster: ClusterId::new("c").unwrap(),
-            subcluster: SubclusterId::new("sc-0").unwrap(),
+            subcluster: Some(SubclusterId::new("sc-0").unwrap()),
         };
         let bytes = encode_hello(&hello);
         assert_eq!(decode_hello(content(&bytes)).unwrap(), hello);
+        let global = DirectHello {
+            subcluster: None,
+            ..hello.clone()
+        };
+        assert_eq!(
+            decode_hello(content(&encode_hello(&global))).unwrap(),
+            global
+        );
         assert_eq!(decode_hello(b"GET / HTTP/1.1"), Err(FrameError::NotHello));
         let mut other = content(&bytes).to_vec();
         other[HELLO_MAGIC.len()] = DIRECT_VERSION + 1;

@@ -350,6 +350,9 @@ pub struct GlobalStatusReply {
     pub bytes_per_key: f64,
     /// The sources.
     pub sources: Vec<SourceStatus>,
+    /// `host:port` where this replica takes direct queries, if it does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub direct: Option<String>,
 }
 
 /// A bloom filter over the key hashes of one sub-cluster: no false negatives, so

@@ -14,7 +14,7 @@ use hkvm_submaster::DirectListen;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
-use crate::fixture::Fixture;
+use crate::fixture::{put as put_event, Fixture};
 use crate::submaster_server::{client, config, mount, start_item, SC};
 
 /// Sends `exist` until the client has a direct link up (it links in the
@@ -166,7 +166,7 @@ async fn foreign_bytes_and_another_subclusters_hello_are_refused_without_harm() 
     let mut other = TcpStream::connect(&endpoint).await.unwrap();
     let hello = DirectHello {
         cluster: fixture.cluster.clone(),
-        subcluster: SubclusterId::new("elsewhere").unwrap(),
+        subcluster: Some(SubclusterId::new("elsewhere").unwrap()),
     };
     other.write_all(&encode_hello(&hello)).await.unwrap();
     let answer = read_frame(&mut other).await.expect("an answer");
@@ -178,14 +178,14 @@ async fn foreign_bytes_and_another_subclusters_hello_are_refused_without_harm() 
     let mut right = TcpStream::connect(&endpoint).await.unwrap();
     let hello = DirectHello {
         cluster: ClusterId::new(fixture.cluster.as_str()).unwrap(),
-        subcluster: SubclusterId::new(SC).unwrap(),
+        subcluster: Some(SubclusterId::new(SC).unwrap()),
     };
     right.write_all(&encode_hello(&hello)).await.unwrap();
     let welcome: RpcReply<DirectWelcome> =
         rpc::decode(&read_frame(&mut right).await.unwrap()).unwrap();
     match welcome {
         RpcReply::Ok(welcome) => {
-            assert_eq!(welcome.producer.as_str(), "sm-a");
+            assert_eq!(welcome.server, "sm-a");
             assert_eq!(welcome.epoch, epoch);
         }
         RpcReply::Err(error) => panic!("{error}"),
@@ -220,7 +220,7 @@ async fn a_leader_whose_lease_is_unconfirmed_sends_direct_clients_back_to_nats()
     let (endpoint, _) = wait_linked(&client).await;
     let hello = DirectHello {
         cluster: fixture.cluster.clone(),
-        subcluster: SubclusterId::new(SC).unwrap(),
+        subcluster: Some(SubclusterId::new(SC).unwrap()),
     };
     let mut raw = TcpStream::connect(&endpoint).await.unwrap();
     raw.write_all(&encode_hello(&hello)).await.unwrap();
@@ -263,4 +263,63 @@ async fn a_leader_whose_lease_is_unconfirmed_sends_direct_clients_back_to_nats()
         RpcReply::Ok(welcome) => panic!("welcomed unconfirmed: {welcome:?}"),
     }
     leader.abort();
+}
+
+#[tokio::test]
+async fn global_queries_go_direct_to_a_replica_and_move_when_it_stops() {
+    let fixture = Fixture::new("t").await;
+    let a = fixture.subcluster("sc-a", &[]).await;
+    a.commit(vec![put_event("held")]).await;
+    let first = fixture.start("g1").await;
+    let second = fixture.start("g2").await;
+    let global = fixture.global();
+    let ask = || async {
+        let reply = global
+            .batch_is_exist(&["held", "nowhere"], None)
+            .await
+            .unwrap()
+            .into_result()
+            .unwrap();
+        assert_eq!(reply.counts.0, [1, 0]);
+    };
+    let mut linked = None;
+    for _ in 0..200 {
+        ask().await;
+        if let Some(endpoint) = global.direct_link() {
+            linked = Some(endpoint);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let linked = linked.expect("the client never linked to a replica");
+    let endpoints = [first.direct_endpoint(), second.direct_endpoint()];
+    assert!(endpoints.contains(&Some(linked.as_str())), "{linked}");
+    let before = global.direct_requests();
+    for _ in 0..10 {
+        ask().await;
+    }
+    assert_eq!(
+        global.direct_requests() - before,
+        10,
+        "each query went direct"
+    );
+
+    // The linked replica stops: queries go on (over NATS to the other, then on
+    // a link to it).
+    let (stopping, staying) = if endpoints[0] == Some(linked.as_str()) {
+        (first, second)
+    } else {
+        (second, first)
+    };
+    stopping.shutdown();
+    let mut moved = false;
+    for _ in 0..300 {
+        ask().await;
+        if global.direct_link().as_deref() == staying.direct_endpoint() {
+            moved = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(moved, "the client never linked to the remaining replica");
 }

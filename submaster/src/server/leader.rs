@@ -444,7 +444,7 @@ pub(crate) async fn lead(
     // Bound before serving, so that the announcement and the renewed lease
     // carry the endpoint; it closes with this leadership.
     let welcome = DirectWelcome {
-        producer: config.producer.clone(),
+        server: config.producer.to_string(),
         epoch,
     };
     let direct = DirectFront::start(ctx, gate, welcome).await?;

@@ -15,12 +15,12 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::direct::DirectReply;
 use super::Context;
 use crate::command::{Reply, Request};
 use crate::error::{SubmasterError, SubmasterErrorKind};
 use crate::liveness::LiveNodes;
 use crate::metrics::SubmasterMetrics;
+use hkvm_direct::DirectReply;
 
 /// The queue group every sub-master instance of a sub-cluster joins.
 pub const QUEUE_GROUP: &str = "hkvm-submaster";

@@ -1,0 +1,349 @@
+//! The server side of direct connections, shared by every direct front: a
+//! [`DirectServer`] accepts connections on a listener, answers each hello
+//! through its [`DirectService`], reads requests and hands each to the service
+//! with a [`DirectReply`] to answer it by, now or later, and writes the replies
+//! in batches. Each connection holds at most [`IN_FLIGHT`] requests unanswered:
+//! past that it stops reading, so a client that does not read its replies
+//! stalls only itself. A connection that does not start with a hello within
+//! [`HELLO_TIMEOUT`], sends bytes that are not frames, or is refused its hello,
+//! is closed; the server keeps serving the others.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hkvm_events::rpc::direct::{
+    decode_hello, decode_request, frame_len, push_reply, push_welcome, DirectHello, DirectWelcome,
+    FrameError,
+};
+use hkvm_events::rpc::{self, RpcError, RpcReply};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, BufReader};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+/// Requests one connection may have unanswered before it stops being read.
+pub const IN_FLIGHT: usize = 1024;
+/// How long a new connection has to send its hello.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Reply bytes gathered into one write at most.
+const WRITE_BATCH: usize = 256 << 10;
+/// Bytes read from the socket at a time.
+const READ_BUFFER: usize = 64 << 10;
+
+/// What a direct front serves.
+pub trait DirectService: Send + Sync + 'static {
+    /// The answer to a hello: who serves, or why this connection is refused.
+    ///
+    /// # Errors
+    /// The reason the client is told before the connection closes.
+    fn welcome(&self, hello: &DirectHello) -> Result<DirectWelcome, RpcError>;
+
+    /// Takes one request of operation `op` (its subject token) with `body`,
+    /// received at `received`; answers it through `reply`, now or later.
+    fn request(&self, op: &str, body: &[u8], reply: DirectReply, received: Instant);
+
+    /// A connection opened (`1`) or closed (`-1`), for metrics.
+    fn connections(&self, delta: i64) {
+        let _ = delta;
+    }
+}
+
+/// One reply owed on a direct connection; sending it (or dropping it) frees the
+/// connection's slot for another request.
+#[derive(Debug)]
+pub struct DirectReply {
+    id: u64,
+    out: mpsc::UnboundedSender<Outgoing>,
+    slot: OwnedSemaphorePermit,
+}
+
+impl DirectReply {
+    /// Queues `body` (an encoded `RpcReply`) for the connection's writer;
+    /// nothing when the connection closed.
+    pub fn send(self, body: Vec<u8>) {
+        let _ = self.out.send(Outgoing::Reply {
+            id: self.id,
+            body,
+            slot: self.slot,
+        });
+    }
+}
+
+/// What a connection's writer sends.
+#[derive(Debug)]
+enum Outgoing {
+    /// The answer to the hello: a whole frame.
+    Welcome(Vec<u8>),
+    /// A reply, holding its request's slot until it is written.
+    Reply {
+        id: u64,
+        body: Vec<u8>,
+        slot: OwnedSemaphorePermit,
+    },
+}
+
+/// A running direct front; dropping it closes the listener and stops reading
+/// every connection (replies owed are still written, then each closes).
+#[derive(Debug)]
+pub struct DirectServer {
+    local_addr: SocketAddr,
+    _tasks: JoinSet<()>,
+}
+
+impl DirectServer {
+    /// Serves `service` on `listener` until dropped.
+    ///
+    /// # Errors
+    /// When the listener has no local address.
+    pub fn serve<S: DirectService>(
+        listener: TcpListener,
+        service: Arc<S>,
+    ) -> std::io::Result<Self> {
+        let local_addr = listener.local_addr()?;
+        let mut tasks = JoinSet::new();
+        tasks.spawn(accept(listener, service));
+        Ok(Self {
+            local_addr,
+            _tasks: tasks,
+        })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+}
+
+/// The endpoint clients are told: `advertise` (a host, or a host and port), or
+/// the bound address.
+pub fn advertised(advertise: Option<&str>, bound: SocketAddr) -> String {
+    match advertise {
+        None => bound.to_string(),
+        Some(host_port)
+            if host_port
+                .rsplit_once(':')
+                .is_some_and(|(_, port)| port.parse::<u16>().is_ok()) =>
+        {
+            host_port.to_owned()
+        }
+        Some(host) => format!("{host}:{}", bound.port()),
+    }
+}
+
+async fn accept<S: DirectService>(listener: TcpListener, service: Arc<S>) {
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    connections.spawn(serve(stream, peer, Arc::clone(&service)));
+                }
+                Err(error) => {
+                    // Out of descriptors, or the like: wait a little, keep serving.
+                    tracing::warn!(%error, "accepting a direct connection");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            Some(_) = connections.join_next() => {}
+        }
+    }
+}
+
+/// Why a connection ended.
+#[derive(Debug, thiserror::Error)]
+enum ConnectionEnd {
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Frame(#[from] FrameError),
+    #[error("no hello within {HELLO_TIMEOUT:?}")]
+    NoHello,
+    #[error("hello refused: {0}")]
+    Refused(String),
+}
+
+async fn serve<S: DirectService>(stream: TcpStream, peer: SocketAddr, service: Arc<S>) {
+    let _ = stream.set_nodelay(true);
+    service.connections(1);
+    let (read, write) = stream.into_split();
+    let (out_tx, out_rx) = mpsc::unbounded_channel();
+    let writer = tokio::spawn(write_replies(write, out_rx));
+    let result = read_requests(read, out_tx, service.as_ref()).await;
+    // The writer ends once every reply owed was sent (each holds a sender).
+    let _ = writer.await;
+    service.connections(-1);
+    match result {
+        Ok(()) => tracing::debug!(%peer, "direct connection closed"),
+        Err(error) => tracing::debug!(%peer, %error, "direct connection ended"),
+    }
+}
+
+/// Reads one frame's content into `buffer`; `false` at a clean end of stream.
+async fn read_frame(
+    reader: &mut BufReader<OwnedReadHalf>,
+    buffer: &mut Vec<u8>,
+) -> Result<bool, ConnectionEnd> {
+    let mut prefix = [0u8; 4];
+    match reader.read_exact(&mut prefix).await {
+        Ok(_) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(false),
+        Err(error) => return Err(error.into()),
+    }
+    let len = frame_len(prefix)?;
+    buffer.resize(len, 0);
+    reader.read_exact(buffer).await?;
+    Ok(true)
+}
+
+async fn read_requests<S: DirectService>(
+    read: OwnedReadHalf,
+    out: mpsc::UnboundedSender<Outgoing>,
+    service: &S,
+) -> Result<(), ConnectionEnd> {
+    let mut reader = BufReader::with_capacity(READ_BUFFER, read);
+    let mut frame = Vec::new();
+    match tokio::time::timeout(HELLO_TIMEOUT, read_frame(&mut reader, &mut frame)).await {
+        Err(_) => return Err(ConnectionEnd::NoHello),
+        Ok(Ok(false)) => return Ok(()),
+        Ok(Ok(true)) => {}
+        Ok(Err(error)) => return Err(error),
+    }
+    let answer = service.welcome(&decode_hello(&frame)?);
+    let refused = answer.as_ref().err().map(ToString::to_string);
+    let body = rpc::encode(&RpcReply::<DirectWelcome>::from(answer)).unwrap_or_default();
+    let mut welcome = Vec::new();
+    push_welcome(&mut welcome, &body);
+    let _ = out.send(Outgoing::Welcome(welcome));
+    if let Some(why) = refused {
+        return Err(ConnectionEnd::Refused(why));
+    }
+    let slots = Arc::new(Semaphore::new(IN_FLIGHT));
+    loop {
+        let slot = Arc::clone(&slots)
+            .acquire_owned()
+            .await
+            .map_err(|_| ConnectionEnd::Refused("closing".into()))?;
+        if !read_frame(&mut reader, &mut frame).await? {
+            return Ok(());
+        }
+        let received = Instant::now();
+        let request = decode_request(&frame)?;
+        let reply = DirectReply {
+            id: request.id,
+            out: out.clone(),
+            slot,
+        };
+        service.request(request.op, request.body, reply, received);
+    }
+}
+
+async fn write_replies(mut write: OwnedWriteHalf, mut replies: mpsc::UnboundedReceiver<Outgoing>) {
+    let mut batch = Vec::with_capacity(WRITE_BATCH);
+    while let Some(first) = replies.recv().await {
+        batch.clear();
+        let mut written = Vec::new();
+        let mut next = Some(first);
+        while let Some(outgoing) = next.take() {
+            match outgoing {
+                Outgoing::Welcome(frame) => batch.extend_from_slice(&frame),
+                Outgoing::Reply { id, body, slot } => {
+                    push_reply(&mut batch, id, &body);
+                    written.push(slot);
+                }
+            }
+            if batch.len() < WRITE_BATCH {
+                next = replies.try_recv().ok();
+            }
+        }
+        if let Err(error) = write.write_all(&batch).await {
+            tracing::debug!(%error, "writing direct replies");
+            return;
+        }
+        // The slots are free once their replies are on the wire.
+        drop(written);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::link::{DirectLink, LinkError};
+    use hkvm_events::{ClusterId, SubclusterId};
+
+    #[test]
+    fn the_advertised_endpoint_keeps_a_given_port_and_adds_the_bound_one() {
+        let bound: SocketAddr = "10.0.0.5:4100".parse().unwrap();
+        assert_eq!(advertised(None, bound), "10.0.0.5:4100");
+        assert_eq!(advertised(Some("sm.example"), bound), "sm.example:4100");
+        assert_eq!(advertised(Some("sm.example:80"), bound), "sm.example:80");
+        assert_eq!(advertised(Some("[::1]:80"), bound), "[::1]:80");
+    }
+
+    /// Echoes each request's body back as its reply, later for `slow`.
+    struct Echo;
+
+    impl DirectService for Echo {
+        fn welcome(&self, hello: &DirectHello) -> Result<DirectWelcome, RpcError> {
+            match &hello.subcluster {
+                Some(subcluster) if subcluster.as_str() == "mine" => Ok(DirectWelcome {
+                    server: "echo".into(),
+                    epoch: 7,
+                }),
+                _ => Err(RpcError::invalid("not mine")),
+            }
+        }
+
+        fn request(&self, op: &str, body: &[u8], reply: DirectReply, _received: Instant) {
+            let body = body.to_vec();
+            if op == "slow" {
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    reply.send(body);
+                });
+            } else {
+                reply.send(body);
+            }
+        }
+    }
+
+    fn hello(subcluster: &str) -> DirectHello {
+        DirectHello {
+            cluster: ClusterId::new("c").unwrap(),
+            subcluster: Some(SubclusterId::new(subcluster).unwrap()),
+        }
+    }
+
+    #[tokio::test]
+    async fn pipelined_requests_get_their_own_replies_whatever_the_order() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let server = DirectServer::serve(listener, Arc::new(Echo)).unwrap();
+        let endpoint = server.local_addr().to_string();
+        let link = Arc::new(
+            DirectLink::connect(&endpoint, &hello("mine"))
+                .await
+                .unwrap(),
+        );
+        assert_eq!(link.welcome().epoch, 7);
+        let mut calls = JoinSet::new();
+        for i in 0..200u32 {
+            let link = Arc::clone(&link);
+            calls.spawn(async move {
+                let op = if i % 3 == 0 { "slow" } else { "fast" };
+                let body = i.to_be_bytes();
+                assert_eq!(link.call(op, &body).await.unwrap(), body);
+            });
+        }
+        while let Some(done) = calls.join_next().await {
+            done.unwrap();
+        }
+        match DirectLink::connect(&endpoint, &hello("other")).await {
+            Err(LinkError::Refused { .. }) => {}
+            other => panic!("{other:?}"),
+        }
+        drop(server);
+    }
+}
