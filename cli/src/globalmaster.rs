@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use hkvm_events::rpc::global::{LabelFilter, LabelMode};
+use hkvm_direct::DirectListen;
 use hkvm_globalmaster::GlobalMasterConfig;
 
 use crate::target::Target;
@@ -33,6 +34,15 @@ pub struct GlobalMasterArgs {
     /// Start from scratch instead of the newest checkpoint.
     #[arg(long)]
     pub no_restore: bool,
+    /// Where this replica takes clients' queries directly, without the NATS
+    /// broker: `auto` (the address the NATS server sees this process at, any
+    /// port), `off`, or an address such as `10.0.0.6:4200`.
+    #[arg(long, env = "HKVM_GLOBALMASTER_DIRECT")]
+    pub direct: Option<DirectListen>,
+    /// The `host` or `host:port` clients are told to connect to for direct
+    /// queries, when it is not the listening address (NAT, port mapping).
+    #[arg(long)]
+    pub direct_advertise: Option<String>,
 }
 
 /// Parses `k=v`.
@@ -79,6 +89,12 @@ pub fn config(args: &GlobalMasterArgs) -> anyhow::Result<GlobalMasterConfig> {
     }
     if args.no_restore {
         config.restore_checkpoint = false;
+    }
+    if let Some(listen) = args.direct {
+        config.direct.listen = listen;
+    }
+    if args.direct_advertise.is_some() {
+        config.direct.advertise.clone_from(&args.direct_advertise);
     }
     Ok(config)
 }

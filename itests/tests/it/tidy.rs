@@ -14,7 +14,7 @@ const ROWS: &[&[&str]] = &[
         "hkvm-telemetry",
         "hkvm-natsd",
     ],
-    &["hkvm-log", "hkvm-testkit"],
+    &["hkvm-log", "hkvm-direct", "hkvm-testkit"],
     &["hkvm-submaster", "hkvm-projector", "hkvm-client"],
     &["hkvm-globalmaster", "hkvm-interdc"],
     &["hkvm-cli", "hkvm-bench", "hkvm-itests", "hkvm-python"],
