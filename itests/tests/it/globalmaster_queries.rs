@@ -8,9 +8,9 @@ use tokio::task::JoinHandle;
 
 use futures::StreamExt as _;
 use hkvm_events::rpc::global::{
-    BatchIsExist, BatchIsExistHashed, BatchIsExistReply, GlobalOp, LabelFilter, LabelMode, Locate,
-    LocateReply, PrefixHit, PrefixHitReply, ProxyGetReplicaList, ProxyGetReplicaListReply,
-    MAX_BATCH_KEYS,
+    BatchIsExist, BatchIsExistHashed, BatchIsExistReply, GlobalOp, GlobalStatusReply, LabelFilter,
+    LabelMode, Locate, LocateReply, PrefixHit, PrefixHitReply, ProxyGetReplicaList,
+    ProxyGetReplicaListReply, MAX_BATCH_KEYS,
 };
 use hkvm_events::rpc::submaster::{
     GetReplicaList, GetReplicaListReply, ItemError, ItemResult, Op, ReplicaList,
@@ -160,6 +160,16 @@ async fn older_replica(fixture: &Fixture, knows: &'static [GlobalOp]) -> JoinHan
         let mut asked = Vec::new();
         while let Some(request) = requests.next().await {
             let op = request.subject.rsplit('.').next().unwrap().to_owned();
+            if op == GlobalOp::Status.name() {
+                // A client looking for a direct endpoint: an older replica's
+                // status names none.
+                let status = encode(&RpcReply::Ok(GlobalStatusReply::default())).unwrap();
+                client
+                    .publish(request.reply.unwrap(), status.into())
+                    .await
+                    .unwrap();
+                continue;
+            }
             asked.push(op.clone());
             let known = knows.iter().any(|known| known.name() == op);
             let reply = if known {
