@@ -5,8 +5,8 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use hkvm_events::rpc::global::{LabelFilter, LabelMode};
 use hkvm_direct::DirectListen;
+use hkvm_events::rpc::global::{LabelFilter, LabelMode};
 use hkvm_globalmaster::GlobalMasterConfig;
 
 use crate::target::Target;
