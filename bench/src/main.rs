@@ -17,6 +17,7 @@ mod interdc;
 mod latency;
 mod loadgen;
 mod memory;
+mod mooncake;
 mod put;
 mod python;
 mod raw;
@@ -82,6 +83,12 @@ enum Command {
     /// 16 dummy clients behind one real client against 16 independent clients:
     /// sub-master requests per operation, 1 MiB put_from/get_into, added latency.
     Dummies(BenchArgs),
+    /// One Python workload against Mooncake Store's master (its PyPI wheel,
+    /// installed into .tools/mooncake-venv when missing) and against HKVM, in
+    /// alternating rounds and with 4 clients at once: HKVM against Mooncake per
+    /// operation, and the servers' CPU time. Without the wheel it reports nothing
+    /// and says why.
+    Mooncake(BenchArgs),
     /// Every workload.
     All(ScaleBenchArgs),
     /// Drive puts, gets or global queries for a while and print one JSON line per
@@ -137,6 +144,7 @@ enum Workload {
     Interdc,
     Python,
     Dummies,
+    Mooncake,
 }
 
 /// Counts allocations so that benchmarks can report allocations per event.
@@ -200,6 +208,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Interdc(args) => (args, vec![Workload::Interdc]),
         Command::Python(args) => (args, vec![Workload::Python]),
         Command::Dummies(args) => (args, vec![Workload::Dummies]),
+        Command::Mooncake(args) => (args, vec![Workload::Mooncake]),
         // Memory first: its RSS figure needs a process that has not freed much yet.
         Command::All(args) => (
             args.bench,
@@ -215,6 +224,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 Workload::Soak,
                 Workload::Python,
                 Workload::Dummies,
+                Workload::Mooncake,
                 Workload::Scale(scale::Setup::new(args.scale)?),
             ],
         ),
@@ -281,6 +291,7 @@ async fn bench(args: BenchArgs, workloads: Vec<Workload>) -> anyhow::Result<()> 
             Workload::Interdc => interdc::run(&nats, quick, &mut printer).await?,
             Workload::Python => python::run(&nats, quick, &mut printer).await?,
             Workload::Dummies => dummies::run(&nats, quick, &mut printer).await?,
+            Workload::Mooncake => mooncake::run(&nats, quick, &mut printer).await?,
         }
     }
     printer.finish();

@@ -23,7 +23,7 @@ const KIB: usize = 1024;
 const MIB: usize = 1024 * 1024;
 
 /// The Python interpreter that has the `hkvm` package.
-fn interpreter() -> Option<PathBuf> {
+pub(crate) fn interpreter() -> Option<PathBuf> {
     if let Some(explicit) = std::env::var_os("HKVM_PYTHON") {
         return Some(PathBuf::from(explicit));
     }

@@ -84,7 +84,7 @@ impl Setup {
 }
 
 /// The `hkvm` binary: `$HKVM_BIN`, else `hkvm` in this executable's directory.
-fn hkvm_binary() -> anyhow::Result<PathBuf> {
+pub(crate) fn hkvm_binary() -> anyhow::Result<PathBuf> {
     if let Some(explicit) = std::env::var_os(HKVM_BIN_ENV) {
         let path = PathBuf::from(explicit);
         anyhow::ensure!(
@@ -131,12 +131,16 @@ fn parse_mix(text: &str) -> Result<Mix, String> {
 }
 
 /// A master child process, killed when dropped.
-struct Master {
+pub(crate) struct Master {
     child: Child,
 }
 
 impl Master {
-    fn spawn(exe: &Path, args: &[String]) -> anyhow::Result<Self> {
+    /// Starts `exe` with `args`, its output discarded.
+    ///
+    /// # Errors
+    /// When the process cannot be started.
+    pub(crate) fn spawn(exe: &Path, args: &[String]) -> anyhow::Result<Self> {
         let child = Command::new(exe)
             .args(args)
             .env("RUST_LOG", "warn")
@@ -149,7 +153,8 @@ impl Master {
         Ok(Self { child })
     }
 
-    fn pid(&self) -> Option<u32> {
+    /// The process id (none once it exited and was reaped).
+    pub(crate) fn pid(&self) -> Option<u32> {
         self.child.id()
     }
 }
@@ -260,7 +265,7 @@ struct Sweep {
 }
 
 /// Drops what an earlier run with this cluster name left on the server.
-async fn clean(js: &jetstream::Context, cluster: &ClusterId, subclusters: usize) {
+pub(crate) async fn clean(js: &jetstream::Context, cluster: &ClusterId, subclusters: usize) {
     for index in 0..subclusters {
         if let Ok(id) = SubclusterId::new(format!("sc-{index}")) {
             let _ = js.delete_stream(stream_name(cluster, &id)).await;
