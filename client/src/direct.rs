@@ -25,10 +25,22 @@ use hkvm_events::subject::{global_rpc_subject, Bucket};
 use hkvm_events::{ClusterId, SubclusterId};
 use tokio::time::Instant;
 
-/// After a failed attempt to link, how long calls go over NATS before the next.
+/// After a failed attempt to link, how long calls go over NATS before the next;
+/// it doubles with every failure in a row, up to [`RELINK_AT_MOST`], so that
+/// ten thousand clients of a server without a direct port do not keep asking
+/// for one.
 const RELINK_AFTER: Duration = Duration::from_millis(200);
+/// The longest wait between attempts to link.
+const RELINK_AT_MOST: Duration = Duration::from_secs(30);
 /// How long the global master's status may take when asked for an endpoint.
 const STATUS_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How long to wait after `failures` attempts to link failed in a row.
+fn relink_after(failures: u32) -> Duration {
+    RELINK_AFTER
+        .saturating_mul(1 << failures.saturating_sub(1).min(16))
+        .min(RELINK_AT_MOST)
+}
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex
@@ -45,8 +57,8 @@ pub struct DirectRoute {
     link: Mutex<Option<Arc<DirectLink>>>,
     /// Whether a background attempt to link runs.
     linking: AtomicBool,
-    /// When the last attempt failed.
-    failed_at: Mutex<Option<Instant>>,
+    /// When the last attempt failed, and how many failed in a row.
+    failed_at: Mutex<Option<(Instant, u32)>>,
     /// Requests sent over a link (for tests, benchmarks and logs).
     sent: AtomicU64,
 }
@@ -101,7 +113,8 @@ impl DirectRoute {
 
     /// The open link, if any; when there is none, starts making one in the
     /// background (at most one attempt at a time, and not again within
-    /// [`RELINK_AFTER`] of a failed one), and the caller goes over NATS.
+    /// [`RELINK_AFTER`], doubled per failure in a row, of a failed one), and the
+    /// caller goes over NATS.
     pub fn link(self: &Arc<Self>) -> Option<Arc<DirectLink>> {
         {
             let mut current = lock(&self.link);
@@ -114,7 +127,8 @@ impl DirectRoute {
                 None => {}
             }
         }
-        let recently_failed = lock(&self.failed_at).is_some_and(|at| at.elapsed() < RELINK_AFTER);
+        let recently_failed = lock(&self.failed_at)
+            .is_some_and(|(at, failures)| at.elapsed() < relink_after(failures));
         if !recently_failed && !self.linking.swap(true, Ordering::AcqRel) {
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 let route = Arc::clone(self);
@@ -152,6 +166,8 @@ impl DirectRoute {
             }
             self.discard(&link);
         }
+        // A new leader: whatever failed before says nothing about it.
+        *lock(&self.failed_at) = None;
         if !self.linking.swap(true, Ordering::AcqRel) {
             let route = Arc::clone(self);
             tokio::spawn(async move { route.relink(Some(holder)).await });
@@ -181,7 +197,9 @@ impl DirectRoute {
             }
             Err(error) => {
                 tracing::debug!(%error, "no direct link; requests go over NATS");
-                *lock(&self.failed_at) = Some(Instant::now());
+                let mut failed = lock(&self.failed_at);
+                let failures = failed.map_or(1, |(_, failures)| failures.saturating_add(1));
+                *failed = Some((Instant::now(), failures));
             }
         }
         self.linking.store(false, Ordering::Release);
@@ -225,5 +243,19 @@ impl DirectRoute {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relinking_backs_off_with_every_failure_in_a_row() {
+        assert_eq!(relink_after(1), RELINK_AFTER);
+        assert_eq!(relink_after(2), RELINK_AFTER * 2);
+        assert_eq!(relink_after(4), RELINK_AFTER * 8);
+        assert_eq!(relink_after(30), RELINK_AT_MOST);
+        assert_eq!(relink_after(u32::MAX), RELINK_AT_MOST);
     }
 }
