@@ -22,9 +22,16 @@ KIB = 1024
 MIB = 1024 * 1024
 
 
-def _rate(seconds: float, step: Callable[[int], None], at_least: int = 1) -> float:
+# 1 MiB values one phase writes at most: well inside the 4 GiB segment, below
+# the eviction watermark, whatever the rate.
+LARGE_VALUES = 1536
+
+
+def _rate(
+    seconds: float, step: Callable[[int], None], at_least: int = 1, at_most: int = 1 << 62
+) -> float:
     """Operations per second of ``step(i)`` run for ``seconds`` (and at least
-    ``at_least`` times)."""
+    ``at_least`` times, at most ``at_most`` times)."""
     done = 0
     started = time.perf_counter()
     deadline = started + seconds
@@ -32,7 +39,7 @@ def _rate(seconds: float, step: Callable[[int], None], at_least: int = 1) -> flo
         step(done)
         done += 1
         now = time.perf_counter()
-        if now >= deadline and done >= at_least:
+        if (now >= deadline and done >= at_least) or done >= at_most:
             return done / (now - started)
 
 
@@ -61,8 +68,11 @@ def run(address: str, seconds: float) -> Dict[str, float]:
     # At least 1000 small values: batch_is_exist asks for exactly those.
     results["put_4k"] = _rate(seconds, put("s", small), at_least=1000)
     results["get_4k"] = _rate(seconds, get("s", 1000, len(small)))
-    results["put_1m"] = _rate(seconds, put("l", large))
-    results["get_1m"] = _rate(seconds, get("l", max(1, int(results["put_1m"] * seconds)), len(large)))
+    results["put_1m"] = _rate(seconds, put("l", large), at_most=LARGE_VALUES)
+    written = min(LARGE_VALUES, max(1, int(results["put_1m"] * seconds)))
+    results["get_1m"] = _rate(seconds, get("l", written, len(large)))
+    # Room for the next phase's values: the segment holds only so many.
+    store.remove_by_regex(f"^{tag}-l-", True)
 
     buffer = ctypes.create_string_buffer(2 * MIB)
     base = ctypes.addressof(buffer)
@@ -72,8 +82,8 @@ def run(address: str, seconds: float) -> Dict[str, float]:
     def put_from(i: int) -> None:
         assert store.put_from(f"{tag}-f-{i}", base, MIB) == 0
 
-    results["put_from_1m"] = _rate(seconds, put_from)
-    written = max(1, int(results["put_from_1m"] * seconds))
+    results["put_from_1m"] = _rate(seconds, put_from, at_most=LARGE_VALUES)
+    written = min(LARGE_VALUES, max(1, int(results["put_from_1m"] * seconds)))
 
     def get_into(i: int) -> None:
         assert store.get_into(f"{tag}-f-{i % written}", base + MIB, MIB) == MIB
