@@ -110,9 +110,10 @@ HOW_TO_READ = {
     "index bytes per key; a global master's restart to serving from a "
     "checkpoint against the same restart replaying every stream (this is the "
     "global-master part of recovery).",
-    "exist": "Global batch_is_exist over NATS against in-process lookups of the very "
-    "same batches on the same projection: the ratio is what NATS and the RPC layer "
-    "cost. A client phase lasts about a second and moves by 15% or more from run to "
+    "exist": "Global batch_is_exist from clients (on their direct link to a replica "
+    "once it is up, over NATS before) against in-process lookups of the very "
+    "same batches on the same projection: the ratio is what the round trip and the RPC "
+    "layer cost. A client phase lasts about a second and moves by 15% or more from run to "
     "run here, so each runs three times, alternating with the in-process lookup, and "
     "the run of median rate is reported (its latencies and CPU; the in-process "
     "baseline likewise). The clients send the keys as their 64-bit hashes, as the Rust client and "
@@ -124,10 +125,9 @@ HOW_TO_READ = {
     "share the cores the one replica had, so the row shows the cost of a second "
     "replica here, not what it adds on a host of its own. CPU per key adds this "
     "process's CPU time (clients and global master) and the nats-server child's over "
-    "the run, divided by the keys looked up. Any query over NATS pays a request-reply "
-    "round trip (the put table's floor row: 200 to 240 us on this machine), so the "
-    "1-client ratio cannot reach 0.6 here unless a batch's lookup takes 1.5 times that "
-    "round trip or more in process.",
+    "the run, divided by the keys looked up. Any query pays a round trip (the put "
+    "table's ping rows: over NATS and on the direct link), so the 1-client ratio is "
+    "bounded by how long a batch's lookup takes in process against that round trip.",
     "soak": "Running for a long time: a leader and a hot standby under churn (8 clients "
     "putting into segments small enough that the leader evicts all the time, removes, "
     "one leader kill half-way) with snapshots and purges running. The end of the run "

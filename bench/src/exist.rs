@@ -1,4 +1,5 @@
-//! The `exist` workload: global `batch_is_exist` of 1000-key batches over NATS
+//! The `exist` workload: global `batch_is_exist` of 1000-key batches from clients
+//! (on their direct link to a replica once it is up, over NATS before)
 //! (keys sent as 64-bit hashes, as the client sends them) with 1 and 4 clients (keys/s and per-batch p50/p99) over an index of 10 M keys
 //! in 8 sub-clusters, against the in-process lookup of the very same batches on
 //! the same projection in the same run, with the CPU spent per key (clients,
@@ -137,11 +138,11 @@ async fn over_nats(
     Ok((keys as f64 / seconds, latencies, cpu_spent))
 }
 
-/// What one run of a client phase over NATS measured: keys/s, the sorted
+/// What one run of a client phase measured: keys/s, the sorted
 /// per-batch latencies and the CPU seconds spent.
 type NatsRun = (f64, Vec<Duration>, f64);
 
-/// Runs `work` over NATS and in process `rounds` times, alternating (one run of
+/// Runs `work` from the clients and in process `rounds` times, alternating (one run of
 /// about a second moves by 15% or more here); returns the NATS run of median
 /// rate, and the in-process run of median rate (keys/s, microseconds per batch):
 /// the in-process baseline looks up the very same batches.
@@ -201,7 +202,7 @@ async fn second_replica(
     second.shutdown();
     Ok(BenchResult::new(
         WORKLOAD,
-        format!("batch_is_exist over NATS, 4 clients, 2 replicas against 1 ({cores} cores)"),
+        format!("batch_is_exist, 4 clients, 2 replicas against 1 ({cores} cores)"),
         rate,
         "keys/s",
         if cores >= 4 {
@@ -249,7 +250,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
         let mut results = vec![
             BenchResult::new(
                 WORKLOAD,
-                format!("batch_is_exist over NATS, {label}"),
+                format!("batch_is_exist, {label}"),
                 rate,
                 "keys/s",
                 if clients == 1 {
@@ -290,7 +291,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
                 ),
                 BenchResult::new(
                     WORKLOAD,
-                    format!("batch_is_exist over NATS, {label}, against 1 client ({cores} cores)"),
+                    format!("batch_is_exist, {label}, against 1 client ({cores} cores)"),
                     rate,
                     "keys/s",
                     if cores >= 4 {
@@ -330,7 +331,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
         for result in [
             BenchResult::new(
                 WORKLOAD,
-                "batch_is_exist over NATS, 4 clients, keys sent as hashes against as strings",
+                "batch_is_exist, 4 clients, keys sent as hashes against as strings",
                 rate,
                 "keys/s",
                 "keys sent as strings (batch_is_exist), same batches",

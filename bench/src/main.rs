@@ -57,7 +57,7 @@ enum Command {
     /// Projector fold rate against raw JetStream replay; bytes per key; restart to
     /// serving with and without a checkpoint.
     Ingest(BenchArgs),
-    /// Global batch_is_exist over NATS (1 and 4 clients) against in-process lookups.
+    /// Global batch_is_exist from 1 and 4 clients against in-process lookups.
     Exist(BenchArgs),
     /// Durable put_start + put_end through a sub-master (1, 64 clients, batches)
     /// against raw JetStream publish.

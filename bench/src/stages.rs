@@ -14,7 +14,7 @@ use super::report::{BenchResult, Printer};
 const METRIC: &str = "hkvm_submaster_write_stage_seconds";
 
 /// Where put_end spends its time with `label`'s clients: the mean of each of the
-/// sub-master's stages, and what is left outside it (NATS both ways and the
+/// sub-master's stages, and what is left outside it (the route both ways and the
 /// clients), each as a share of the mean put_end the clients saw.
 pub fn print_put_end_stages(
     workload: &'static str,
@@ -41,7 +41,9 @@ pub fn print_put_end_stages(
     let inside: f64 = stages.iter().map(|(_, value)| value).sum();
     printer.print(&BenchResult::new(
         workload,
-        format!("put_end, {label}: outside the sub-master (NATS both ways, the clients; mean)"),
+        format!(
+            "put_end, {label}: outside the sub-master (the route both ways, the clients; mean)"
+        ),
         mean - inside,
         "us",
         baseline,

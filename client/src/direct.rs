@@ -32,6 +32,16 @@ use tokio::time::Instant;
 const RELINK_AFTER: Duration = Duration::from_millis(200);
 /// The longest wait between attempts to link.
 const RELINK_AT_MOST: Duration = Duration::from_secs(30);
+/// A client links once it sends this many requests within [`BUSY_WINDOW`]. A
+/// link costs the server a connection, its buffers and a read and a write per
+/// request, where NATS carries many clients' requests in one read; a client
+/// that sends a ping a second and a few operations (ten thousand of them, each
+/// with a connection of its own, cost a sub-master four times the CPU per
+/// request and gigabytes of buffers: `hkvm bench scale`) is served better
+/// through the broker, and a busy one (an engine's cache traffic) directly.
+const BUSY_REQUESTS: u32 = 20;
+/// The window [`BUSY_REQUESTS`] is counted over.
+const BUSY_WINDOW: Duration = Duration::from_secs(1);
 /// How long the global master's status may take when asked for an endpoint.
 const STATUS_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -61,6 +71,9 @@ pub struct DirectRoute {
     failed_at: Mutex<Option<(Instant, u32)>>,
     /// Requests sent over a link (for tests, benchmarks and logs).
     sent: AtomicU64,
+    /// Requests that found no link in the current window: since when, and how
+    /// many.
+    unlinked: Mutex<(Instant, u32)>,
 }
 
 impl DirectRoute {
@@ -86,6 +99,7 @@ impl DirectRoute {
             linking: AtomicBool::new(false),
             failed_at: Mutex::new(None),
             sent: AtomicU64::new(0),
+            unlinked: Mutex::new((Instant::now(), 0)),
         }
     }
 
@@ -111,7 +125,8 @@ impl DirectRoute {
             .map(|link| (link.endpoint().to_owned(), link.welcome().epoch))
     }
 
-    /// The open link, if any; when there is none, starts making one in the
+    /// The open link, if any; when there is none and the client is busy
+    /// ([`BUSY_REQUESTS`] in [`BUSY_WINDOW`]), starts making one in the
     /// background (at most one attempt at a time, and not again within
     /// [`RELINK_AFTER`], doubled per failure in a row, of a failed one), and the
     /// caller goes over NATS.
@@ -127,6 +142,9 @@ impl DirectRoute {
                 None => {}
             }
         }
+        if !self.busy() {
+            return None;
+        }
         let recently_failed = lock(&self.failed_at)
             .is_some_and(|(at, failures)| at.elapsed() < relink_after(failures));
         if !recently_failed && !self.linking.swap(true, Ordering::AcqRel) {
@@ -140,6 +158,17 @@ impl DirectRoute {
         None
     }
 
+    /// Counts one request that found no link; whether the client is busy
+    /// enough to link.
+    fn busy(&self) -> bool {
+        let mut unlinked = lock(&self.unlinked);
+        if unlinked.0.elapsed() >= BUSY_WINDOW {
+            *unlinked = (Instant::now(), 0);
+        }
+        unlinked.1 = unlinked.1.saturating_add(1);
+        unlinked.1 >= BUSY_REQUESTS
+    }
+
     /// Drops `link` when it is still the current one: it failed a request.
     pub fn discard(&self, link: &Arc<DirectLink>) {
         let mut current = lock(&self.link);
@@ -150,22 +179,23 @@ impl DirectRoute {
         }
     }
 
-    /// A leader announced itself with `announced` (its lease record): link to
-    /// it unless the current link already goes there.
+    /// A leader announced itself with `announced` (its lease record): a client
+    /// linked to another leader links to it (one without a link links when it
+    /// is busy, as always).
     pub fn announced(self: &Arc<Self>, announced: &[u8]) {
         let Ok(holder) = LeaseHolder::decode(announced) else {
             return;
         };
-        let current = lock(&self.link).clone();
-        if let Some(link) = current {
-            if Some(link.endpoint()) == holder.direct.as_deref()
-                && link.welcome().epoch == holder.epoch
-                && !link.is_closed()
-            {
-                return;
-            }
-            self.discard(&link);
+        let Some(link) = lock(&self.link).clone() else {
+            return;
+        };
+        if Some(link.endpoint()) == holder.direct.as_deref()
+            && link.welcome().epoch == holder.epoch
+            && !link.is_closed()
+        {
+            return;
         }
+        self.discard(&link);
         // A new leader: whatever failed before says nothing about it.
         *lock(&self.failed_at) = None;
         if !self.linking.swap(true, Ordering::AcqRel) {

@@ -21,8 +21,12 @@ use tokio::sync::{mpsc, oneshot};
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// Request bytes gathered into one write at most.
 const WRITE_BATCH: usize = 256 << 10;
-/// Bytes read from the socket at a time.
-const READ_BUFFER: usize = 64 << 10;
+/// Bytes read from the socket at a time: small, since a server may hold ten
+/// thousand connections (a larger frame is read straight into its buffer).
+const READ_BUFFER: usize = 8 << 10;
+/// Buffer capacity a connection keeps between frames or batches; one that grew
+/// past it for a large frame is given back.
+const KEPT_CAPACITY: usize = 64 << 10;
 
 /// Why a request on a link got no reply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -253,12 +257,13 @@ async fn write_requests(
     pending: Arc<Pending>,
     closed: Arc<AtomicBool>,
 ) {
-    let mut batch = Vec::with_capacity(WRITE_BATCH);
+    let mut batch = Vec::new();
     while let Some(first) = requests.recv().await {
         if closed.load(Ordering::Acquire) {
             break;
         }
         batch.clear();
+        batch.shrink_to(KEPT_CAPACITY);
         batch.extend_from_slice(&first);
         while batch.len() < WRITE_BATCH {
             match requests.try_recv() {
@@ -288,6 +293,8 @@ async fn read_replies(read: OwnedReadHalf, pending: Arc<Pending>, closed: Arc<At
             break;
         }
         let Ok(len) = frame_len(prefix) else { break };
+        frame.clear();
+        frame.shrink_to(KEPT_CAPACITY);
         frame.resize(len, 0);
         if reader.read_exact(&mut frame).await.is_err() {
             break;

@@ -30,8 +30,12 @@ pub const IN_FLIGHT: usize = 1024;
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 /// Reply bytes gathered into one write at most.
 const WRITE_BATCH: usize = 256 << 10;
-/// Bytes read from the socket at a time.
-const READ_BUFFER: usize = 64 << 10;
+/// Bytes read from the socket at a time: small, since a server may hold ten
+/// thousand connections (a larger frame is read straight into its buffer).
+const READ_BUFFER: usize = 8 << 10;
+/// Buffer capacity a connection keeps between frames or batches; one that grew
+/// past it for a large frame is given back.
+const KEPT_CAPACITY: usize = 64 << 10;
 
 /// What a direct front serves.
 pub trait DirectService: Send + Sync + 'static {
@@ -193,6 +197,8 @@ async fn read_frame(
         Err(error) => return Err(error.into()),
     }
     let len = frame_len(prefix)?;
+    buffer.clear();
+    buffer.shrink_to(KEPT_CAPACITY);
     buffer.resize(len, 0);
     reader.read_exact(buffer).await?;
     Ok(true)
@@ -241,9 +247,10 @@ async fn read_requests<S: DirectService>(
 }
 
 async fn write_replies(mut write: OwnedWriteHalf, mut replies: mpsc::UnboundedReceiver<Outgoing>) {
-    let mut batch = Vec::with_capacity(WRITE_BATCH);
+    let mut batch = Vec::new();
     while let Some(first) = replies.recv().await {
         batch.clear();
+        batch.shrink_to(KEPT_CAPACITY);
         let mut written = Vec::new();
         let mut next = Some(first);
         while let Some(outgoing) = next.take() {

@@ -323,3 +323,22 @@ async fn global_queries_go_direct_to_a_replica_and_move_when_it_stops() {
     }
     assert!(moved, "the client never linked to the remaining replica");
 }
+
+#[tokio::test]
+async fn a_client_that_sends_little_stays_on_nats() {
+    let fixture = Fixture::new("t").await;
+    let leader = fixture.spawn_submaster(config(&fixture, "sm-a")).await;
+    let client = client(&fixture).await;
+    mount(&client, "n1", 64 << 20).await;
+    // A node's pings and an occasional operation: a few requests a second.
+    for _ in 0..12 {
+        client.exist(vec!["k".into()]).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    assert_eq!(client.direct_link(), None);
+    assert_eq!(client.direct_requests(), 0);
+    // Busy now: it links.
+    let (endpoint, _) = wait_linked(&client).await;
+    assert!(!endpoint.is_empty());
+    leader.shutdown().await.unwrap();
+}
