@@ -238,11 +238,15 @@ async fn a_leader_whose_lease_is_unconfirmed_sends_direct_clients_back_to_nats()
     let mut refused = None;
     for id in 2..200 {
         match raw_exist(&mut raw, id).await {
-            RpcReply::Err(error) => {
+            // A request that passed the front just before the lease went
+            // unconfirmed is refused `Busy` by the request loop: ask again.
+            RpcReply::Err(error)
+                if !matches!(error.code, hkvm_events::rpc::RpcErrorCode::Busy { .. }) =>
+            {
                 refused = Some(error);
                 break;
             }
-            RpcReply::Ok(_) => tokio::time::sleep(Duration::from_millis(25)).await,
+            _ => tokio::time::sleep(Duration::from_millis(25)).await,
         }
     }
     let refused = refused.expect("the leader kept answering direct requests unconfirmed");
