@@ -40,6 +40,19 @@ HOW_TO_READ = {
     "their put and get phases separately (16 clients in lockstep: each puts 32 blocks, "
     "then reads them back; removes are not timed), with space leases and, in a second "
     "run, without.",
+    "breakdown": "Where one client's 4 KiB get and put spend their microseconds, one "
+    "call at a time against a sub-master in the bench's process, each layer's p50 "
+    "against the layer below it in the same run. A get of a value the client's own "
+    "segment holds is one get_replica_list on the direct link to the leader, then a "
+    "local copy with its checksum; under it: a plain TCP round trip of 64 bytes each "
+    "way (the floor of any request), a ping on the direct link (framing, the link and "
+    "the leader's direct front, no request loop), an exist of one key (adds the "
+    "request loop and a lookup), a get_replica_list (adds the replica list). A put is "
+    "the local copy and one put_commit into a space lease, answered once JetStream "
+    "stored its event: its floor is a raw JetStream publish+ack fenced as the "
+    "sub-master appends (a message id and an expected last sequence), and its mean is "
+    "split into the sub-master's write stages (queued, handled, batched, stored, "
+    "replied) and what is left outside it.",
     "transfer": "Data-plane GB/s against plain TCP and memcpy on the same machine. "
     "The WAN rows copy one object with FEC stripes and pacing, over an in-process lossy "
     "link and over UDP loopback with emulated delay and loss, against the cap.",

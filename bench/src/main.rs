@@ -8,6 +8,7 @@
 //! bytes per object.
 
 mod alloc;
+mod breakdown;
 mod cluster;
 mod dummies;
 mod events;
@@ -59,6 +60,9 @@ enum Command {
     Ingest(BenchArgs),
     /// Global batch_is_exist from 1 and 4 clients against in-process lookups.
     Exist(BenchArgs),
+    /// Where one client's 4 KiB get and put spend their microseconds, layer by
+    /// layer against the one below (plain TCP, raw JetStream).
+    Breakdown(BenchArgs),
     /// Durable put_start + put_end through a sub-master (1, 64 clients, batches)
     /// against raw JetStream publish.
     Put(BenchArgs),
@@ -137,6 +141,7 @@ enum Workload {
     Ingest,
     Exist,
     Put,
+    Breakdown,
     Recover,
     Soak,
     Scale(scale::Setup),
@@ -198,6 +203,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Ingest(args) => (args, vec![Workload::Ingest]),
         Command::Exist(args) => (args, vec![Workload::Exist]),
         Command::Put(args) => (args, vec![Workload::Put]),
+        Command::Breakdown(args) => (args, vec![Workload::Breakdown]),
         Command::Recover(args) => (args, vec![Workload::Recover]),
         Command::Soak(args) => (args, vec![Workload::Soak]),
         Command::Scale(args) => (
@@ -216,6 +222,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 Workload::Memory,
                 Workload::Events,
                 Workload::Put,
+                Workload::Breakdown,
                 Workload::Transfer,
                 Workload::Interdc,
                 Workload::Ingest,
@@ -284,6 +291,7 @@ async fn bench(args: BenchArgs, workloads: Vec<Workload>) -> anyhow::Result<()> 
             Workload::Ingest => ingest::run(&nats, quick, &mut printer).await?,
             Workload::Exist => exist::run(&nats, quick, &mut printer).await?,
             Workload::Put => put::run(&nats, quick, &mut printer).await?,
+            Workload::Breakdown => breakdown::run(&nats, quick, &mut printer).await?,
             Workload::Recover => recover::run(&nats, quick, &mut printer).await?,
             Workload::Soak => soak::run(&nats, quick, &mut printer).await?,
             Workload::Scale(setup) => scale::run(&nats, quick, &setup, &mut printer).await?,

@@ -18,7 +18,7 @@ use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
 
 use super::latency::{mean_us, quantile_us};
 use super::report::{BenchResult, Printer};
-use super::stages::{print_put_end_stages, StageReading};
+use super::stages::{print_write_stages, StageReading};
 use super::BenchNats;
 
 mod end_to_end;
@@ -232,7 +232,7 @@ async fn raw_publish(
 /// One publisher's raw JetStream publish+ack latencies for `duration`, each
 /// message carrying what the sub-master's appends carry: a message id (the
 /// stream deduplicates on it) and the expected last sequence (the fence).
-async fn raw_fenced_publish(
+pub(crate) async fn raw_fenced_publish(
     js: &jetstream::Context,
     subject: &str,
     duration: Duration,
@@ -384,7 +384,14 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
         ));
     }
 
-    print_put_end_stages(WORKLOAD, "1 client", &one.ends, &stages, printer);
+    print_write_stages(
+        WORKLOAD,
+        "put_end",
+        "1 client",
+        mean_us(&one.ends),
+        &stages,
+        printer,
+    );
     // What the stored stage compares with: the same append's round trip from a
     // client that publishes nothing else.
     let fenced = raw_fenced_publish(&js, "bench.raw.put", duration).await?;
@@ -428,7 +435,14 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
         RAW_64_TARGET,
         raw_64,
     ));
-    print_put_end_stages(WORKLOAD, "64 clients", &many.ends, &stages, printer);
+    print_write_stages(
+        WORKLOAD,
+        "put_end",
+        "64 clients",
+        mean_us(&many.ends),
+        &stages,
+        printer,
+    );
     let (leased_64, _) = run_leased_clients(&client, 64, duration, "lease64").await?;
     for (baseline, value) in [
         (RAW_64_TARGET, raw_64),

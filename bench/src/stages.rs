@@ -4,34 +4,32 @@
 //! the rows that set those stages beside the put_end the clients saw.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 use hkvm_submaster::metrics::WriteStage;
 
-use super::latency::mean_us;
 use super::report::{BenchResult, Printer};
 
 const METRIC: &str = "hkvm_submaster_write_stage_seconds";
 
-/// Where put_end spends its time with `label`'s clients: the mean of each of the
-/// sub-master's stages, and what is left outside it (the route both ways and the
-/// clients), each as a share of the mean put_end the clients saw.
-pub fn print_put_end_stages(
+/// Where `operation` spends its time with `label`'s clients: the mean of each
+/// of the sub-master's stages, and what is left outside it (the route both
+/// ways and the clients), each as a share of the `mean` (us) the clients saw.
+pub fn print_write_stages(
     workload: &'static str,
+    operation: &str,
     label: &str,
-    ends: &[Duration],
+    mean: f64,
     stages: &[(String, f64)],
     printer: &mut Printer,
 ) {
-    if ends.is_empty() {
+    if mean <= 0.0 {
         return;
     }
-    let mean = mean_us(ends);
-    let baseline = format!("put_end mean, {label}, as the clients see it");
+    let baseline = format!("{operation} mean, {label}, as the clients see it");
     for (stage, value) in stages {
         printer.print(&BenchResult::new(
             workload,
-            format!("put_end, {label}: sub-master stage {stage} (mean)"),
+            format!("{operation}, {label}: sub-master stage {stage} (mean)"),
             *value,
             "us",
             baseline.clone(),
@@ -42,7 +40,7 @@ pub fn print_put_end_stages(
     printer.print(&BenchResult::new(
         workload,
         format!(
-            "put_end, {label}: outside the sub-master (the route both ways, the clients; mean)"
+            "{operation}, {label}: outside the sub-master (the route both ways, the clients; mean)"
         ),
         mean - inside,
         "us",
