@@ -14,6 +14,7 @@ pub mod leader_watch;
 pub mod local_record;
 pub mod node;
 pub mod retry;
+pub mod spin;
 pub mod store;
 pub mod submaster;
 pub mod transports;

@@ -11,6 +11,7 @@ use hkvm_client::store::BufferRegistry;
 use pyo3::prelude::*;
 
 use crate::zero_copy::Part;
+use hkvm_client::spin::{self, Call, Spinning};
 
 /// Per item a result, or the code of a failure of the whole call.
 pub type Batch<T> = Result<Vec<T>, i32>;
@@ -28,17 +29,31 @@ pub struct Placement {
 
 /// Runs a backend's futures on the runtime the class owns, with the GIL
 /// released: other Python threads run while a call waits on the network or
-/// copies.
+/// copies. A call's wait spins first as its store's [`Spinning`] allows
+/// (`hkvm_client::spin`); set-up calls just sleep.
 #[derive(Clone, Copy)]
 pub struct Wait<'a, 'py> {
     py: Python<'py>,
     runtime: &'a tokio::runtime::Runtime,
+    spinning: Option<(&'a Spinning, Call)>,
 }
 
 impl<'a, 'py> Wait<'a, 'py> {
-    /// Waits on `runtime` for a caller holding the GIL as `py`.
+    /// Waits on `runtime` for a caller holding the GIL as `py`, sleeping at once.
     pub fn new(py: Python<'py>, runtime: &'a tokio::runtime::Runtime) -> Self {
-        Self { py, runtime }
+        Self {
+            py,
+            runtime,
+            spinning: None,
+        }
+    }
+
+    /// The same wait for a `call`, spinning first as `spinning` allows.
+    pub fn spinning(self, spinning: &'a Spinning, call: Call) -> Self {
+        Self {
+            spinning: Some((spinning, call)),
+            ..self
+        }
     }
 
     /// Runs `future` to completion with the GIL released.
@@ -48,7 +63,12 @@ impl<'a, 'py> Wait<'a, 'py> {
         F::Output: Send,
     {
         let runtime = self.runtime;
-        self.py.detach(move || runtime.block_on(future))
+        match self.spinning {
+            Some((spinning, call)) => self
+                .py
+                .detach(move || spin::run(runtime, spinning, call, future)),
+            None => self.py.detach(move || runtime.block_on(future)),
+        }
     }
 }
 

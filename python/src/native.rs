@@ -14,6 +14,7 @@ use crate::dummy::{self, Dummy};
 use crate::embedded::{self, Embedded};
 use crate::error::{setup_failed, setup_refused, HkvmError, INTERNAL, INVALID, OVERFLOW};
 use crate::zero_copy::{select, Part};
+use hkvm_client::spin::{Call, Spinning};
 
 /// How Python passes a put's placement: replicas, preferred segment
 /// (`host:port`), hard pin.
@@ -49,6 +50,8 @@ pub struct NativeStore {
     buffers: BufferRegistry,
     /// The staging bound of copying calls.
     local_buffer_size: u64,
+    /// How calls wait for their answers.
+    spinning: Spinning,
 }
 
 impl Drop for NativeStore {
@@ -72,13 +75,15 @@ impl NativeStore {
             backend,
             buffers: BufferRegistry::default(),
             local_buffer_size,
+            spinning: Spinning::from_env(),
         }
     }
 
-    /// Waits on the store's runtime for the caller holding the GIL as `py`.
-    fn wait<'a, 'py>(&'a self, py: Python<'py>) -> Wait<'a, 'py> {
+    /// Waits on the store's runtime for a `call` of the caller holding the GIL
+    /// as `py`.
+    fn wait<'a, 'py>(&'a self, py: Python<'py>, call: Call) -> Wait<'a, 'py> {
         match &self.runtime {
-            Some(runtime) => Wait::new(py, runtime),
+            Some(runtime) => Wait::new(py, runtime).spinning(&self.spinning, call),
             None => unreachable!("the runtime lives as long as the store"),
         }
     }
@@ -149,7 +154,7 @@ impl NativeStore {
     /// This process's transfer endpoint (`host:port`); a dummy's is its real
     /// client's.
     fn hostname(&self, py: Python<'_>) -> String {
-        self.backend.hostname(self.wait(py))
+        self.backend.hostname(self.wait(py, Call::Other))
     }
 
     /// The staging bound of copying calls.
@@ -159,12 +164,12 @@ impl NativeStore {
 
     /// Unmounts this process's segment and stops its node (a dummy has neither).
     fn close(&self, py: Python<'_>) {
-        self.backend.close(self.wait(py));
+        self.backend.close(self.wait(py, Call::Other));
     }
 
     /// 0 healthy, 1 closed, 2 sub-master (or real client) unreachable.
     fn health(&self, py: Python<'_>) -> i32 {
-        self.backend.health(self.wait(py))
+        self.backend.health(self.wait(py, Call::Other))
     }
 
     /// Puts values given as bytes parts (one list of parts per key). With
@@ -197,9 +202,9 @@ impl NativeStore {
             }
         }
         if !items.is_empty() {
-            let results = self
-                .backend
-                .put(self.wait(py), &items, Placement::from(placement));
+            let results =
+                self.backend
+                    .put(self.wait(py, Call::Put), &items, Placement::from(placement));
             spread(results, &indexes, &mut codes);
         }
         codes
@@ -230,7 +235,7 @@ impl NativeStore {
         }
         let served: Vec<&str> = selected.indexes.iter().map(|&i| keys[i].as_str()).collect();
         let results = self.backend.put_from(
-            self.wait(py),
+            self.wait(py, Call::Put),
             &served,
             &selected.parts,
             Placement::from(placement),
@@ -246,9 +251,12 @@ impl NativeStore {
             py,
             values: keys.iter().map(|_| None).collect(),
         };
-        let codes = self
-            .backend
-            .read(self.wait(py), &keys, self.local_buffer_size, &mut sink)?;
+        let codes = self.backend.read(
+            self.wait(py, Call::Get),
+            &keys,
+            self.local_buffer_size,
+            &mut sink,
+        )?;
         sink.values
             .into_iter()
             .zip(codes)
@@ -284,7 +292,7 @@ impl NativeStore {
         let served: Vec<&str> = selected.indexes.iter().map(|&i| keys[i].as_str()).collect();
         let read = self
             .backend
-            .get_into(self.wait(py), &served, &selected.parts);
+            .get_into(self.wait(py, Call::Get), &served, &selected.parts);
         spread(read, &selected.indexes, &mut results);
         results
     }
@@ -301,22 +309,26 @@ impl NativeStore {
             factory,
             values: keys.iter().map(|_| py.None()).collect(),
         };
-        self.backend
-            .read(self.wait(py), &keys, self.local_buffer_size, &mut sink)?;
+        self.backend.read(
+            self.wait(py, Call::Get),
+            &keys,
+            self.local_buffer_size,
+            &mut sink,
+        )?;
         Ok(sink.values)
     }
 
     /// Whether keys exist anywhere: 1 or 0 each, or -1 each when the check failed.
     fn exist(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i32> {
         self.backend
-            .exist(self.wait(py), &keys)
+            .exist(self.wait(py, Call::Query), &keys)
             .unwrap_or_else(|_| vec![-1; keys.len()])
     }
 
     /// Per key its value's size, or a negative code.
     fn size(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i64> {
         self.backend
-            .size(self.wait(py), &keys)
+            .size(self.wait(py, Call::Query), &keys)
             .unwrap_or_else(|code| vec![i64::from(code); keys.len()])
     }
 
@@ -324,7 +336,7 @@ impl NativeStore {
     fn remove(&self, py: Python<'_>, keys: Vec<String>, force: bool) -> Vec<i32> {
         let count = keys.len();
         self.backend
-            .remove(self.wait(py), keys, force)
+            .remove(self.wait(py, Call::Other), keys, force)
             .unwrap_or_else(|code| vec![code; count])
     }
 
@@ -332,7 +344,8 @@ impl NativeStore {
     /// how many, or a negative code.
     #[pyo3(signature = (pattern, force))]
     fn remove_all(&self, py: Python<'_>, pattern: Option<String>, force: bool) -> i64 {
-        self.backend.remove_all(self.wait(py), pattern, force)
+        self.backend
+            .remove_all(self.wait(py, Call::Other), pattern, force)
     }
 
     /// Registers `[ptr, ptr + size)` for zero-copy calls: 0, or -600 for a null,
@@ -343,7 +356,7 @@ impl NativeStore {
         if self.buffers.register(ptr, size).is_err() {
             return INVALID;
         }
-        match self.backend.attach(self.wait(py), ptr, size) {
+        match self.backend.attach(self.wait(py, Call::Other), ptr, size) {
             Ok(()) => 0,
             Err(code) => {
                 self.buffers.unregister(ptr);
@@ -357,7 +370,8 @@ impl NativeStore {
         if !self.buffers.unregister(ptr) {
             return INVALID;
         }
-        self.backend.detach(self.wait(py), &self.buffers, ptr);
+        self.backend
+            .detach(self.wait(py, Call::Other), &self.buffers, ptr);
         0
     }
 
