@@ -15,12 +15,10 @@ use hkvm_events::rpc::{self, RpcReply};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{oneshot, Notify};
 
 /// How long connecting and the hello may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
-/// Request bytes gathered into one write at most.
-const WRITE_BATCH: usize = 256 << 10;
 /// Bytes read from the socket at a time: small, since a server may hold ten
 /// thousand connections (a larger frame is read straight into its buffer).
 const READ_BUFFER: usize = 8 << 10;
@@ -80,12 +78,49 @@ pub enum LinkError {
 /// Replies owed to callers, by request id.
 type Pending = Mutex<HashMap<u64, oneshot::Sender<Vec<u8>>>>;
 
+/// The sending side of a link. A request is written by its caller, straight
+/// into the socket, whenever nothing waits to be written before it: no task
+/// hop, no wake-up of another thread. What the socket does not take at once
+/// (its buffer is full) waits in the backlog, in order, behind which every
+/// later request queues, and the link's flusher task writes it as the socket
+/// drains.
+#[derive(Debug)]
+struct Sender {
+    socket: OwnedWriteHalf,
+    /// Bytes of requests not yet written, in order.
+    backlog: Mutex<Vec<u8>>,
+    /// Tells the flusher the backlog has bytes, or the link closed.
+    flush: Notify,
+}
+
+impl Sender {
+    /// Writes `frame` now, or after the backlog; `false` when the connection
+    /// failed before any of it was written.
+    fn send(&self, frame: &[u8]) -> bool {
+        let mut backlog = lock(&self.backlog);
+        if !backlog.is_empty() {
+            backlog.extend_from_slice(frame);
+            return true;
+        }
+        let written = match self.socket.try_write(frame) {
+            Ok(written) => written,
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => 0,
+            Err(_) => return false,
+        };
+        if written < frame.len() {
+            backlog.extend_from_slice(&frame[written..]);
+            self.flush.notify_one();
+        }
+        true
+    }
+}
+
 /// One connection to a leader.
 #[derive(Debug)]
 pub struct DirectLink {
     endpoint: String,
     welcome: DirectWelcome,
-    requests: mpsc::UnboundedSender<Vec<u8>>,
+    sender: Arc<Sender>,
     pending: Arc<Pending>,
     next_id: AtomicU64,
     closed: Arc<AtomicBool>,
@@ -149,12 +184,15 @@ impl DirectLink {
             }
         };
         let (read, write) = stream.into_split();
-        let (requests, outgoing) = mpsc::unbounded_channel();
+        let sender = Arc::new(Sender {
+            socket: write,
+            backlog: Mutex::new(Vec::new()),
+            flush: Notify::new(),
+        });
         let pending = Arc::new(Pending::default());
         let closed = Arc::new(AtomicBool::new(false));
-        tokio::spawn(write_requests(
-            write,
-            outgoing,
+        tokio::spawn(flush_backlog(
+            Arc::clone(&sender),
             Arc::clone(&pending),
             Arc::clone(&closed),
         ));
@@ -166,7 +204,7 @@ impl DirectLink {
         Ok(Self {
             endpoint: endpoint.to_owned(),
             welcome,
-            requests,
+            sender,
             pending,
             next_id: AtomicU64::new(1),
             closed,
@@ -212,7 +250,8 @@ impl DirectLink {
         }
         let mut frame = Vec::with_capacity(body.len() + op.len() + 17);
         push_request(&mut frame, id, op, body);
-        if self.requests.send(frame).is_err() {
+        if !self.sender.send(&frame) {
+            self.close();
             return Err(LinkFailure::NotSent);
         }
         // The link's tasks drain every entry when the connection ends.
@@ -224,6 +263,7 @@ impl DirectLink {
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);
         lock(&self.pending).clear();
+        self.sender.flush.notify_one();
     }
 }
 
@@ -251,34 +291,39 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-async fn write_requests(
-    mut write: OwnedWriteHalf,
-    mut requests: mpsc::UnboundedReceiver<Vec<u8>>,
-    pending: Arc<Pending>,
-    closed: Arc<AtomicBool>,
-) {
-    let mut batch = Vec::new();
-    while let Some(first) = requests.recv().await {
-        if closed.load(Ordering::Acquire) {
-            break;
-        }
-        batch.clear();
-        batch.shrink_to(KEPT_CAPACITY);
-        batch.extend_from_slice(&first);
-        while batch.len() < WRITE_BATCH {
-            match requests.try_recv() {
-                Ok(frame) => batch.extend_from_slice(&frame),
-                Err(_) => break,
+/// Writes the link's backlog as the socket takes it, until the link closes or
+/// the connection fails.
+async fn flush_backlog(sender: Arc<Sender>, pending: Arc<Pending>, closed: Arc<AtomicBool>) {
+    'link: loop {
+        sender.flush.notified().await;
+        loop {
+            if closed.load(Ordering::Acquire) {
+                break 'link;
             }
-        }
-        if write.write_all(&batch).await.is_err() {
-            break;
+            if sender.socket.writable().await.is_err() {
+                break 'link;
+            }
+            let mut backlog = lock(&sender.backlog);
+            if backlog.is_empty() {
+                break;
+            }
+            match sender.socket.try_write(&backlog) {
+                Ok(written) => {
+                    backlog.drain(..written);
+                    if backlog.is_empty() {
+                        backlog.shrink_to(KEPT_CAPACITY);
+                        break;
+                    }
+                }
+                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => break 'link,
+            }
         }
     }
     closed.store(true, Ordering::Release);
     // Requests not written, or whose connection broke, end as lost.
     lock(&pending).clear();
-    let _ = write.shutdown().await;
+    lock(&sender.backlog).clear();
 }
 
 async fn read_replies(read: OwnedReadHalf, pending: Arc<Pending>, closed: Arc<AtomicBool>) {

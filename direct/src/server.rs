@@ -278,7 +278,7 @@ async fn write_replies(mut write: OwnedWriteHalf, mut replies: mpsc::UnboundedRe
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::link::{DirectLink, LinkError};
+    use crate::link::{DirectLink, LinkError, LinkFailure};
     use hkvm_events::{ClusterId, SubclusterId};
 
     #[test]
@@ -322,6 +322,52 @@ mod tests {
             cluster: ClusterId::new("c").unwrap(),
             subcluster: Some(SubclusterId::new(subcluster).unwrap()),
         }
+    }
+
+    #[tokio::test]
+    async fn requests_larger_than_the_socket_takes_at_once_go_out_whole_and_in_order() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let server = DirectServer::serve(listener, Arc::new(Echo)).unwrap();
+        let endpoint = server.local_addr().to_string();
+        let link = Arc::new(
+            DirectLink::connect(&endpoint, &hello("mine"))
+                .await
+                .unwrap(),
+        );
+        // A dozen bodies of 900 KiB, sent at once, far past what a loopback
+        // socket takes: most wait in the link's backlog, with small requests
+        // between them.
+        let mut calls = JoinSet::new();
+        for i in 0..36u8 {
+            let link = Arc::clone(&link);
+            calls.spawn(async move {
+                let len = if i % 3 == 0 {
+                    900 << 10
+                } else {
+                    16 + usize::from(i)
+                };
+                let body: Vec<u8> = (0..len).map(|b| (b as u8).wrapping_add(i)).collect();
+                let reply = link.call("fast", &body).await.unwrap();
+                assert!(reply == body, "request {i} came back changed");
+            });
+        }
+        while let Some(done) = calls.join_next().await {
+            done.unwrap();
+        }
+        assert!(!link.is_closed());
+        drop(server);
+    }
+
+    #[tokio::test]
+    async fn a_closed_link_refuses_requests_without_sending_them() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let server = DirectServer::serve(listener, Arc::new(Echo)).unwrap();
+        let link = DirectLink::connect(&server.local_addr().to_string(), &hello("mine"))
+            .await
+            .unwrap();
+        assert_eq!(link.call("fast", b"one").await.unwrap(), b"one");
+        link.close();
+        assert_eq!(link.call("fast", b"two").await, Err(LinkFailure::NotSent));
     }
 
     #[tokio::test]
