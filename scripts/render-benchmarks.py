@@ -108,7 +108,15 @@ HOW_TO_READ = {
     "survives a master's restart, and the global master learns of it from the stream), "
     "so every put and remove pays a JetStream append and nats-server's CPU; Mooncake's "
     "master, as started here (no HA, no oplog, no snapshots), keeps its metadata in "
-    "memory only and acknowledges at once.",
+    "memory only and acknowledges at once. Where a put's time goes, and its floor (a "
+    "fenced JetStream append, itself a loopback round trip to nats-server plus the "
+    "store), is in the breakdown table. Client CPU is the client processes' user + "
+    "system time over the same span: an HKVM call's wait spins (yielding the CPU to "
+    "any other runnable thread) for up to HKVM_SPIN_US (300 us by default) while that "
+    "kind of call usually answers within it, instead of sleeping at once, because on "
+    "this virtual machine waking a sleeping thread costs about as much as the round "
+    "trip itself (see the breakdown table: a plain loopback TCP round trip between two "
+    "tasks is 60-75 us); that trade of client CPU for latency is the client CPU row.",
     "ingest": "The projector's fold rate (every stream read at once, each decoded on "
     "its own task into key operations, one writer folding them into an index sized "
     "first for the sub-masters' object counts) against a raw JetStream replay of the same streams, also all at once; "

@@ -15,6 +15,7 @@ use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::time::Instant;
 
 use super::servers::{tail, ServerCpu};
+use crate::scale::cpu_seconds;
 
 /// The Python workload both sides run.
 pub const SCRIPT: &str = include_str!("workload.py");
@@ -167,6 +168,8 @@ pub struct Run {
     pub clients: Vec<Results>,
     /// The servers' CPU time from the clients' start to their last result.
     pub cpu: ServerCpu,
+    /// The client processes' CPU seconds over the same time, together.
+    pub client_cpu: f64,
     /// Wall time from the clients' start to their last result.
     pub seconds: f64,
 }
@@ -186,8 +189,14 @@ pub async fn run(
     let mut clients = (0..count)
         .map(|index| Client::spawn(spec, index, count > 1, dir))
         .collect::<anyhow::Result<Vec<_>>>()?;
+    let clients_cpu = |clients: &[Client]| -> f64 {
+        clients
+            .iter()
+            .map(|client| cpu_seconds(client.child.id()))
+            .sum()
+    };
     let mut results = Vec::new();
-    let mut started = (Instant::now(), ServerCpu::default());
+    let mut started = (Instant::now(), ServerCpu::default(), 0.0);
     let mut ended = None;
     loop {
         let events = futures::future::try_join_all(clients.iter_mut().map(Client::next)).await?;
@@ -200,7 +209,11 @@ pub async fn run(
         }
         if steps.is_empty() {
             anyhow::ensure!(results.len() == count, "clients out of step at results");
-            ended = Some((started.0.elapsed(), cpu().since(&started.1)));
+            ended = Some((
+                started.0.elapsed(),
+                cpu().since(&started.1),
+                clients_cpu(&clients) - started.2,
+            ));
             continue;
         }
         let step = steps.swap_remove(0);
@@ -209,7 +222,7 @@ pub async fn run(
             "clients out of step: one at {step}, the others at {steps:?}"
         );
         if step == "start" {
-            started = (Instant::now(), cpu());
+            started = (Instant::now(), cpu(), clients_cpu(&clients));
         }
         for client in &mut clients {
             client.go().await?;
@@ -218,11 +231,12 @@ pub async fn run(
             break;
         }
     }
-    let (elapsed, cpu) = ended.context("the clients closed without results")?;
+    let (elapsed, cpu, client_cpu) = ended.context("the clients closed without results")?;
     futures::future::try_join_all(clients.into_iter().map(Client::finish)).await?;
     Ok(Run {
         clients: results,
         cpu,
+        client_cpu,
         seconds: elapsed.as_secs_f64(),
     })
 }

@@ -158,6 +158,11 @@ impl Side {
         all.fold((0, 0), |(ok, items), s| (ok + s.ok, items + s.items))
     }
 
+    /// The client processes' CPU time per round, the mean over the rounds.
+    fn round_client_cpu(&self) -> f64 {
+        mean(self.rounds.iter().map(|run| run.client_cpu))
+    }
+
     /// The servers' CPU time per round, the mean over the rounds.
     fn round_cpu(&self) -> ServerCpu {
         ServerCpu {
@@ -380,6 +385,21 @@ fn print_cpu(
     );
 }
 
+/// The client processes' CPU row of one phase: HKVM's Python clients (their
+/// waits spin) against Mooncake's.
+fn print_client_cpu(printer: &mut Printer, phase: &str, ours: f64, theirs: f64) {
+    row(
+        printer,
+        format!(
+            "client CPU, {phase}: the Python client processes (HKVM's waits spin, HKVM_SPIN_US)"
+        ),
+        ours,
+        "cpu-s",
+        "Mooncake's client processes, same calls",
+        theirs,
+    );
+}
+
 /// The one-client rows: per operation its rate, p50, p99 and, for reads, the
 /// right results; then the servers' CPU time per round.
 fn print_rounds(printer: &mut Printer, ours: &Side, theirs: &Side, nats_counted: bool) {
@@ -424,6 +444,12 @@ fn print_rounds(printer: &mut Printer, ours: &Side, theirs: &Side, nats_counted:
         ours.round_cpu(),
         theirs.round_cpu(),
         nats_counted,
+    );
+    print_client_cpu(
+        printer,
+        "1 client (per round)",
+        ours.round_client_cpu(),
+        theirs.round_client_cpu(),
     );
 }
 
@@ -477,4 +503,5 @@ fn print_shared(printer: &mut Printer, ours: &Run, theirs: &Run, nats_counted: b
         theirs.seconds,
     );
     print_cpu(printer, &phase, ours.cpu, theirs.cpu, nats_counted);
+    print_client_cpu(printer, &phase, ours.client_cpu, theirs.client_cpu);
 }
