@@ -13,9 +13,11 @@ use hkvm_events::rpc::direct::{
 };
 use hkvm_events::rpc::{self, RpcReply};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, BufReader};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::oneshot;
+
+use crate::sender::Sender;
 
 /// How long connecting and the hello may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
@@ -78,49 +80,12 @@ pub enum LinkError {
 /// Replies owed to callers, by request id.
 type Pending = Mutex<HashMap<u64, oneshot::Sender<Vec<u8>>>>;
 
-/// The sending side of a link. A request is written by its caller, straight
-/// into the socket, whenever nothing waits to be written before it: no task
-/// hop, no wake-up of another thread. What the socket does not take at once
-/// (its buffer is full) waits in the backlog, in order, behind which every
-/// later request queues, and the link's flusher task writes it as the socket
-/// drains.
-#[derive(Debug)]
-struct Sender {
-    socket: OwnedWriteHalf,
-    /// Bytes of requests not yet written, in order.
-    backlog: Mutex<Vec<u8>>,
-    /// Tells the flusher the backlog has bytes, or the link closed.
-    flush: Notify,
-}
-
-impl Sender {
-    /// Writes `frame` now, or after the backlog; `false` when the connection
-    /// failed before any of it was written.
-    fn send(&self, frame: &[u8]) -> bool {
-        let mut backlog = lock(&self.backlog);
-        if !backlog.is_empty() {
-            backlog.extend_from_slice(frame);
-            return true;
-        }
-        let written = match self.socket.try_write(frame) {
-            Ok(written) => written,
-            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => 0,
-            Err(_) => return false,
-        };
-        if written < frame.len() {
-            backlog.extend_from_slice(&frame[written..]);
-            self.flush.notify_one();
-        }
-        true
-    }
-}
-
 /// One connection to a leader.
 #[derive(Debug)]
 pub struct DirectLink {
     endpoint: String,
     welcome: DirectWelcome,
-    sender: Arc<Sender>,
+    sender: Arc<Sender<()>>,
     pending: Arc<Pending>,
     next_id: AtomicU64,
     closed: Arc<AtomicBool>,
@@ -184,18 +149,9 @@ impl DirectLink {
             }
         };
         let (read, write) = stream.into_split();
-        let sender = Arc::new(Sender {
-            socket: write,
-            backlog: Mutex::new(Vec::new()),
-            flush: Notify::new(),
-        });
+        let sender = Sender::spawn(write);
         let pending = Arc::new(Pending::default());
         let closed = Arc::new(AtomicBool::new(false));
-        tokio::spawn(flush_backlog(
-            Arc::clone(&sender),
-            Arc::clone(&pending),
-            Arc::clone(&closed),
-        ));
         tokio::spawn(read_replies(
             read,
             Arc::clone(&pending),
@@ -250,7 +206,7 @@ impl DirectLink {
         }
         let mut frame = Vec::with_capacity(body.len() + op.len() + 17);
         push_request(&mut frame, id, op, body);
-        if !self.sender.send(&frame) {
+        if !self.sender.send(&frame, ()) {
             self.close();
             return Err(LinkFailure::NotSent);
         }
@@ -263,7 +219,7 @@ impl DirectLink {
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);
         lock(&self.pending).clear();
-        self.sender.flush.notify_one();
+        self.sender.close();
     }
 }
 
@@ -289,41 +245,6 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// Writes the link's backlog as the socket takes it, until the link closes or
-/// the connection fails.
-async fn flush_backlog(sender: Arc<Sender>, pending: Arc<Pending>, closed: Arc<AtomicBool>) {
-    'link: loop {
-        sender.flush.notified().await;
-        loop {
-            if closed.load(Ordering::Acquire) {
-                break 'link;
-            }
-            if sender.socket.writable().await.is_err() {
-                break 'link;
-            }
-            let mut backlog = lock(&sender.backlog);
-            if backlog.is_empty() {
-                break;
-            }
-            match sender.socket.try_write(&backlog) {
-                Ok(written) => {
-                    backlog.drain(..written);
-                    if backlog.is_empty() {
-                        backlog.shrink_to(KEPT_CAPACITY);
-                        break;
-                    }
-                }
-                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(_) => break 'link,
-            }
-        }
-    }
-    closed.store(true, Ordering::Release);
-    // Requests not written, or whose connection broke, end as lost.
-    lock(&pending).clear();
-    lock(&sender.backlog).clear();
 }
 
 async fn read_replies(read: OwnedReadHalf, pending: Arc<Pending>, closed: Arc<AtomicBool>) {

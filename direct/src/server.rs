@@ -1,12 +1,13 @@
 //! The server side of direct connections, shared by every direct front: a
 //! [`DirectServer`] accepts connections on a listener, answers each hello
 //! through its [`DirectService`], reads requests and hands each to the service
-//! with a [`DirectReply`] to answer it by, now or later, and writes the replies
-//! in batches. Each connection holds at most [`IN_FLIGHT`] requests unanswered:
-//! past that it stops reading, so a client that does not read its replies
-//! stalls only itself. A connection that does not start with a hello within
-//! [`HELLO_TIMEOUT`], sends bytes that are not frames, or is refused its hello,
-//! is closed; the server keeps serving the others.
+//! with a [`DirectReply`] to answer it by, now or later; a reply is written by
+//! whoever sends it, straight into the socket unless earlier replies wait (the
+//! `sender` module). Each connection holds at most [`IN_FLIGHT`] requests
+//! unanswered: past that it stops reading, so a client that does not read its
+//! replies stalls only itself. A connection that does not start with a hello
+//! within [`HELLO_TIMEOUT`], sends bytes that are not frames, or is refused its
+//! hello, is closed; the server keeps serving the others.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -17,19 +18,19 @@ use hkvm_events::rpc::direct::{
     FrameError,
 };
 use hkvm_events::rpc::{self, RpcError, RpcReply};
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, BufReader};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncReadExt as _, BufReader};
+use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
+
+use crate::sender::Sender;
 
 /// Requests one connection may have unanswered before it stops being read.
 pub const IN_FLIGHT: usize = 1024;
 /// How long a new connection has to send its hello.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
-/// Reply bytes gathered into one write at most.
-const WRITE_BATCH: usize = 256 << 10;
 /// Bytes read from the socket at a time: small, since a server may hold ten
 /// thousand connections (a larger frame is read straight into its buffer).
 const READ_BUFFER: usize = 8 << 10;
@@ -60,33 +61,20 @@ pub trait DirectService: Send + Sync + 'static {
 #[derive(Debug)]
 pub struct DirectReply {
     id: u64,
-    out: mpsc::UnboundedSender<Outgoing>,
+    sender: Arc<Sender<Option<OwnedSemaphorePermit>>>,
     slot: OwnedSemaphorePermit,
 }
 
 impl DirectReply {
-    /// Queues `body` (an encoded `RpcReply`) for the connection's writer;
+    /// Writes `body` (an encoded `RpcReply`) on the connection: at once from
+    /// the calling thread when nothing waits before it, else behind what does;
     /// nothing when the connection closed.
     pub fn send(self, body: Vec<u8>) {
-        let _ = self.out.send(Outgoing::Reply {
-            id: self.id,
-            body,
-            slot: self.slot,
-        });
+        let mut frame = Vec::with_capacity(body.len() + 12);
+        push_reply(&mut frame, self.id, &body);
+        // The slot is free once the reply is on the wire.
+        self.sender.send(&frame, Some(self.slot));
     }
-}
-
-/// What a connection's writer sends.
-#[derive(Debug)]
-enum Outgoing {
-    /// The answer to the hello: a whole frame.
-    Welcome(Vec<u8>),
-    /// A reply, holding its request's slot until it is written.
-    Reply {
-        id: u64,
-        body: Vec<u8>,
-        slot: OwnedSemaphorePermit,
-    },
 }
 
 /// A running direct front; dropping it closes the listener and stops reading
@@ -173,11 +161,10 @@ async fn serve<S: DirectService>(stream: TcpStream, peer: SocketAddr, service: A
     let _ = stream.set_nodelay(true);
     service.connections(1);
     let (read, write) = stream.into_split();
-    let (out_tx, out_rx) = mpsc::unbounded_channel();
-    let writer = tokio::spawn(write_replies(write, out_rx));
-    let result = read_requests(read, out_tx, service.as_ref()).await;
-    // The writer ends once every reply owed was sent (each holds a sender).
-    let _ = writer.await;
+    // Replies owed are still written after the reader ends: each holds the
+    // sender, and the connection closes once the last one is written.
+    let sender = Sender::spawn(write);
+    let result = read_requests(read, sender, service.as_ref()).await;
     service.connections(-1);
     match result {
         Ok(()) => tracing::debug!(%peer, "direct connection closed"),
@@ -206,7 +193,7 @@ async fn read_frame(
 
 async fn read_requests<S: DirectService>(
     read: OwnedReadHalf,
-    out: mpsc::UnboundedSender<Outgoing>,
+    sender: Arc<Sender<Option<OwnedSemaphorePermit>>>,
     service: &S,
 ) -> Result<(), ConnectionEnd> {
     let mut reader = BufReader::with_capacity(READ_BUFFER, read);
@@ -222,7 +209,7 @@ async fn read_requests<S: DirectService>(
     let body = rpc::encode(&RpcReply::<DirectWelcome>::from(answer)).unwrap_or_default();
     let mut welcome = Vec::new();
     push_welcome(&mut welcome, &body);
-    let _ = out.send(Outgoing::Welcome(welcome));
+    sender.send(&welcome, None);
     if let Some(why) = refused {
         return Err(ConnectionEnd::Refused(why));
     }
@@ -239,38 +226,10 @@ async fn read_requests<S: DirectService>(
         let request = decode_request(&frame)?;
         let reply = DirectReply {
             id: request.id,
-            out: out.clone(),
+            sender: Arc::clone(&sender),
             slot,
         };
         service.request(request.op, request.body, reply, received);
-    }
-}
-
-async fn write_replies(mut write: OwnedWriteHalf, mut replies: mpsc::UnboundedReceiver<Outgoing>) {
-    let mut batch = Vec::new();
-    while let Some(first) = replies.recv().await {
-        batch.clear();
-        batch.shrink_to(KEPT_CAPACITY);
-        let mut written = Vec::new();
-        let mut next = Some(first);
-        while let Some(outgoing) = next.take() {
-            match outgoing {
-                Outgoing::Welcome(frame) => batch.extend_from_slice(&frame),
-                Outgoing::Reply { id, body, slot } => {
-                    push_reply(&mut batch, id, &body);
-                    written.push(slot);
-                }
-            }
-            if batch.len() < WRITE_BATCH {
-                next = replies.try_recv().ok();
-            }
-        }
-        if let Err(error) = write.write_all(&batch).await {
-            tracing::debug!(%error, "writing direct replies");
-            return;
-        }
-        // The slots are free once their replies are on the wire.
-        drop(written);
     }
 }
 
@@ -324,16 +283,20 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn requests_larger_than_the_socket_takes_at_once_go_out_whole_and_in_order() {
+    /// An echo server and a link to it.
+    async fn echo_link() -> (DirectServer, Arc<DirectLink>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let server = DirectServer::serve(listener, Arc::new(Echo)).unwrap();
         let endpoint = server.local_addr().to_string();
-        let link = Arc::new(
-            DirectLink::connect(&endpoint, &hello("mine"))
-                .await
-                .unwrap(),
-        );
+        let link = DirectLink::connect(&endpoint, &hello("mine"))
+            .await
+            .unwrap();
+        (server, Arc::new(link))
+    }
+
+    #[tokio::test]
+    async fn requests_larger_than_the_socket_takes_at_once_go_out_whole_and_in_order() {
+        let (server, link) = echo_link().await;
         // A dozen bodies of 900 KiB, sent at once, far past what a loopback
         // socket takes: most wait in the link's backlog, with small requests
         // between them.
@@ -359,12 +322,32 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_server_dropped_still_writes_the_replies_it_owes_then_closes() {
+        let (server, link) = echo_link().await;
+        let slow = {
+            let link = Arc::clone(&link);
+            tokio::spawn(async move { link.call("slow", b"owed").await })
+        };
+        // Requests are read in order: once a later one is answered, the slow
+        // one is in the service's hands.
+        tokio::task::yield_now().await;
+        assert_eq!(link.call("fast", b"after").await.unwrap(), b"after");
+        drop(server);
+        assert_eq!(slow.await.unwrap().unwrap(), b"owed");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !link.is_closed() {
+            assert!(
+                Instant::now() < deadline,
+                "the connection stayed open after its last reply"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(link.call("fast", b"late").await, Err(LinkFailure::NotSent));
+    }
+
+    #[tokio::test]
     async fn a_closed_link_refuses_requests_without_sending_them() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let server = DirectServer::serve(listener, Arc::new(Echo)).unwrap();
-        let link = DirectLink::connect(&server.local_addr().to_string(), &hello("mine"))
-            .await
-            .unwrap();
+        let (_server, link) = echo_link().await;
         assert_eq!(link.call("fast", b"one").await.unwrap(), b"one");
         link.close();
         assert_eq!(link.call("fast", b"two").await, Err(LinkFailure::NotSent));
@@ -372,14 +355,8 @@ mod tests {
 
     #[tokio::test]
     async fn pipelined_requests_get_their_own_replies_whatever_the_order() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let server = DirectServer::serve(listener, Arc::new(Echo)).unwrap();
+        let (server, link) = echo_link().await;
         let endpoint = server.local_addr().to_string();
-        let link = Arc::new(
-            DirectLink::connect(&endpoint, &hello("mine"))
-                .await
-                .unwrap(),
-        );
         assert_eq!(link.welcome().epoch, 7);
         let mut calls = JoinSet::new();
         for i in 0..200u32 {
