@@ -8,6 +8,7 @@
 mod address;
 mod buffers;
 mod code;
+mod peers;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -32,6 +33,7 @@ use crate::node::{NodeConfig, NodeError, NodeHandle};
 use crate::retry::RetryPolicy;
 use crate::transports::{Protocol, Transports};
 use crate::{ClientError, GlobalClient, SubmasterClient};
+use peers::Peers;
 
 /// How a store is set up.
 #[derive(Debug, Clone)]
@@ -163,6 +165,8 @@ pub struct Store {
     hostname: String,
     node: Mutex<Option<NodeHandle>>,
     closed: AtomicBool,
+    /// Whether other sub-clusters exist, from the registry.
+    peers: Peers,
 }
 
 /// The node and segment name of an endpoint: its characters outside
@@ -311,6 +315,11 @@ impl Store {
         tracing::info!(%address, hostname, segment_bytes = config.global_segment_size, protocol = config.protocol.name(), "store set up");
         let global =
             GlobalClient::with_caller(kv.metadata().caller().clone(), address.cluster.clone());
+        let peers = Peers::watch(
+            nats.clone(),
+            address.cluster.clone(),
+            address.subcluster.clone(),
+        );
         Ok(Self {
             kv,
             global,
@@ -319,6 +328,7 @@ impl Store {
             hostname,
             node: Mutex::new(node),
             closed: AtomicBool::new(false),
+            peers,
         })
     }
 
@@ -477,15 +487,25 @@ impl Store {
             .collect())
     }
 
+    /// Whether a key this sub-cluster does not hold may be held by another: the
+    /// registry names another sub-cluster, or has not been read yet.
+    pub fn other_subclusters_possible(&self) -> bool {
+        self.peers.elsewhere_possible()
+    }
+
     /// Whether each key exists anywhere in the cluster: the local sub-master's
     /// (authoritative) answer, and the global master's for keys it does not hold
-    /// (a global master that is down or busy counts as "not elsewhere").
+    /// (a global master that is down or busy counts as "not elsewhere"; it is
+    /// not asked when the registry names no other sub-cluster).
     ///
     /// # Errors
     /// When the local sub-master is unreachable, or the store is closed.
     pub async fn exist(&self, keys: &[String]) -> Result<Vec<bool>, StoreError> {
         self.check_open()?;
         let mut exists = self.kv.metadata().exist(keys.to_vec()).await?;
+        if !self.peers.elsewhere_possible() {
+            return Ok(exists);
+        }
         let missing: Vec<usize> = (0..keys.len()).filter(|&i| !exists[i]).collect();
         for chunk in missing.chunks(hkvm_events::rpc::global::MAX_BATCH_KEYS) {
             let asked: Vec<&str> = chunk.iter().map(|&i| keys[i].as_str()).collect();
@@ -526,7 +546,7 @@ impl Store {
                 .into()),
             });
         }
-        if !elsewhere.is_empty() {
+        if !elsewhere.is_empty() && self.peers.elsewhere_possible() {
             self.remove_elsewhere(keys, &elsewhere, force, &mut results)
                 .await;
         }

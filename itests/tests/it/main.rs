@@ -31,6 +31,7 @@ mod object_retention;
 mod rdma;
 mod snapshot_restore;
 mod space_leases;
+mod store_queries;
 mod submaster_failover;
 mod submaster_server;
 mod submaster_stages;
