@@ -36,6 +36,10 @@ use super::BenchNats;
 const WORKLOAD: &str = "breakdown";
 /// The size of the values timed.
 const VALUE: usize = 4 << 10;
+/// The size of the large values timed.
+const LARGE_VALUE: usize = 1 << 20;
+/// Large values put (well inside the segment).
+const LARGE_KEYS: u64 = 400;
 /// Distinct keys the gets cycle over.
 const KEYS: u64 = 1000;
 /// Bytes each way of the plain TCP round trip: about a small request's frame.
@@ -165,6 +169,25 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     })
     .await?;
     let stages = StageReading::parse(&master.metrics_text()).means_since(&stages_before);
+    let large: &[u8] = &vec![0xa5; LARGE_VALUE];
+    let large_puts = samples(Duration::ZERO, LARGE_KEYS, |i| async move {
+        let key = format!("bd-large-{i}");
+        let mut results = store.put(&[(key.as_str(), &[large][..])], options).await?;
+        results.pop().context("no put result")??;
+        Ok(())
+    })
+    .await?;
+    let mut large_target = vec![0u8; LARGE_VALUE];
+    let large_target = &mut large_target;
+    let large_copies = samples(duration, 100, |_| {
+        large_target.copy_from_slice(large);
+        let sum = xxh3_64(large_target);
+        async move {
+            std::hint::black_box(sum);
+            Ok(())
+        }
+    })
+    .await?;
     let js = jetstream::new(nats.connect().await?);
     let _ = js.delete_stream("BENCH_BREAKDOWN").await;
     js.create_stream(jetstream::stream::Config {
@@ -260,6 +283,18 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     let put = "put 4 KiB through the Rust client, local replica (copy, one put_commit, durable)";
     layer(printer, put, &puts, (append, &fenced));
     layer(printer, put, &puts, (exist, &exists));
+    let large_copy = "copy of 1 MiB and its xxh3";
+    printer.print(&BenchResult::new(
+        WORKLOAD,
+        format!("{large_copy} p50"),
+        quantile_us(&large_copies, 0.5),
+        "us",
+        "none (a floor)",
+        0.0,
+    ));
+    let large_put = "put 1 MiB through the Rust client, local replica";
+    layer(printer, large_put, &large_puts, (put, &puts));
+    layer(printer, large_put, &large_puts, (large_copy, &large_copies));
     print_write_stages(
         WORKLOAD,
         "put 4 KiB",

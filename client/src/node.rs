@@ -36,6 +36,10 @@ pub struct NodeConfig {
     /// TCP only, or RDMA too (the node then fails to start on a host without the
     /// device asked for).
     pub protocol: Protocol,
+    /// Commit the segment's memory before it is mounted (the default), so that
+    /// no put pays the kernel's first-touch page faults; `false` leaves them to
+    /// the first write of each page.
+    pub populate: bool,
 }
 
 impl NodeConfig {
@@ -53,6 +57,7 @@ impl NodeConfig {
             advertise: None,
             ping_interval: Duration::from_secs(1),
             protocol: Protocol::Tcp,
+            populate: true,
         })
     }
 }
@@ -185,6 +190,25 @@ async fn serve_rdma(
     }
 }
 
+/// Commits `segment`'s memory on a blocking thread (before anything is written
+/// into it); a kernel that refuses leaves the pages to be committed on first
+/// touch, with a warning.
+async fn populate(segment: &Arc<Segment>) {
+    let started = std::time::Instant::now();
+    let populating = Arc::clone(segment);
+    match tokio::task::spawn_blocking(move || populating.populate()).await {
+        Ok(Ok(())) => tracing::debug!(
+            bytes = segment.len(),
+            ms = started.elapsed().as_millis() as u64,
+            "segment memory committed"
+        ),
+        Ok(Err(error)) => {
+            tracing::warn!(%error, "segment memory left to be committed on first touch");
+        }
+        Err(error) => tracing::warn!(%error, "committing the segment's memory"),
+    }
+}
+
 impl NodeHandle {
     /// Allocates the segment, serves it over TCP, mounts it and starts pinging.
     ///
@@ -193,6 +217,9 @@ impl NodeHandle {
     pub async fn start(config: NodeConfig, client: SubmasterClient) -> Result<Self, NodeError> {
         let segment =
             Segment::allocate(RegionId::new(config.segment.as_str())?, config.segment_size)?;
+        if config.populate {
+            populate(&segment).await;
+        }
         let transport = TcpTransport::new(TcpConfig::default());
         transport.register(Arc::clone(&segment))?;
         let server = transport.bind(config.listen).await?;

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, RwLock};
 
-use memmap2::{MmapMut, MmapRaw};
+use memmap2::{Advice, MmapMut, MmapRaw};
 
 use crate::error::TransferError;
 
@@ -123,6 +123,27 @@ impl Segment {
             map: MmapRaw::from(map),
             len,
         }))
+    }
+
+    /// Commits the segment's memory now, so that no write into it pays a
+    /// first-touch page fault (one per 4 KiB page: on a virtual machine about
+    /// half the time of a 1 MiB put). Asks for transparent huge pages first,
+    /// then has the kernel populate every page writable
+    /// (`MADV_POPULATE_WRITE`, Linux 5.14), which keeps what is written.
+    ///
+    /// # Errors
+    /// [`TransferError::Io`] when the kernel refuses; the pages are then
+    /// committed on first touch, as without this.
+    pub fn populate(&self) -> Result<(), TransferError> {
+        // Huge pages are a wish: without them (disabled, or an older kernel)
+        // population still works, page by page.
+        let _ = self.map.advise(Advice::HugePage);
+        self.map
+            .advise(Advice::PopulateWrite)
+            .map_err(|source| TransferError::Io {
+                what: "populating a segment",
+                source,
+            })
     }
 
     /// The segment's id.
@@ -306,6 +327,28 @@ mod tests {
         assert!(RegionId::new("").is_err());
         assert!(RegionId::new("x".repeat(256)).is_err());
         assert_eq!(RegionId::new("x".repeat(255)).unwrap().as_str().len(), 255);
+    }
+
+    /// This process's resident memory, from /proc.
+    fn resident_bytes() -> u64 {
+        let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+        let pages: u64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+        pages * 4096
+    }
+
+    #[test]
+    fn a_populated_segment_is_resident_and_keeps_what_was_written() {
+        let seg = segment(64 << 20);
+        seg.write_at(12_345, b"kept").unwrap();
+        let before = resident_bytes();
+        seg.populate().unwrap();
+        let grown = resident_bytes().saturating_sub(before);
+        assert!(grown >= 48 << 20, "only {grown} bytes became resident");
+        let mut out = [0u8; 4];
+        seg.read_at(12_345, &mut out).unwrap();
+        assert_eq!(&out, b"kept");
+        seg.read_at(64 << 19, &mut out).unwrap();
+        assert_eq!(out, [0; 4]);
     }
 
     #[test]
