@@ -23,6 +23,9 @@ const WORKLOAD: &str = "dummies";
 const CLIENTS: usize = 16;
 const SMALL: u64 = 4096;
 const LARGE: u64 = 1 << 20;
+/// 1 MiB values each put phase writes at most: both phases together stay well
+/// inside the holder's segment, below its eviction watermark, whatever the rate.
+const LARGE_PUTS: u64 = 1536;
 
 async fn open(
     address: &StoreAddress,
@@ -223,7 +226,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     for (name, dummy_rate, full_rate) in [
         (
             "put_from of 1 MiB",
-            rate(duration, |i| async move {
+            rate_at_most(duration, LARGE_PUTS, |i| async move {
                 let put = dummy
                     .call(&DummyRequest::Put {
                         keys: vec![format!("dl-{i}")],
@@ -238,7 +241,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
                 Ok(())
             })
             .await?,
-            rate(duration, |i| {
+            rate_at_most(duration, LARGE_PUTS, |i| {
                 let value = &value;
                 async move {
                     let key = format!("fl-{i}");
@@ -361,14 +364,23 @@ async fn run_dummies(
     Ok((ops, requests(real) - before))
 }
 
-async fn rate<F, Fut>(duration: Duration, mut step: F) -> anyhow::Result<f64>
+async fn rate<F, Fut>(duration: Duration, step: F) -> anyhow::Result<f64>
+where
+    F: FnMut(u64) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>>,
+{
+    rate_at_most(duration, u64::MAX, step).await
+}
+
+/// As [`rate`], stopping after `at_most` steps.
+async fn rate_at_most<F, Fut>(duration: Duration, at_most: u64, mut step: F) -> anyhow::Result<f64>
 where
     F: FnMut(u64) -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<()>>,
 {
     let started = Instant::now();
     let mut done = 0u64;
-    while started.elapsed() < duration || done == 0 {
+    while (started.elapsed() < duration || done == 0) && done < at_most {
         step(done).await?;
         done += 1;
     }
