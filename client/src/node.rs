@@ -197,7 +197,7 @@ async fn populate(segment: &Arc<Segment>) {
     let started = std::time::Instant::now();
     let populating = Arc::clone(segment);
     match tokio::task::spawn_blocking(move || populating.populate()).await {
-        Ok(Ok(())) => tracing::debug!(
+        Ok(Ok(())) => tracing::info!(
             bytes = segment.len(),
             ms = started.elapsed().as_millis() as u64,
             "segment memory committed"
