@@ -114,6 +114,19 @@ async fn link(client: &SubmasterClient, node: &NodeId) -> anyhow::Result<()> {
     anyhow::bail!("the direct link to the leader did not come up")
 }
 
+/// A floor's row: its p50, compared with nothing (`what` says what it is the
+/// floor of).
+fn floor(printer: &mut Printer, metric: &str, sorted: &[Duration], what: &str) {
+    printer.print(&BenchResult::new(
+        WORKLOAD,
+        format!("{metric} p50"),
+        quantile_us(sorted, 0.5),
+        "us",
+        format!("none ({what})"),
+        0.0,
+    ));
+}
+
 /// One layer's row: its p50 against the layer below's p50.
 fn layer(printer: &mut Printer, metric: &str, sorted: &[Duration], below: (&str, &[Duration])) {
     let (below_name, below_sorted) = below;
@@ -137,7 +150,9 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     } else {
         Duration::from_secs(3)
     };
-    let cluster = ClusterId::new("bench")?;
+    // A cluster of its own: removing the values at the end asks every
+    // sub-cluster registered in it, and other workloads' have stopped.
+    let cluster = ClusterId::new("bench-breakdown")?;
     let subcluster = SubclusterId::new("breakdown")?;
     let config = SubmasterConfig::new(
         cluster.clone(),
@@ -245,14 +260,12 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     );
 
     let tcp = "plain TCP round trip, 64 B each way, loopback";
-    printer.print(&BenchResult::new(
-        WORKLOAD,
-        format!("{tcp} p50"),
-        quantile_us(&round_trips, 0.5),
-        "us",
-        "none (the floor of every request below)",
-        0.0,
-    ));
+    floor(
+        printer,
+        tcp,
+        &round_trips,
+        "the floor of every request below",
+    );
     let ping = "ping on the direct link (framing, the link, the leader's direct front)";
     layer(printer, ping, &pings, (tcp, &round_trips));
     let exist = "exist of 1 key on the direct link (adds the request loop and a lookup)";
@@ -260,38 +273,17 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     let list = "get_replica_list of 1 key on the direct link (adds the replica list)";
     layer(printer, list, &replica_lists, (exist, &exists));
     let copy = "copy of 4 KiB and its xxh3 (the data move of a local replica)";
-    printer.print(&BenchResult::new(
-        WORKLOAD,
-        format!("{copy} p50"),
-        quantile_us(&copies, 0.5),
-        "us",
-        "none (a floor)",
-        0.0,
-    ));
+    floor(printer, copy, &copies, "a floor");
     let get = "get 4 KiB through the Rust client, local replica (replica list, copy, checksum)";
     layer(printer, get, &gets, (list, &replica_lists));
 
     let append = "raw JetStream publish+ack, fenced as the sub-master appends";
-    printer.print(&BenchResult::new(
-        WORKLOAD,
-        format!("{append} p50"),
-        quantile_us(&fenced, 0.5),
-        "us",
-        "none (the floor of a durable put)",
-        0.0,
-    ));
+    floor(printer, append, &fenced, "the floor of a durable put");
     let put = "put 4 KiB through the Rust client, local replica (copy, one put_commit, durable)";
     layer(printer, put, &puts, (append, &fenced));
     layer(printer, put, &puts, (exist, &exists));
     let large_copy = "copy of 1 MiB and its xxh3";
-    printer.print(&BenchResult::new(
-        WORKLOAD,
-        format!("{large_copy} p50"),
-        quantile_us(&large_copies, 0.5),
-        "us",
-        "none (a floor)",
-        0.0,
-    ));
+    floor(printer, large_copy, &large_copies, "a floor");
     let large_put = "put 1 MiB through the Rust client, local replica";
     layer(printer, large_put, &large_puts, (put, &puts));
     layer(printer, large_put, &large_puts, (large_copy, &large_copies));
