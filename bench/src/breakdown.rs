@@ -101,6 +101,22 @@ async fn tcp_round_trips(duration: Duration) -> anyhow::Result<Vec<Duration>> {
     Ok(latencies)
 }
 
+/// Copies of `value` into another buffer, each with the xxh3 of the copy (a
+/// local replica's data move), for `duration` (at least 100), sorted.
+fn copy_samples(duration: Duration, value: &[u8]) -> Vec<Duration> {
+    let mut target = vec![0u8; value.len()];
+    let started = Instant::now();
+    let mut latencies = Vec::new();
+    while started.elapsed() < duration || latencies.len() < 100 {
+        let copied = Instant::now();
+        target.copy_from_slice(value);
+        std::hint::black_box(xxh3_64(&target));
+        latencies.push(copied.elapsed());
+    }
+    latencies.sort_unstable();
+    latencies
+}
+
 /// Pings until the client's direct link to the leader is up (a client links
 /// once it is busy).
 async fn link(client: &SubmasterClient, node: &NodeId) -> anyhow::Result<()> {
@@ -192,17 +208,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
         Ok(())
     })
     .await?;
-    let mut large_target = vec![0u8; LARGE_VALUE];
-    let large_target = &mut large_target;
-    let large_copies = samples(duration, 100, |_| {
-        large_target.copy_from_slice(large);
-        let sum = xxh3_64(large_target);
-        async move {
-            std::hint::black_box(sum);
-            Ok(())
-        }
-    })
-    .await?;
+    let large_copies = copy_samples(duration, large);
     let js = jetstream::new(nats.connect().await?);
     let _ = js.delete_stream("BENCH_BREAKDOWN").await;
     js.create_stream(jetstream::stream::Config {
@@ -243,17 +249,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
         Ok(())
     })
     .await?;
-    let mut target = vec![0u8; VALUE];
-    let target = &mut target;
-    let copies = samples(duration, 100, |_| {
-        target.copy_from_slice(value);
-        let sum = xxh3_64(target);
-        async move {
-            std::hint::black_box(sum);
-            Ok(())
-        }
-    })
-    .await?;
+    let copies = copy_samples(duration, value);
     anyhow::ensure!(
         metadata.direct_requests() > 0,
         "no request went on the direct link"

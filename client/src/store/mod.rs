@@ -165,7 +165,7 @@ pub struct Store {
     hostname: String,
     node: Mutex<Option<NodeHandle>>,
     closed: AtomicBool,
-    /// Whether other sub-clusters exist, from the registry.
+    /// Whether other sub-clusters exist, from the registry (listed on demand).
     peers: Peers,
 }
 
@@ -315,7 +315,7 @@ impl Store {
         tracing::info!(%address, hostname, segment_bytes = config.global_segment_size, protocol = config.protocol.name(), "store set up");
         let global =
             GlobalClient::with_caller(kv.metadata().caller().clone(), address.cluster.clone());
-        let peers = Peers::watch(
+        let peers = Peers::new(
             nats.clone(),
             address.cluster.clone(),
             address.subcluster.clone(),
@@ -617,18 +617,11 @@ impl Store {
     /// The sub-clusters of the cluster, as the registry lists them (this one when
     /// the registry cannot be read).
     async fn subclusters(&self) -> Vec<SubclusterId> {
-        let js = async_nats::jetstream::new(self.nats.clone());
-        let listed = match hkvm_log::registry::open_registry(&js, &self.address.cluster).await {
-            Ok(store) => hkvm_log::registry::list(&store, hkvm_log::registry::DEFAULT_TTL).await,
-            Err(error) => Err(error),
-        };
-        let mut subclusters: Vec<SubclusterId> = match listed {
-            Ok(entries) => entries.into_iter().map(|e| e.info.subcluster).collect(),
-            Err(error) => {
-                tracing::warn!(%error, "reading the registry; removing in this sub-cluster only");
-                Vec::new()
-            }
-        };
+        let listed = peers::registered_subclusters(self.nats.clone(), &self.address.cluster).await;
+        let mut subclusters: Vec<SubclusterId> = listed.unwrap_or_else(|error| {
+            tracing::warn!(%error, "reading the registry; removing in this sub-cluster only");
+            Vec::new()
+        });
         subclusters.push(self.address.subcluster.clone());
         // A sub-cluster may be listed once per registered instance.
         subclusters.sort();

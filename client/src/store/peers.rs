@@ -5,112 +5,136 @@
 //! `remove` of an absent key from its own sub-master, without asking the global
 //! master, which could only have said the same a round trip later.
 //!
-//! The registry is watched in the background. Until the watch has listed the
-//! registry once, and whenever it is broken, other sub-clusters are assumed to
-//! exist (the global master is asked, as without this). A sub-cluster once seen
-//! stays counted, even when its entry is deleted: a leader deregisters on a
-//! graceful handover, and its keys are still there.
+//! The registry is listed in the background, when a call asks and the last
+//! listing is older than [`RELIST_AFTER`]; a store never watches it, so that ten
+//! thousand stores do not each receive every sub-master's heartbeat. Until the
+//! first listing, and when a listing fails, other sub-clusters are assumed to
+//! exist (the global master is asked, as without this). Once another
+//! sub-cluster is seen the answer stays "elsewhere possible" and the registry is
+//! not listed again: a leader deregisters on a graceful handover, and its keys
+//! are still there.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use futures::StreamExt as _;
 use hkvm_events::{ClusterId, SubclusterId};
-use hkvm_log::registry::{self, RegistryChange};
-use tokio::task::JoinHandle;
+use hkvm_log::registry;
 
-/// The first wait before watching the registry again after a failure.
-const FIRST_BACKOFF: Duration = Duration::from_millis(200);
-/// The longest wait between attempts.
-const MAX_BACKOFF: Duration = Duration::from_secs(10);
+/// How old a listing that names no other sub-cluster may be before a call
+/// lists the registry again: how long a new sub-cluster may go unseen.
+pub(crate) const RELIST_AFTER: Duration = Duration::from_secs(5);
 
-/// What the watch knows.
-#[derive(Debug, Default)]
+/// What the last listing said.
+const UNKNOWN: u8 = 0;
+const ALONE: u8 = 1;
+const OTHERS: u8 = 2;
+
+/// The registry's answer, refreshed on demand.
+#[derive(Debug)]
 struct Known {
-    /// The registry was listed and is watched now.
-    live: AtomicBool,
-    /// Another sub-cluster was registered since the store started watching.
-    others: AtomicBool,
+    /// [`UNKNOWN`], [`ALONE`] or [`OTHERS`].
+    answer: AtomicU8,
+    /// When the last listing ended (or failed).
+    listed_at: Mutex<Option<Instant>>,
+    /// A listing runs now.
+    listing: AtomicBool,
 }
 
-/// The background watch of the registry; dropping it stops the watch.
+/// Where to list the registry, and what it said.
 #[derive(Debug)]
 pub(crate) struct Peers {
-    known: Arc<Known>,
-    task: JoinHandle<()>,
-}
-
-impl Drop for Peers {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-impl Peers {
-    /// Starts watching `cluster`'s registry for sub-clusters other than `own`.
-    pub(crate) fn watch(nats: async_nats::Client, cluster: ClusterId, own: SubclusterId) -> Self {
-        let known = Arc::new(Known::default());
-        let task = tokio::spawn(follow(nats, cluster, own, Arc::clone(&known)));
-        Self { known, task }
-    }
-
-    /// Whether a key this sub-cluster does not hold may be held by another:
-    /// `false` only when the registry, listed and watched, names no other
-    /// sub-cluster.
-    pub(crate) fn elsewhere_possible(&self) -> bool {
-        !self.known.live.load(Ordering::Acquire) || self.known.others.load(Ordering::Acquire)
-    }
-}
-
-/// Watches the registry until the task is aborted, again after every failure.
-async fn follow(
     nats: async_nats::Client,
     cluster: ClusterId,
     own: SubclusterId,
     known: Arc<Known>,
-) {
-    let js = async_nats::jetstream::new(nats);
-    let mut backoff = FIRST_BACKOFF;
-    loop {
-        match watch_once(&js, &cluster, &own, &known).await {
-            Ok(()) => tracing::debug!("the registry watch ended; watching again"),
-            Err(error) => tracing::debug!(%error, "watching the registry"),
+}
+
+impl Peers {
+    /// Peers of `own` in `cluster`, listed at the first call that asks.
+    pub(crate) fn new(nats: async_nats::Client, cluster: ClusterId, own: SubclusterId) -> Self {
+        Self {
+            nats,
+            cluster,
+            own,
+            known: Arc::new(Known {
+                answer: AtomicU8::new(UNKNOWN),
+                listed_at: Mutex::new(None),
+                listing: AtomicBool::new(false),
+            }),
         }
-        if known.live.swap(false, Ordering::AcqRel) {
-            // It had worked: try again soon.
-            backoff = FIRST_BACKOFF;
+    }
+
+    /// Whether a key this sub-cluster does not hold may be held by another:
+    /// `false` only when the last listing of the registry named no other
+    /// sub-cluster. Starts a listing in the background when none was made, or
+    /// the last is older than [`RELIST_AFTER`].
+    pub(crate) fn elsewhere_possible(&self) -> bool {
+        let answer = self.known.answer.load(Ordering::Acquire);
+        if answer != OTHERS && self.stale() {
+            self.list_in_background();
         }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(MAX_BACKOFF);
+        answer != ALONE
+    }
+
+    fn stale(&self) -> bool {
+        let listed_at = *self
+            .known
+            .listed_at
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        listed_at.is_none_or(|at| at.elapsed() >= RELIST_AFTER)
+    }
+
+    fn list_in_background(&self) {
+        if self.known.listing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (nats, cluster, own) = (self.nats.clone(), self.cluster.clone(), self.own.clone());
+        let known = Arc::clone(&self.known);
+        tokio::spawn(async move {
+            let answer = match list(nats, &cluster, &own).await {
+                Ok(true) => OTHERS,
+                Ok(false) => ALONE,
+                Err(error) => {
+                    tracing::debug!(%error, "listing the registry");
+                    UNKNOWN
+                }
+            };
+            known.answer.store(answer, Ordering::Release);
+            *known
+                .listed_at
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
+            known.listing.store(false, Ordering::Release);
+        });
     }
 }
 
-/// One watch: started before the registry is listed, so that no entry put in
-/// between is missed; live once the listing is in.
-async fn watch_once(
-    js: &async_nats::jetstream::Context,
+/// Whether the registry of `cluster` names a sub-cluster other than `own`.
+async fn list(
+    nats: async_nats::Client,
     cluster: &ClusterId,
     own: &SubclusterId,
-    known: &Known,
-) -> Result<(), registry::RegistryError> {
-    let store = registry::open_registry(js, cluster).await?;
-    let mut changes = std::pin::pin!(registry::watch(&store).await?);
+) -> Result<bool, registry::RegistryError> {
+    let registered = registered_subclusters(nats, cluster).await?;
+    Ok(registered.iter().any(|subcluster| subcluster != own))
+}
+
+/// The sub-clusters the registry of `cluster` names (one per registered
+/// instance: a sub-cluster may come more than once).
+///
+/// # Errors
+/// When the registry cannot be opened or listed.
+pub(crate) async fn registered_subclusters(
+    nats: async_nats::Client,
+    cluster: &ClusterId,
+) -> Result<Vec<SubclusterId>, registry::RegistryError> {
+    let js = async_nats::jetstream::new(nats);
+    let store = registry::open_registry(&js, cluster).await?;
     let listed = registry::list(&store, registry::DEFAULT_TTL).await?;
-    let note = |subcluster: &SubclusterId| {
-        if subcluster != own {
-            known.others.store(true, Ordering::Release);
-        }
-    };
-    for entry in &listed {
-        note(&entry.info.subcluster);
-    }
-    known.live.store(true, Ordering::Release);
-    while let Some(change) = changes.next().await {
-        match change? {
-            RegistryChange::Put(info) => note(&info.subcluster),
-            RegistryChange::Deleted(_) => {}
-        }
-    }
-    Ok(())
+    Ok(listed
+        .into_iter()
+        .map(|entry| entry.info.subcluster)
+        .collect())
 }
