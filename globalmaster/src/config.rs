@@ -25,6 +25,11 @@ pub struct GlobalMasterConfig {
     /// Most bytes per read batch (the backpressure bound; a read keeps at most
     /// about one and a half batches asked for).
     pub read_batch_bytes: usize,
+    /// Once a stream is caught up, how long its read lets new events gather
+    /// before fetching them, ms (0: each event as soon as it is stored). The
+    /// projection is at most this far behind a busy stream; the NATS server
+    /// delivers one burst per linger instead of one message per event.
+    pub follow_linger_ms: u64,
     /// Write a checkpoint this often, ms (0: never).
     pub checkpoint_interval_ms: u64,
     /// Load the newest checkpoint at start.
@@ -57,6 +62,7 @@ impl Default for GlobalMasterConfig {
             registry_ttl_ms: 10_000,
             static_sources: Vec::new(),
             read_batch_bytes: 1 << 20,
+            follow_linger_ms: 5,
             checkpoint_interval_ms: 60_000,
             restore_checkpoint: true,
             bloom_interval_ms: 30_000,

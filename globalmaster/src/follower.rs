@@ -5,6 +5,7 @@
 //! initial source caught up.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_nats::jetstream;
 use hkvm_events::key_ops::KeyOps;
@@ -32,6 +33,7 @@ pub(crate) async fn follow(
 ) {
     let config = FollowConfig {
         batch_bytes: shared.config.read_batch_bytes.max(1),
+        linger: Duration::from_millis(shared.config.follow_linger_ms),
         ..FollowConfig::default()
     };
     let cluster = shared.config.cluster.clone();

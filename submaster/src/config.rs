@@ -49,6 +49,10 @@ pub struct SubmasterConfig {
     pub registry_ttl: Duration,
     /// Serve Prometheus metrics here.
     pub metrics_addr: Option<SocketAddr>,
+    /// How long a standby's read of the stream lets new events gather before
+    /// fetching them once caught up (zero: each event as soon as it is stored);
+    /// a standby that takes over reads what it had not yet fetched first.
+    pub standby_linger: Duration,
     /// Where the leader takes direct requests (clients' hot operations without
     /// the NATS broker in between).
     pub direct: DirectConfig,
@@ -75,6 +79,7 @@ impl SubmasterConfig {
             busy_retry_after: Duration::from_millis(100),
             registry_ttl: Duration::from_secs(10),
             metrics_addr: None,
+            standby_linger: hkvm_log::follow::DEFAULT_LINGER,
             direct: DirectConfig::default(),
         }
     }

@@ -271,6 +271,71 @@ async fn a_read_of_messages_of_every_size_never_waits_on_a_request_the_server_dr
     );
 }
 
+#[tokio::test]
+async fn a_lingering_follower_reads_every_append_in_order_through_bursts_and_quiet_spells() {
+    // A lingering read drains what is stored, waits for one message, lets more
+    // gather, and drains again; only one of its requests is open at a time. Here it
+    // catches up through drains its small byte budget ends (4 KiB max_payload:
+    // 20 KiB per request), then follows appends made one at a time, in bursts, and
+    // after a quiet spell longer than two idle heartbeats: every entry comes, in
+    // order, and the read never goes silent.
+    use tracing_subscriber::layer::SubscriberExt as _;
+    let warnings = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let _capture = tracing::subscriber::set_default(
+        tracing_subscriber::registry().with(ReadWarnings(warnings.clone())),
+    );
+    let fixture = Fixture::with_server(
+        "test",
+        ServerOptions {
+            extra_config: "max_payload: 4096".into(),
+            ..ServerOptions::default()
+        },
+    )
+    .await;
+    let log = filled(&fixture, "lingering", 500, 1000).await;
+    let mut entries = log
+        .read(ReadOptions {
+            follow: true,
+            linger: std::time::Duration::from_millis(5),
+            ..with_batch_bytes(1)
+        })
+        .await
+        .unwrap();
+    let writer = log.clone();
+    let appends = tokio::spawn(async move {
+        for i in 500..800u64 {
+            match i {
+                // A quiet spell: the reader's wake request waits through heartbeats.
+                600 => tokio::time::sleep(std::time::Duration::from_millis(2500)).await,
+                // Bursts of a hundred, then one at a time with pauses.
+                700..=800 => {}
+                _ if i % 10 == 0 => tokio::time::sleep(std::time::Duration::from_millis(3)).await,
+                _ => {}
+            }
+            let message = Append {
+                expected_last_seq: Some(i),
+                msg_id: format!("l-{i}"),
+                payload: bytes::Bytes::from(vec![b'l'; usize::try_from(i % 900 + 1).unwrap()]),
+            };
+            writer.append(message).await.unwrap();
+        }
+    });
+    for expected in 1..=800u64 {
+        let entry = tokio::time::timeout(std::time::Duration::from_secs(10), entries.next())
+            .await
+            .unwrap_or_else(|_| panic!("entry {expected} never came"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(entry.seq, expected);
+    }
+    appends.await.unwrap();
+    assert_eq!(
+        warnings.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "a read went silent and asked again"
+    );
+}
+
 // ---- group commit ------------------------------------------------------------------
 
 #[tokio::test]

@@ -276,6 +276,11 @@ impl EventLog for JetStreamLog {
             &consumer_name,
             options.batch_bytes,
             READ_HEARTBEAT,
+            if options.follow {
+                options.linger
+            } else {
+                Duration::ZERO
+            },
         )
         .await?;
         // Stop right after the last wanted entry instead of waiting for one more.

@@ -4,10 +4,12 @@
 
 mod error;
 mod jetstream;
+mod linger;
 mod memory;
 mod pull;
 
 use std::future::Future;
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures::stream::BoxStream;
@@ -79,6 +81,11 @@ pub struct ReadOptions {
     /// any message fits a batch, and keeps at most about one and a half batches
     /// asked for).
     pub batch_bytes: usize,
+    /// A following read that has caught up waits this long after a new message
+    /// before fetching what came after it, so that a trickle of appends arrives
+    /// in bursts (one delivery per burst, not per message). Zero fetches each
+    /// message as soon as it is stored. Ignored by the in-memory log.
+    pub linger: Duration,
 }
 
 impl Default for ReadOptions {
@@ -89,6 +96,7 @@ impl Default for ReadOptions {
             follow: false,
             batch_messages: 1024,
             batch_bytes: 16 << 20,
+            linger: Duration::ZERO,
         }
     }
 }

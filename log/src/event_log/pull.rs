@@ -17,9 +17,9 @@
 //! out of one silently takes what it had left of the other with it.)
 //!
 //! [`PullBudget`] is that bookkeeping, pure and unit-tested against a model of the
-//! server. [`PullReader`] books a request *before* publishing it, on the task that
-//! reads the answers, so no answer can be counted against a request not yet
-//! booked. (async-nats 0.51's message stream books a request only when its sending
+//! server. [`PullReader`] books a request as soon as the client took it, before
+//! reading any answer and on the task that reads the answers, so no answer can be
+//! counted against a request not yet booked. (async-nats 0.51's message stream books a request only when its sending
 //! task reports back; a request the server answered in full before that report
 //! stays booked forever, and the read waits with no request at the server: the
 //! stall seen in global-master replays of large messages.) Should the books still
@@ -34,7 +34,9 @@ use async_nats::jetstream;
 use async_nats::{Client, StatusCode, Subject, Subscriber};
 use bytes::Bytes;
 use futures::StreamExt as _;
+use tokio::time::Instant;
 
+use super::linger::{Lingering, Request};
 use super::{LogEntry, LogError};
 
 /// The API prefix of every JetStream context HKVM opens (no JetStream domain).
@@ -107,6 +109,11 @@ impl PullBudget {
         self.open_bytes = 0;
     }
 
+    /// Whether any booked bytes are still unreceived.
+    pub(crate) fn has_open(&self) -> bool {
+        self.open_bytes > 0
+    }
+
     /// The bytes booked and not yet received.
     #[cfg(test)]
     fn open(&self) -> usize {
@@ -146,7 +153,8 @@ pub(crate) fn classify(message: &async_nats::Message, request_bytes: usize) -> D
         .unwrap_or_default()
         .to_ascii_lowercase();
     match status {
-        // `404 No Messages` answers only requests that do not wait; none are sent.
+        // `404 No Messages` answers only requests that do not wait (a lingering
+        // read's drains) when nothing is stored past the consumer.
         StatusCode::NOT_FOUND => Delivery::Ended(unspent_bytes(message)),
         StatusCode::TIMEOUT => Delivery::Ended(unspent_bytes(message)),
         StatusCode::REQUEST_TERMINATED
@@ -190,11 +198,41 @@ fn unspent_bytes(message: &async_nats::Message) -> Option<usize> {
 #[derive(serde::Serialize)]
 struct PullRequest {
     batch: usize,
+    /// Bytes (0: no byte limit).
+    #[serde(skip_serializing_if = "is_zero_usize")]
     max_bytes: usize,
-    /// Nanoseconds.
+    /// Nanoseconds (0: none).
+    #[serde(skip_serializing_if = "is_zero")]
     expires: u64,
-    /// Nanoseconds.
+    /// Nanoseconds (0: none).
+    #[serde(skip_serializing_if = "is_zero")]
     idle_heartbeat: u64,
+    /// Answer at once with what is stored instead of waiting for more.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    no_wait: bool,
+}
+
+impl PullRequest {
+    fn encoded(&self, log: &str) -> Result<Bytes, LogError> {
+        serde_json::to_vec(self)
+            .map(Bytes::from)
+            .map_err(|e| LogError::other(log, e))
+    }
+}
+
+fn is_zero(value: &u64) -> bool {
+    *value == 0
+}
+
+fn is_zero_usize(value: &usize) -> bool {
+    *value == 0
+}
+
+/// The bodies of a lingering read's requests ([`super::linger`]).
+struct LingerRequests {
+    pacing: Lingering,
+    drain: Bytes,
+    wake: Bytes,
 }
 
 /// Reads one pull consumer's messages as [`LogEntry`]s, asking for more as the
@@ -210,12 +248,15 @@ pub(crate) struct PullReader {
     budget: PullBudget,
     heartbeat: Duration,
     silent_spells: u32,
+    lingering: Option<LingerRequests>,
 }
 
 impl PullReader {
     /// A reader of consumer `consumer` on stream `log`, asking for `batch_bytes`
     /// per request (raised to what the largest message the server accepts needs)
-    /// with idle heartbeats every `heartbeat`.
+    /// with idle heartbeats every `heartbeat`. A non-zero `linger` makes it a
+    /// lingering read ([`super::linger`]): once caught up, it lets new messages
+    /// gather that long before fetching them.
     ///
     /// # Errors
     /// A transport error when the inbox cannot be subscribed.
@@ -225,6 +266,7 @@ impl PullReader {
         consumer: &str,
         batch_bytes: usize,
         heartbeat: Duration,
+        linger: Duration,
     ) -> Result<Self, LogError> {
         let client = context.client();
         let inbox = Subject::from(client.new_inbox());
@@ -234,13 +276,35 @@ impl PullReader {
             .map_err(|e| LogError::other(log, e))?;
         let largest = client.server_info().max_payload + BUDGET_HEADROOM;
         let budget = PullBudget::new(batch_bytes.max(largest));
-        let request = PullRequest {
+        let long = PullRequest {
             batch: budget.request_messages(),
             max_bytes: budget.request_bytes,
             expires: nanos(REQUEST_EXPIRY),
             idle_heartbeat: nanos(heartbeat),
+            no_wait: false,
         };
-        let request = serde_json::to_vec(&request).map_err(|e| LogError::other(log, e))?;
+        let lingering = if linger.is_zero() {
+            None
+        } else {
+            let drain = PullRequest {
+                expires: 0,
+                idle_heartbeat: 0,
+                no_wait: true,
+                ..long
+            };
+            // No byte limit: one message ends it silently (with a byte limit
+            // the server would follow the message with `409 Batch Completed`).
+            let wake = PullRequest {
+                batch: 1,
+                max_bytes: 0,
+                ..long
+            };
+            Some(LingerRequests {
+                pacing: Lingering::new(linger),
+                drain: drain.encoded(log)?,
+                wake: wake.encoded(log)?,
+            })
+        };
         Ok(Self {
             log: log.to_owned(),
             subject: Subject::from(format!("{API_PREFIX}.CONSUMER.MSG.NEXT.{log}.{consumer}")),
@@ -248,27 +312,54 @@ impl PullReader {
             context,
             inbox,
             subscriber,
-            request: Bytes::from(request),
+            request: long.encoded(log)?,
             budget,
             heartbeat,
             silent_spells: 0,
+            lingering,
         })
+    }
+
+    /// Sends the request due now, if any: the next of a lingering read once its
+    /// linger is over, or another long request when half the open budget is spent.
+    /// A request is booked once the client took it (a publish future cancelled
+    /// before that sent nothing) and before any answer is read (answers are read
+    /// only on this task), so the books never wait on a request not sent.
+    /// Cancel-safe: a linger cut short is waited out again on the next call.
+    async fn ask(&mut self) -> Result<(), LogError> {
+        let (body, lingering) = match &self.lingering {
+            Some(lingering) => {
+                let Some((request, after)) = lingering.pacing.due() else {
+                    return Ok(());
+                };
+                if let Some(after) = after {
+                    tokio::time::sleep_until(after).await;
+                }
+                let body = match request {
+                    Request::Drain => lingering.drain.clone(),
+                    Request::Wake => lingering.wake.clone(),
+                };
+                (body, Some(request))
+            }
+            None if self.budget.wants_request() => (self.request.clone(), None),
+            None => return Ok(()),
+        };
+        self.client
+            .publish_with_reply(self.subject.clone(), self.inbox.clone(), body)
+            .await
+            .map_err(|e| LogError::other(&self.log, e))?;
+        self.budget.book();
+        if let (Some(request), Some(lingering)) = (lingering, &mut self.lingering) {
+            lingering.pacing.sent(request);
+            tracing::trace!(log = %self.log, ?request, "pull request sent");
+        }
+        Ok(())
     }
 
     /// The next stored message, or the error that ends the read.
     pub(crate) async fn next_entry(&mut self) -> Result<LogEntry, LogError> {
         loop {
-            if self.budget.wants_request() {
-                self.budget.book();
-                self.client
-                    .publish_with_reply(
-                        self.subject.clone(),
-                        self.inbox.clone(),
-                        self.request.clone(),
-                    )
-                    .await
-                    .map_err(|e| LogError::other(&self.log, e))?;
-            }
+            self.ask().await?;
             let silence = self.heartbeat * 2;
             let message = match tokio::time::timeout(silence, self.subscriber.next()).await {
                 Ok(Some(message)) => message,
@@ -280,17 +371,36 @@ impl PullReader {
                     }
                     tracing::warn!(log = %self.log, ?silence, "no message or heartbeat: the server holds no request of this read; asking again");
                     self.budget.forget();
+                    if let Some(lingering) = &mut self.lingering {
+                        lingering.pacing.forget();
+                    }
                     continue;
                 }
             };
             self.silent_spells = 0;
+            let at_end = matches!(
+                message.status,
+                Some(StatusCode::NOT_FOUND | StatusCode::TIMEOUT)
+            );
             match classify(&message, self.budget.request_bytes) {
                 Delivery::Message => {
                     self.budget.delivered(message.length);
+                    if let Some(lingering) = &mut self.lingering {
+                        let spent = !self.budget.has_open();
+                        if lingering.pacing.message(spent, Instant::now()) {
+                            self.budget.forget();
+                        }
+                    }
                     return self.entry(message);
                 }
                 Delivery::Heartbeat => {}
-                Delivery::Ended(left) => self.budget.ended(left),
+                Delivery::Ended(left) => {
+                    self.budget.ended(left);
+                    if let Some(lingering) = &mut self.lingering {
+                        lingering.pacing.ended(at_end);
+                        self.budget.forget();
+                    }
+                }
                 Delivery::Fatal(reason) => return Err(LogError::other(&self.log, reason)),
             }
         }

@@ -230,6 +230,7 @@ async fn stand_by(
         .log
         .read(ReadOptions {
             follow: true,
+            linger: ctx.config.standby_linger,
             ..ReadOptions::from(state.applied_seq + 1)
         })
         .await?;
