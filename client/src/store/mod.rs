@@ -7,18 +7,15 @@
 
 mod address;
 mod buffers;
+mod cluster_wide;
 mod code;
 mod peers;
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::future::join_all;
-use hkvm_events::rpc::global::{GlobalOp, Locate, LocateReply};
-use hkvm_events::rpc::submaster::{ItemError, ItemResult};
-use hkvm_events::rpc::RpcReply;
+use hkvm_events::rpc::submaster::ItemError;
 use hkvm_events::{NodeId, SegmentId, SubclusterId};
 use hkvm_transfer::{TcpConfig, TcpTransport};
 use tokio::sync::Mutex;
@@ -485,177 +482,6 @@ impl Store {
             .into_iter()
             .map(|r| r.map_err(StoreError::from))
             .collect())
-    }
-
-    /// Whether a key this sub-cluster does not hold may be held by another: the
-    /// registry names another sub-cluster, or has not been read yet.
-    pub fn other_subclusters_possible(&self) -> bool {
-        self.peers.elsewhere_possible()
-    }
-
-    /// Whether each key exists anywhere in the cluster: the local sub-master's
-    /// (authoritative) answer, and the global master's for keys it does not hold
-    /// (a global master that is down or busy counts as "not elsewhere"; it is
-    /// not asked when the registry names no other sub-cluster).
-    ///
-    /// # Errors
-    /// When the local sub-master is unreachable, or the store is closed.
-    pub async fn exist(&self, keys: &[String]) -> Result<Vec<bool>, StoreError> {
-        self.check_open()?;
-        let mut exists = self.kv.metadata().exist(keys.to_vec()).await?;
-        if !self.peers.elsewhere_possible() {
-            return Ok(exists);
-        }
-        let missing: Vec<usize> = (0..keys.len()).filter(|&i| !exists[i]).collect();
-        for chunk in missing.chunks(hkvm_events::rpc::global::MAX_BATCH_KEYS) {
-            let asked: Vec<&str> = chunk.iter().map(|&i| keys[i].as_str()).collect();
-            if let Ok(RpcReply::Ok(reply)) = self.global.batch_is_exist(&asked, None).await {
-                for (&index, count) in chunk.iter().zip(&reply.counts) {
-                    exists[index] = *count > 0;
-                }
-            }
-        }
-        Ok(exists)
-    }
-
-    /// Removes keys wherever they are (leased ones only with `force`); one result
-    /// per key, in order.
-    ///
-    /// # Errors
-    /// When the local sub-master is unreachable, or the store is closed.
-    pub async fn remove(
-        &self,
-        keys: &[String],
-        force: bool,
-    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
-        self.check_open()?;
-        let local = self.kv.metadata().remove(keys.to_vec(), force).await?;
-        let mut results: Vec<Result<(), StoreError>> = Vec::with_capacity(keys.len());
-        let mut elsewhere = Vec::new();
-        for (index, (key, result)) in keys.iter().zip(local).enumerate() {
-            results.push(match result {
-                ItemResult::Ok(()) => Ok(()),
-                ItemResult::Err(ItemError::NotFound) => {
-                    elsewhere.push(index);
-                    Err(KvError::NotFound { key: key.clone() }.into())
-                }
-                ItemResult::Err(error) => Err(KvError::Item {
-                    key: key.clone(),
-                    error,
-                }
-                .into()),
-            });
-        }
-        if !elsewhere.is_empty() && self.peers.elsewhere_possible() {
-            self.remove_elsewhere(keys, &elsewhere, force, &mut results)
-                .await;
-        }
-        Ok(results)
-    }
-
-    /// Removes the keys at `indexes` from the sub-clusters the global master says
-    /// hold them, updating their results.
-    async fn remove_elsewhere(
-        &self,
-        keys: &[String],
-        indexes: &[usize],
-        force: bool,
-        results: &mut [Result<(), StoreError>],
-    ) {
-        let request = Locate {
-            keys: indexes.iter().map(|&i| keys[i].clone()).collect(),
-            labels: None,
-        };
-        let Ok(RpcReply::Ok(reply)) = self
-            .global
-            .call_once::<_, LocateReply>(GlobalOp::Locate, &request)
-            .await
-        else {
-            return;
-        };
-        let mut by_owner: BTreeMap<SubclusterId, Vec<usize>> = BTreeMap::new();
-        for (&index, owners) in indexes.iter().zip(&reply.owners) {
-            for owner in owners {
-                by_owner
-                    .entry(owner.subcluster.clone())
-                    .or_default()
-                    .push(index);
-            }
-        }
-        for (subcluster, owned) in by_owner {
-            let client = self.submaster(&subcluster);
-            let owned_keys = owned.iter().map(|&i| keys[i].clone()).collect();
-            let Ok(removed) = client.remove(owned_keys, force).await else {
-                continue;
-            };
-            for (index, result) in owned.into_iter().zip(removed) {
-                match result {
-                    ItemResult::Ok(()) => results[index] = Ok(()),
-                    ItemResult::Err(ItemError::NotFound) => {}
-                    ItemResult::Err(error) => {
-                        results[index] = Err(KvError::Item {
-                            key: keys[index].clone(),
-                            error,
-                        }
-                        .into());
-                    }
-                }
-            }
-        }
-    }
-
-    /// A client of another sub-cluster's sub-master, for one call.
-    fn submaster(&self, subcluster: &SubclusterId) -> SubmasterClient {
-        SubmasterClient::with_caller(
-            self.kv.metadata().caller().clone(),
-            self.address.cluster.clone(),
-            subcluster.clone(),
-        )
-        .without_leader_watch()
-    }
-
-    /// The sub-clusters of the cluster, as the registry lists them (this one when
-    /// the registry cannot be read).
-    async fn subclusters(&self) -> Vec<SubclusterId> {
-        let listed = peers::registered_subclusters(self.nats.clone(), &self.address.cluster).await;
-        let mut subclusters: Vec<SubclusterId> = listed.unwrap_or_else(|error| {
-            tracing::warn!(%error, "reading the registry; removing in this sub-cluster only");
-            Vec::new()
-        });
-        subclusters.push(self.address.subcluster.clone());
-        // A sub-cluster may be listed once per registered instance.
-        subclusters.sort();
-        subclusters.dedup();
-        subclusters
-    }
-
-    /// Removes every object of the cluster, or every object whose key matches
-    /// `pattern`, in every registered sub-cluster. Returns how many were removed.
-    ///
-    /// # Errors
-    /// An invalid pattern, this sub-cluster's sub-master unreachable, or the store
-    /// closed. Other sub-clusters that fail are skipped with a warning.
-    pub async fn remove_all(&self, pattern: Option<&str>, force: bool) -> Result<u64, StoreError> {
-        self.check_open()?;
-        let subclusters = self.subclusters().await;
-        let removals = subclusters.iter().map(|subcluster| async move {
-            let client = self.submaster(subcluster);
-            let reply = match pattern {
-                Some(pattern) => client.remove_matching(pattern, force).await,
-                None => client.remove_all(force).await,
-            };
-            (subcluster, reply)
-        });
-        let mut removed = 0;
-        for (subcluster, reply) in join_all(removals).await {
-            match reply {
-                Ok(reply) => removed += reply.removed,
-                Err(error) if *subcluster == self.address.subcluster => return Err(error.into()),
-                Err(error) if error.rpc_code().is_some() => return Err(error.into()),
-                Err(error) => tracing::warn!(%subcluster, %error, "removing there failed"),
-            }
-        }
-        Ok(removed)
     }
 }
 
