@@ -218,6 +218,56 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
             rust_rate * scale,
         ));
     }
+    print_binding_costs(&measured, printer);
     master.shutdown().await?;
     Ok(())
+}
+
+/// The binding's own cost per call, from `hkvm.bench`'s probes: a call that does
+/// nothing through the store (GIL released, a finished future waited for the way
+/// calls wait) against a plain extension function that does nothing.
+fn print_binding_costs(
+    measured: &serde_json::Map<String, serde_json::Value>,
+    printer: &mut Printer,
+) {
+    let nanos = |name: &str| {
+        measured
+            .get(name)
+            .and_then(serde_json::Value::as_f64)
+            .filter(|rate| *rate > 0.0)
+            .map(|rate| 1e9 / rate)
+    };
+    let (Some(floor), Some(idle), Some(wrapped)) = (
+        nanos("noop_pyo3"),
+        nanos("idle_call"),
+        nanos("idle_call_wrapped"),
+    ) else {
+        eprintln!("bench python: hkvm.bench reported no binding probes");
+        return;
+    };
+    let floor_name = "a plain PyO3 function that does nothing, per call";
+    printer.print(&BenchResult::new(
+        WORKLOAD,
+        floor_name,
+        floor,
+        "ns",
+        "none (the floor of a call into the extension)",
+        0.0,
+    ));
+    printer.print(&BenchResult::new(
+        WORKLOAD,
+        "the store's binding doing nothing (1 key in, GIL released, a finished future waited for, 1 code out), per call",
+        idle,
+        "ns",
+        floor_name,
+        floor,
+    ));
+    printer.print(&BenchResult::new(
+        WORKLOAD,
+        "the same through a Python function shaped like is_exist's layer, per call",
+        wrapped,
+        "ns",
+        floor_name,
+        floor,
+    ));
 }

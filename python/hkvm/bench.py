@@ -43,6 +43,27 @@ def _rate(
             return done / (now - started)
 
 
+def _binding_rates(store: MooncakeDistributedStore, seconds: float) -> Dict[str, float]:
+    """Calls per second of a plain extension function that does nothing, of the
+    store's binding doing nothing (one key in, GIL released, a finished future
+    waited for, one code out), and of the same through ``is_exist``'s Python
+    layer: what the binding adds to every call."""
+    from . import _native
+
+    native = store._native  # noqa: SLF001 - the probe sits beside the real calls
+    key = ["probe"]
+
+    def wrapped(keys):
+        # The shape of ``is_exist``: one key, a list through the native call.
+        return native.idle_call(list(keys))[0]
+
+    return {
+        "noop_pyo3": _rate(seconds, lambda _: _native.noop()),
+        "idle_call": _rate(seconds, lambda _: native.idle_call(key)),
+        "idle_call_wrapped": _rate(seconds, lambda _: wrapped(key)),
+    }
+
+
 def run(address: str, seconds: float) -> Dict[str, float]:
     """Measures every operation; keys are namespaced by this process's id."""
     store = MooncakeDistributedStore()
@@ -96,6 +117,7 @@ def run(address: str, seconds: float) -> Dict[str, float]:
         store.batch_is_exist(keys)
 
     results["batch_is_exist_1000"] = _rate(seconds, exist)
+    results.update(_binding_rates(store, min(seconds, 1.0)))
     store.remove_by_regex(f"^{tag}-", True)
     store.close()
     return results
