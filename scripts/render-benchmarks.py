@@ -112,7 +112,7 @@ HOW_TO_READ = {
     "fenced JetStream append, itself a loopback round trip to nats-server plus the "
     "store), is in the breakdown table. Client CPU is the client processes' user + "
     "system time over the same span: an HKVM call's wait spins (yielding the CPU to "
-    "any other runnable thread) for up to HKVM_SPIN_US (300 us by default) while that "
+    "any other runnable thread) for up to HKVM_SPIN_US (1000 us by default) while that "
     "kind of call usually answers within it, instead of sleeping at once, because on "
     "this virtual machine waking a sleeping thread costs about as much as the round "
     "trip itself (see the breakdown table: a plain loopback TCP round trip between two "
