@@ -1,6 +1,8 @@
 //! The `transfer` workload: TCP transport GB/s for 64 KiB, 1 MiB and 16 MiB values
-//! with 1 and 8 streams against a plain tokio TCP copy of the same bytes (no framing,
-//! no checksums, no responses) and that copy against memcpy; Reed–Solomon encode and
+//! with 1 and 8 streams against plain tokio TCP moving the same values with one round
+//! trip each (the shape of a transfer answered before the next), and against a plain
+//! stream of the same bytes (no framing, no checksums, no responses), and that
+//! stream against memcpy; Reed–Solomon encode and
 //! decode GB/s against memcpy; WAN goodput over the in-process lossy link against the
 //! pacing cap, in process and over UDP loopback sockets with an emulated delay and
 //! loss (with the wire bytes per payload byte of two stripe shapes). Everything in
@@ -168,6 +170,87 @@ async fn plain_tcp_rate(shape: &Shape) -> anyhow::Result<f64> {
     Ok(rate)
 }
 
+/// How a plain round trip per value is shaped.
+#[derive(Clone, Copy)]
+enum RoundTrip {
+    /// The client sends the value, the server answers one byte (a write that is
+    /// confirmed before the next).
+    Write,
+    /// The client sends a 16-byte request, the server answers the value (a read).
+    Read,
+}
+
+/// The request a plain read sends: as long as a transfer's read header.
+const PLAIN_READ_REQUEST: usize = 16;
+
+/// The same values over plain tokio TCP streams with one round trip each, the
+/// shape of a transfer that must be answered before the next (no framing beyond
+/// that, no checksums): the floor of [`transport_rates`], whose every write and
+/// read is a request answered in full.
+async fn plain_round_trip_rate(shape: &Shape, trip: RoundTrip) -> anyhow::Result<f64> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let (len, count, streams) = (shape.value.len(), shape.per_stream, shape.streams);
+    let value = Arc::clone(&shape.value);
+    let server = tokio::spawn(async move {
+        let mut servers = Vec::new();
+        for _ in 0..streams {
+            let (mut socket, _) = listener.accept().await?;
+            socket.set_nodelay(true)?;
+            let value = Arc::clone(&value);
+            servers.push(tokio::spawn(async move {
+                let mut buf = vec![0u8; len];
+                for _ in 0..count {
+                    match trip {
+                        RoundTrip::Write => {
+                            socket.read_exact(&mut buf).await?;
+                            socket.write_all(&[1]).await?;
+                        }
+                        RoundTrip::Read => {
+                            socket.read_exact(&mut buf[..PLAIN_READ_REQUEST]).await?;
+                            socket.write_all(&value).await?;
+                        }
+                    }
+                }
+                std::io::Result::Ok(())
+            }));
+        }
+        for server in servers {
+            server.await??;
+        }
+        std::io::Result::Ok(())
+    });
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..streams {
+        let value = Arc::clone(&shape.value);
+        tasks.push(tokio::spawn(async move {
+            let mut socket = TcpStream::connect(addr).await?;
+            socket.set_nodelay(true)?;
+            let mut buf = vec![0u8; value.len()];
+            for _ in 0..count {
+                match trip {
+                    RoundTrip::Write => {
+                        socket.write_all(&value).await?;
+                        socket.read_exact(&mut buf[..1]).await?;
+                    }
+                    RoundTrip::Read => {
+                        socket.write_all(&[0u8; PLAIN_READ_REQUEST]).await?;
+                        socket.read_exact(&mut buf).await?;
+                    }
+                }
+            }
+            std::io::Result::Ok(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    let rate = gbps(shape.bytes(), started.elapsed());
+    server.await??;
+    Ok(rate)
+}
+
 fn memcpy_rate(value: &[u8], copies: usize) -> f64 {
     let mut dst = vec![0u8; value.len()];
     let started = Instant::now();
@@ -195,7 +278,8 @@ async fn tcp(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
     let endpoint = server.local_addr().to_string();
     let client = Arc::new(TcpTransport::default());
     let unchecked = Arc::new(TcpTransport::new(TcpConfig {
-        payload_checksums: false,
+        write_checksums: false,
+        read_checksums: false,
         ..TcpConfig::default()
     }));
     for size in sizes {
@@ -214,8 +298,19 @@ async fn tcp(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
             // Best of three, interleaved, because the machine is shared and noisy.
             let (mut plain, mut write, mut read) = (0f64, 0f64, 0f64);
             let (mut write_unchecked, mut read_unchecked) = (0f64, 0f64);
+            let (mut plain_write_trip, mut plain_read_trip) = (0f64, 0f64);
             for _ in 0..3 {
                 plain = plain.max(plain_tcp_rate(&shape).await.context("plain TCP baseline")?);
+                plain_write_trip = plain_write_trip.max(
+                    plain_round_trip_rate(&shape, RoundTrip::Write)
+                        .await
+                        .context("plain TCP write round trips")?,
+                );
+                plain_read_trip = plain_read_trip.max(
+                    plain_round_trip_rate(&shape, RoundTrip::Read)
+                        .await
+                        .context("plain TCP read round trips")?,
+                );
                 let (w, r) = transport_rates(&shape, &endpoint, &client).await?;
                 (write, read) = (write.max(w), read.max(r));
                 let (w, r) = transport_rates(&shape, &endpoint, &unchecked).await?;
@@ -229,7 +324,16 @@ async fn tcp(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
             );
             let baseline = "plain tokio TCP, same bytes";
             let memcpy_baseline = "memcpy, same bytes";
+            let write_trip = "plain tokio TCP, a value then a 1-byte answer each";
+            let read_trip = "plain tokio TCP, a 16-byte request then the value each";
             let rows = [
+                (
+                    format!("TCP write {what}"),
+                    write,
+                    write_trip,
+                    plain_write_trip,
+                ),
+                (format!("TCP read {what}"), read, read_trip, plain_read_trip),
                 (format!("TCP write {what}"), write, baseline, plain),
                 (format!("TCP read {what}"), read, baseline, plain),
                 (
@@ -249,6 +353,18 @@ async fn tcp(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
                     plain,
                     memcpy_baseline,
                     memcpy,
+                ),
+                (
+                    format!("plain tokio TCP {what}, a round trip per value (write)"),
+                    plain_write_trip,
+                    baseline,
+                    plain,
+                ),
+                (
+                    format!("plain tokio TCP {what}, a round trip per value (read)"),
+                    plain_read_trip,
+                    baseline,
+                    plain,
                 ),
             ];
             for (metric, value, against, base) in rows {

@@ -220,7 +220,12 @@ impl NodeHandle {
         if config.populate {
             populate(&segment).await;
         }
-        let transport = TcpTransport::new(TcpConfig::default());
+        // Every read through this transport is the KV client's (for the node's own
+        // store or its dummies), which verifies each value end to end.
+        let transport = TcpTransport::new(TcpConfig {
+            read_checksums: false,
+            ..TcpConfig::default()
+        });
         transport.register(Arc::clone(&segment))?;
         let server = transport.bind(config.listen).await?;
         let endpoint = advertised_endpoint(config.advertise.as_deref(), server.local_addr());

@@ -492,7 +492,8 @@ async fn the_server_refuses_corrupted_frames() {
 async fn payload_checksums_can_be_left_to_the_caller() {
     let (node, _server, endpoint) = node(1 << 20, TcpConfig::default()).await;
     let client = TcpTransport::new(TcpConfig {
-        payload_checksums: false,
+        write_checksums: false,
+        read_checksums: false,
         ..TcpConfig::default()
     });
     let value = pattern(300_000, 9);

@@ -289,7 +289,11 @@ impl Store {
         } else {
             (config.local_hostname.clone(), None)
         };
-        let mut transports = Transports::single(Arc::new(TcpTransport::new(TcpConfig::default())));
+        let mut transports = Transports::single(Arc::new(TcpTransport::new(TcpConfig {
+            // The KV client verifies every value it reads end to end.
+            read_checksums: false,
+            ..TcpConfig::default()
+        })));
         if let Protocol::Rdma(settings) = &config.protocol {
             let rdma = match node.as_ref().and_then(NodeHandle::rdma_transport) {
                 Some(shared) => Arc::clone(shared),

@@ -168,11 +168,11 @@ impl Pool {
         if batch.len() == 0 {
             return Ok(());
         }
-        let headers = encode_requests(
-            &batch,
-            self.config.max_op_bytes,
-            self.config.payload_checksums,
-        )?;
+        let checked = match batch {
+            Batch::Write(_) => self.config.write_checksums,
+            Batch::Read(_) => self.config.read_checksums,
+        };
+        let headers = encode_requests(&batch, self.config.max_op_bytes, checked)?;
         let deadline = self.config.request_timeout;
         let attempt = async {
             let mut fresh = false;

@@ -31,11 +31,16 @@ pub struct TcpConfig {
     pub max_connections_per_endpoint: usize,
     /// Idle connections kept per endpoint for later batches.
     pub max_idle_per_endpoint: usize,
-    /// Checksum every payload with xxh3-64 (the node verifies writes before
-    /// acknowledging them, this side verifies reads). Turning it off saves a pass
-    /// over the bytes on each side when the caller verifies values end to end
-    /// anyway; headers are always checked.
-    pub payload_checksums: bool,
+    /// Checksum the payload of every write with xxh3-64: the node verifies it
+    /// before acknowledging. Turning it off saves a pass over the bytes on each
+    /// side; headers are always checked.
+    pub write_checksums: bool,
+    /// Checksum the payload of every read with xxh3-64: the node computes it, this
+    /// side verifies it. Turn it off where the caller verifies every value it
+    /// reads end to end anyway (the KV client checks each against the checksum
+    /// recorded at its put, and tries another replica on a mismatch): it saves a
+    /// pass over the bytes on each side, a quarter of a 1 MiB read's time here.
+    pub read_checksums: bool,
 }
 
 impl Default for TcpConfig {
@@ -46,7 +51,8 @@ impl Default for TcpConfig {
             max_op_bytes: 1 << 30,
             max_connections_per_endpoint: 16,
             max_idle_per_endpoint: 16,
-            payload_checksums: true,
+            write_checksums: true,
+            read_checksums: true,
         }
     }
 }
