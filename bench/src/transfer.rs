@@ -123,74 +123,29 @@ async fn transport_rates(
     Ok((write, gbps(shape.bytes(), started.elapsed())))
 }
 
-/// The same bytes over plain tokio TCP streams: the receiver reads each value into
-/// one buffer and acknowledges the whole stream with one byte at the end.
-async fn plain_tcp_rate(shape: &Shape) -> anyhow::Result<f64> {
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let (len, count, streams) = (shape.value.len(), shape.per_stream, shape.streams);
-    let server = tokio::spawn(async move {
-        let mut readers = Vec::new();
-        for _ in 0..streams {
-            let (mut socket, _) = listener.accept().await?;
-            readers.push(tokio::spawn(async move {
-                let mut buf = vec![0u8; len];
-                for _ in 0..count {
-                    socket.read_exact(&mut buf).await?;
-                }
-                socket.write_all(&[1]).await?;
-                std::io::Result::Ok(())
-            }));
-        }
-        for reader in readers {
-            reader.await??;
-        }
-        std::io::Result::Ok(())
-    });
-    let started = Instant::now();
-    let mut tasks = Vec::new();
-    for _ in 0..streams {
-        let value = Arc::clone(&shape.value);
-        tasks.push(tokio::spawn(async move {
-            let mut socket = TcpStream::connect(addr).await?;
-            socket.set_nodelay(true)?;
-            for _ in 0..count {
-                socket.write_all(&value).await?;
-            }
-            let mut ack = [0u8; 1];
-            socket.read_exact(&mut ack).await?;
-            std::io::Result::Ok(())
-        }));
-    }
-    for task in tasks {
-        task.await??;
-    }
-    let rate = gbps(shape.bytes(), started.elapsed());
-    server.await??;
-    Ok(rate)
-}
-
-/// How a plain round trip per value is shaped.
+/// How plain tokio TCP moves the values of a baseline.
 #[derive(Clone, Copy)]
-enum RoundTrip {
-    /// The client sends the value, the server answers one byte (a write that is
+enum Plain {
+    /// One stream of all the values, answered with one byte at the end: the
+    /// pipe's capacity.
+    Stream,
+    /// The client sends each value, the server answers one byte (a write that is
     /// confirmed before the next).
-    Write,
-    /// The client sends a 16-byte request, the server answers the value (a read).
-    Read,
+    WriteTrips,
+    /// The client sends a 16-byte request per value, the server answers the value
+    /// (a read).
+    ReadTrips,
 }
 
-/// The request a plain read sends: as long as a transfer's read header.
+/// The request of [`Plain::ReadTrips`]: as long as a transfer's read header.
 const PLAIN_READ_REQUEST: usize = 16;
 
-/// The same values over plain tokio TCP streams with one round trip each, the
-/// shape of a transfer that must be answered before the next (no framing beyond
-/// that, no checksums): the floor of [`transport_rates`], whose every write and
-/// read is a request answered in full.
-async fn plain_round_trip_rate(shape: &Shape, trip: RoundTrip) -> anyhow::Result<f64> {
+/// The GB/s of the shape's values over plain tokio TCP streams moved as `plain`
+/// says (no framing beyond that, no checksums).
+async fn plain_tcp_rate(shape: &Shape, plain: Plain) -> anyhow::Result<f64> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
-    let (len, count, streams) = (shape.value.len(), shape.per_stream, shape.streams);
+    let (count, streams) = (shape.per_stream, shape.streams);
     let value = Arc::clone(&shape.value);
     let server = tokio::spawn(async move {
         let mut servers = Vec::new();
@@ -199,18 +154,22 @@ async fn plain_round_trip_rate(shape: &Shape, trip: RoundTrip) -> anyhow::Result
             socket.set_nodelay(true)?;
             let value = Arc::clone(&value);
             servers.push(tokio::spawn(async move {
-                let mut buf = vec![0u8; len];
+                let mut buf = vec![0u8; value.len()];
                 for _ in 0..count {
-                    match trip {
-                        RoundTrip::Write => {
+                    match plain {
+                        Plain::Stream => socket.read_exact(&mut buf).await.map(drop)?,
+                        Plain::WriteTrips => {
                             socket.read_exact(&mut buf).await?;
                             socket.write_all(&[1]).await?;
                         }
-                        RoundTrip::Read => {
+                        Plain::ReadTrips => {
                             socket.read_exact(&mut buf[..PLAIN_READ_REQUEST]).await?;
                             socket.write_all(&value).await?;
                         }
                     }
+                }
+                if let Plain::Stream = plain {
+                    socket.write_all(&[1]).await?;
                 }
                 std::io::Result::Ok(())
             }));
@@ -229,16 +188,20 @@ async fn plain_round_trip_rate(shape: &Shape, trip: RoundTrip) -> anyhow::Result
             socket.set_nodelay(true)?;
             let mut buf = vec![0u8; value.len()];
             for _ in 0..count {
-                match trip {
-                    RoundTrip::Write => {
+                match plain {
+                    Plain::Stream => socket.write_all(&value).await?,
+                    Plain::WriteTrips => {
                         socket.write_all(&value).await?;
                         socket.read_exact(&mut buf[..1]).await?;
                     }
-                    RoundTrip::Read => {
+                    Plain::ReadTrips => {
                         socket.write_all(&[0u8; PLAIN_READ_REQUEST]).await?;
                         socket.read_exact(&mut buf).await?;
                     }
                 }
+            }
+            if let Plain::Stream = plain {
+                socket.read_exact(&mut buf[..1]).await?;
             }
             std::io::Result::Ok(())
         }));
@@ -300,14 +263,18 @@ async fn tcp(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
             let (mut write_unchecked, mut read_unchecked) = (0f64, 0f64);
             let (mut plain_write_trip, mut plain_read_trip) = (0f64, 0f64);
             for _ in 0..3 {
-                plain = plain.max(plain_tcp_rate(&shape).await.context("plain TCP baseline")?);
+                plain = plain.max(
+                    plain_tcp_rate(&shape, Plain::Stream)
+                        .await
+                        .context("plain TCP stream")?,
+                );
                 plain_write_trip = plain_write_trip.max(
-                    plain_round_trip_rate(&shape, RoundTrip::Write)
+                    plain_tcp_rate(&shape, Plain::WriteTrips)
                         .await
                         .context("plain TCP write round trips")?,
                 );
                 plain_read_trip = plain_read_trip.max(
-                    plain_round_trip_rate(&shape, RoundTrip::Read)
+                    plain_tcp_rate(&shape, Plain::ReadTrips)
                         .await
                         .context("plain TCP read round trips")?,
                 );

@@ -208,6 +208,41 @@ async fn a_byte_budget_smaller_than_a_message_still_reads_it() {
     assert!(entries.iter().all(|entry| entry.payload.len() == 700));
 }
 
+/// A nats-server whose `max_payload` is 4 KiB: a read's requests then hold 20 KiB,
+/// so reads of a few thousand messages take many requests.
+async fn small_payload_server() -> Fixture {
+    Fixture::with_server(
+        "test",
+        ServerOptions {
+            extra_config: "max_payload: 4096".into(),
+            ..ServerOptions::default()
+        },
+    )
+    .await
+}
+
+/// Counts, on this thread until the guard drops, the warnings of the event log's
+/// readers.
+fn count_read_warnings() -> (
+    Arc<std::sync::atomic::AtomicUsize>,
+    tracing::subscriber::DefaultGuard,
+) {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    let warnings = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let guard = tracing::subscriber::set_default(
+        tracing_subscriber::registry().with(ReadWarnings(warnings.clone())),
+    );
+    (warnings, guard)
+}
+
+fn assert_no_silent_read(warnings: &std::sync::atomic::AtomicUsize) {
+    assert_eq!(
+        warnings.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "a read went silent and asked again"
+    );
+}
+
 /// Counts the warnings the event log's readers log (a read that heard nothing for
 /// two heartbeats and asked again logs one).
 struct ReadWarnings(Arc<std::sync::atomic::AtomicUsize>);
@@ -229,19 +264,8 @@ async fn a_read_of_messages_of_every_size_never_waits_on_a_request_the_server_dr
     // the read would go silent for two heartbeats and ask again (with a warning);
     // over 8000 messages a charge off by even 2 bytes adds up to more than half a
     // request's budget (4 KiB max_payload: 20 KiB per request).
-    use tracing_subscriber::layer::SubscriberExt as _;
-    let warnings = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let _capture = tracing::subscriber::set_default(
-        tracing_subscriber::registry().with(ReadWarnings(warnings.clone())),
-    );
-    let fixture = Fixture::with_server(
-        "test",
-        ServerOptions {
-            extra_config: "max_payload: 4096".into(),
-            ..ServerOptions::default()
-        },
-    )
-    .await;
+    let (warnings, _capture) = count_read_warnings();
+    let fixture = small_payload_server().await;
     let log = fixture.stream("sizes").await;
     let size = |i: u64| usize::try_from(i * 7919 % 3500 + 1).unwrap();
     // Pipelined a thousand at a time (a JetStream context bounds the acks in flight).
@@ -264,11 +288,7 @@ async fn a_read_of_messages_of_every_size_never_waits_on_a_request_the_server_dr
     for (i, entry) in (0..).zip(&entries) {
         assert_eq!((entry.seq, entry.payload.len()), (i + 1, size(i)));
     }
-    assert_eq!(
-        warnings.load(std::sync::atomic::Ordering::Relaxed),
-        0,
-        "a read went silent and asked again"
-    );
+    assert_no_silent_read(&warnings);
 }
 
 #[tokio::test]
@@ -279,19 +299,8 @@ async fn a_lingering_follower_reads_every_append_in_order_through_bursts_and_qui
     // 20 KiB per request), then follows appends made one at a time, in bursts, and
     // after a quiet spell longer than two idle heartbeats: every entry comes, in
     // order, and the read never goes silent.
-    use tracing_subscriber::layer::SubscriberExt as _;
-    let warnings = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let _capture = tracing::subscriber::set_default(
-        tracing_subscriber::registry().with(ReadWarnings(warnings.clone())),
-    );
-    let fixture = Fixture::with_server(
-        "test",
-        ServerOptions {
-            extra_config: "max_payload: 4096".into(),
-            ..ServerOptions::default()
-        },
-    )
-    .await;
+    let (warnings, _capture) = count_read_warnings();
+    let fixture = small_payload_server().await;
     let log = filled(&fixture, "lingering", 500, 1000).await;
     let mut entries = log
         .read(ReadOptions {
@@ -329,11 +338,7 @@ async fn a_lingering_follower_reads_every_append_in_order_through_bursts_and_qui
         assert_eq!(entry.seq, expected);
     }
     appends.await.unwrap();
-    assert_eq!(
-        warnings.load(std::sync::atomic::Ordering::Relaxed),
-        0,
-        "a read went silent and asked again"
-    );
+    assert_no_silent_read(&warnings);
 }
 
 // ---- group commit ------------------------------------------------------------------
