@@ -52,7 +52,12 @@ HOW_TO_READ = {
     "stored its event: its floor is a raw JetStream publish+ack fenced as the "
     "sub-master appends (a message id and an expected last sequence), and its mean is "
     "split into the sub-master's write stages (queued, handled, batched, stored, "
-    "replied) and what is left outside it.",
+    "replied) and what is left outside it. The nats-server CPU rows are the broker's "
+    "user + system time per operation over the same samples: a raw fenced append's "
+    "is the CPU floor any durable put pays the broker, against the whole CPU a "
+    "Mooncake master spends on a put (about 95 us for its two RPCs, measured beside "
+    "it on this machine), which is why HKVM's server CPU stays above Mooncake's for "
+    "one client putting one object at a time (see the mooncake table).",
     "transfer": "Data-plane GB/s against plain TCP and memcpy on the same machine. "
     "Each TCP write and read is one value answered before the next (as a put to a "
     "replica and a get are), so each row is read twice: against plain tokio TCP "

@@ -14,6 +14,7 @@
 //! sub-master's appends are, and its time inside the sub-master is split into
 //! the stages of `hkvm_submaster_write_stage_seconds`.
 
+use std::future::Future;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
@@ -30,6 +31,7 @@ use xxhash_rust::xxh3::xxh3_64;
 use super::latency::{mean_us, quantile_us};
 use super::put::raw_fenced_publish;
 use super::report::{BenchResult, Printer};
+use super::scale::cpu_seconds;
 use super::stages::{print_write_stages, StageReading};
 use super::BenchNats;
 
@@ -156,6 +158,21 @@ fn layer(printer: &mut Printer, metric: &str, sorted: &[Duration], below: (&str,
     ));
 }
 
+/// Runs `work` (which yields one sample per operation) and the nats-server's CPU
+/// (user + system) per operation meanwhile, in microseconds; `None` when the
+/// server is not this bench's child.
+async fn broker_cpu_per_op<T>(
+    nats: &BenchNats,
+    work: impl Future<Output = anyhow::Result<Vec<T>>>,
+) -> anyhow::Result<(Vec<T>, Option<f64>)> {
+    let pid = nats.pid();
+    let before = cpu_seconds(pid);
+    let done = work.await?;
+    let spent = cpu_seconds(pid) - before;
+    let per_op = (pid.is_some() && !done.is_empty()).then(|| spent * 1e6 / done.len() as f64);
+    Ok((done, per_op))
+}
+
 /// Runs the workload.
 ///
 /// # Errors
@@ -192,12 +209,15 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     let value: &[u8] = &[0x5a; VALUE];
     let options = &PutOptions::default();
     let stages_before = StageReading::parse(&master.metrics_text());
-    let puts = samples(duration, KEYS, |i| async move {
-        let key = format!("bd-{i}");
-        let mut results = store.put(&[(key.as_str(), &[value][..])], options).await?;
-        results.pop().context("no put result")??;
-        Ok(())
-    })
+    let (puts, put_broker_cpu) = broker_cpu_per_op(
+        nats,
+        samples(duration, KEYS, |i| async move {
+            let key = format!("bd-{i}");
+            let mut results = store.put(&[(key.as_str(), &[value][..])], options).await?;
+            results.pop().context("no put result")??;
+            Ok(())
+        }),
+    )
     .await?;
     let stages = StageReading::parse(&master.metrics_text()).means_since(&stages_before);
     let large: &[u8] = &vec![0xa5; LARGE_VALUE];
@@ -217,7 +237,8 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
         ..Default::default()
     })
     .await?;
-    let fenced = raw_fenced_publish(&js, "bench.breakdown", duration).await?;
+    let (fenced, append_broker_cpu) =
+        broker_cpu_per_op(nats, raw_fenced_publish(&js, "bench.breakdown", duration)).await?;
     let _ = js.delete_stream("BENCH_BREAKDOWN").await;
 
     let node = NodeId::new(node_name_for(store.hostname()))?;
@@ -283,6 +304,25 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     let large_put = "put 1 MiB through the Rust client, local replica";
     layer(printer, large_put, &large_puts, (put, &puts));
     layer(printer, large_put, &large_puts, (large_copy, &large_copies));
+    if let (Some(append_cpu), Some(put_cpu)) = (append_broker_cpu, put_broker_cpu) {
+        let append_cpu_name = "nats-server CPU per raw fenced append, one at a time";
+        printer.print(&BenchResult::new(
+            WORKLOAD,
+            append_cpu_name,
+            append_cpu,
+            "us",
+            "none (the broker's CPU floor of a durable put)",
+            0.0,
+        ));
+        printer.print(&BenchResult::new(
+            WORKLOAD,
+            "nats-server CPU per put 4 KiB, one at a time",
+            put_cpu,
+            "us",
+            append_cpu_name,
+            append_cpu,
+        ));
+    }
     print_write_stages(
         WORKLOAD,
         "put 4 KiB",
