@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use futures::future::join_all;
-use hkvm_events::rpc::global::{GlobalOp, Locate, LocateReply};
+use hkvm_events::rpc::global::{BatchIsExistReply, GlobalOp, Locate, LocateReply};
 use hkvm_events::rpc::submaster::{ItemError, ItemResult};
 use hkvm_events::rpc::RpcReply;
 use hkvm_events::SubclusterId;
@@ -23,9 +23,11 @@ impl Store {
     }
 
     /// Whether each key exists anywhere in the cluster: the local sub-master's
-    /// (authoritative) answer, and the global master's for keys it does not hold
-    /// (a global master that is down or busy counts as "not elsewhere"; it is
-    /// not asked when the registry names no other sub-cluster).
+    /// (authoritative) answer, and the global master's for keys it does not hold,
+    /// counting only other sub-clusters (the global master's view of this one may
+    /// lag a removal the local sub-master already answered for). A global master
+    /// that is down or busy counts as "not elsewhere"; it is not asked when the
+    /// registry names no other sub-cluster.
     ///
     /// # Errors
     /// When the local sub-master is unreachable, or the store is closed.
@@ -39,8 +41,9 @@ impl Store {
         for chunk in missing.chunks(hkvm_events::rpc::global::MAX_BATCH_KEYS) {
             let asked: Vec<&str> = chunk.iter().map(|&i| keys[i].as_str()).collect();
             if let Ok(RpcReply::Ok(reply)) = self.global.batch_is_exist(&asked, None).await {
-                for (&index, count) in chunk.iter().zip(&reply.counts) {
-                    exists[index] = *count > 0;
+                let elsewhere = held_elsewhere(&reply, &self.address.subcluster);
+                for (&index, held) in chunk.iter().zip(elsewhere) {
+                    exists[index] = held;
                 }
             }
         }
@@ -185,5 +188,58 @@ impl Store {
             }
         }
         Ok(removed)
+    }
+}
+
+/// Per key of a global `batch_is_exist` answer, whether a sub-cluster other than
+/// `own` holds it.
+fn held_elsewhere(reply: &BatchIsExistReply, own: &SubclusterId) -> Vec<bool> {
+    let own = reply
+        .subclusters
+        .iter()
+        .position(|subcluster| subcluster == own);
+    let mut holders = reply.holders.iter();
+    reply
+        .counts
+        .iter()
+        .map(|&count| {
+            // Every holder of this key is taken, so the next key starts at its own.
+            let mut elsewhere = false;
+            for &holder in holders.by_ref().take(usize::from(count)) {
+                elsewhere |= Some(usize::from(holder)) != own;
+            }
+            elsewhere
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use hkvm_events::rpc::packed::Packed;
+
+    use super::*;
+
+    fn subcluster(name: &str) -> SubclusterId {
+        SubclusterId::new(name).unwrap()
+    }
+
+    #[test]
+    fn only_other_subclusters_count_as_elsewhere() {
+        // Keys: held by own only; by own and b; by b only; nowhere; by own.
+        let reply = BatchIsExistReply {
+            subclusters: vec![subcluster("own"), subcluster("b")],
+            counts: Packed(vec![1, 2, 1, 0, 1]),
+            holders: Packed(vec![0, 0, 1, 1, 0]),
+            ..BatchIsExistReply::default()
+        };
+        assert_eq!(
+            held_elsewhere(&reply, &subcluster("own")),
+            [false, true, true, false, false]
+        );
+        assert_eq!(
+            held_elsewhere(&reply, &subcluster("c")),
+            [true, true, true, false, true],
+            "a sub-cluster the answer does not name: every holder is another"
+        );
     }
 }
