@@ -19,14 +19,14 @@
 //! [`PullBudget`] is that bookkeeping, pure and unit-tested against a model of the
 //! server. [`PullReader`] books a request as soon as the client took it, before
 //! reading any answer and on the task that reads the answers, so no answer can be
-//! counted against a request not yet booked. (async-nats 0.51's message stream books a request only when its sending
-//! task reports back; a request the server answered in full before that report
-//! stays booked forever, and the read waits with no request at the server: the
-//! stall seen in global-master replays of large messages.) Should the books still
-//! drift from the server's (a server restart that drops its requests without a
-//! word), two missed idle heartbeats mean the server holds no request: the reader
-//! forgets its books and asks again once, and only a second silent spell ends the
-//! read with an error.
+//! counted against a request not yet booked. (async-nats 0.51's message stream
+//! books a request only when its sending task reports back; a request the server
+//! answered in full before that report stays booked forever, and the read waits
+//! with no request at the server: the stall seen in global-master replays of large
+//! messages.) Should the books still drift from the server's (a server restart
+//! that drops its requests without a word), two missed idle heartbeats mean the
+//! server holds no request: the reader forgets its books and asks again once, and
+//! only a second silent spell ends the read with an error.
 
 use std::time::Duration;
 
