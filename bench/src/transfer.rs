@@ -154,17 +154,21 @@ async fn plain_tcp_rate(shape: &Shape, plain: Plain) -> anyhow::Result<f64> {
             socket.set_nodelay(true)?;
             let value = Arc::clone(&value);
             servers.push(tokio::spawn(async move {
-                let mut buf = vec![0u8; value.len()];
-                for _ in 0..count {
+                // Two slots per stream, used in turn, as the node's segment is.
+                let len = value.len();
+                let mut slots = [value.to_vec(), value.to_vec()];
+                let mut request = [0u8; PLAIN_READ_REQUEST];
+                for i in 0..count {
+                    let slot = &mut slots[i % 2][..len];
                     match plain {
-                        Plain::Stream => socket.read_exact(&mut buf).await.map(drop)?,
+                        Plain::Stream => socket.read_exact(slot).await.map(drop)?,
                         Plain::WriteTrips => {
-                            socket.read_exact(&mut buf).await?;
+                            socket.read_exact(slot).await?;
                             socket.write_all(&[1]).await?;
                         }
                         Plain::ReadTrips => {
-                            socket.read_exact(&mut buf[..PLAIN_READ_REQUEST]).await?;
-                            socket.write_all(&value).await?;
+                            socket.read_exact(&mut request).await?;
+                            socket.write_all(slot).await?;
                         }
                     }
                 }
@@ -303,6 +307,18 @@ async fn tcp(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
                 (format!("TCP read {what}"), read, read_trip, plain_read_trip),
                 (format!("TCP write {what}"), write, baseline, plain),
                 (format!("TCP read {what}"), read, baseline, plain),
+                (
+                    format!("TCP write {what}, unchecked"),
+                    write_unchecked,
+                    write_trip,
+                    plain_write_trip,
+                ),
+                (
+                    format!("TCP read {what}, unchecked"),
+                    read_unchecked,
+                    read_trip,
+                    plain_read_trip,
+                ),
                 (
                     format!("TCP write {what}, unchecked"),
                     write_unchecked,

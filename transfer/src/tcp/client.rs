@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, BufReader};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use xxhash_rust::xxh3::xxh3_64;
@@ -19,13 +20,21 @@ use crate::transport::{ReadInto, WriteOp};
 /// Writes smaller than this are copied next to their header so that many small
 /// operations leave in one system call; larger ones are sent from the caller's slice.
 const COALESCE_BELOW: usize = 32 * 1024;
+/// Responses are read through a buffer of this size, so that the answers to many
+/// small operations arrive in one system call.
+const RECEIVE_BUFFER: usize = 64 * 1024;
+/// A read of at least this many bytes has its response header taken from the
+/// socket alone (when nothing is buffered), so that its payload lands straight in
+/// the caller's buffer instead of passing through the receive buffer.
+const DIRECT_READ_FROM: usize = 8 * 1024;
 /// The id of a response that refers to no request (the server could not trust the
 /// request's header and is closing the connection).
 pub(crate) const CONNECTION_ERROR_ID: u64 = u64::MAX;
 
 /// One pooled connection and its next request id.
 struct Conn {
-    stream: TcpStream,
+    reader: BufReader<OwnedReadHalf>,
+    writer: OwnedWriteHalf,
     next_id: u64,
 }
 
@@ -116,7 +125,12 @@ impl Pool {
                 endpoint: endpoint.to_owned(),
                 source,
             })?;
-        Ok(Conn { stream, next_id: 0 })
+        let (read_half, writer) = stream.into_split();
+        Ok(Conn {
+            reader: BufReader::with_capacity(RECEIVE_BUFFER, read_half),
+            writer,
+            next_id: 0,
+        })
     }
 
     async fn checkout(&self, endpoint: &str, fresh: bool) -> Result<Lease, TransferError> {
@@ -277,7 +291,7 @@ async fn exchange(
     let first_id = conn.next_id;
     let count = batch.len();
     conn.next_id = conn.next_id.wrapping_add(count as u64) % CONNECTION_ERROR_ID;
-    let (read_half, mut write_half) = conn.stream.split();
+    let Conn { reader, writer, .. } = conn;
     let (writes, mut reads) = match batch {
         Batch::Write(ops) => (Some(&**ops), None),
         Batch::Read(ops) => (None, Some(&mut **ops)),
@@ -296,27 +310,25 @@ async fn exchange(
                 if data.len() < COALESCE_BELOW {
                     pending.extend_from_slice(data);
                 } else {
-                    write_half.write_all(&pending).await?;
+                    super::write_all_vectored(writer, &pending, data).await?;
                     pending.clear();
-                    write_half.write_all(data).await?;
                 }
             }
             if pending.len() >= 64 * 1024 {
-                write_half.write_all(&pending).await?;
+                writer.write_all(&pending).await?;
                 pending.clear();
             }
         }
-        write_half.write_all(&pending).await?;
-        write_half.flush().await
+        writer.write_all(&pending).await?;
+        writer.flush().await
     };
     let receive = async {
-        let mut reader = BufReader::with_capacity(64 * 1024, read_half);
         let mut first_error = None;
         for index in 0..count {
             let expected = first_id.wrapping_add(index as u64) % CONNECTION_ERROR_ID;
             let buf = reads.as_mut().map(|ops| &mut *ops[index].buf);
             if let Some(error) =
-                receive_one(&mut reader, endpoint, index, expected, buf, headers.checked).await?
+                receive_one(reader, endpoint, index, expected, buf, headers.checked).await?
             {
                 first_error.get_or_insert(error);
             }
@@ -337,8 +349,8 @@ fn stamp_id(header: &mut [u8], id: u64) {
     header[end..].copy_from_slice(&check);
 }
 
-async fn receive_one<R: tokio::io::AsyncRead + Unpin>(
-    reader: &mut R,
+async fn receive_one(
+    reader: &mut BufReader<OwnedReadHalf>,
     endpoint: &str,
     index: usize,
     expected: u64,
@@ -346,10 +358,15 @@ async fn receive_one<R: tokio::io::AsyncRead + Unpin>(
     checked: bool,
 ) -> Result<Option<TransferError>, TransferError> {
     let mut raw = [0u8; RESPONSE_LEN];
-    reader
-        .read_exact(&mut raw)
-        .await
-        .map_err(|source| disconnected(endpoint, source))?;
+    let large = buf
+        .as_ref()
+        .is_some_and(|buf| buf.len() >= DIRECT_READ_FROM);
+    let header = if large && reader.buffer().is_empty() {
+        reader.get_mut().read_exact(&mut raw).await
+    } else {
+        reader.read_exact(&mut raw).await
+    };
+    header.map_err(|source| disconnected(endpoint, source))?;
     let response = Response::decode(&raw)?;
     if response.status != STATUS_OK {
         if response.len > frame::MAX_ERROR_MESSAGE {

@@ -8,7 +8,10 @@ pub(crate) mod server;
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::io::IoSlice;
+
 use futures::future::BoxFuture;
+use tokio::io::{AsyncWrite, AsyncWriteExt as _};
 use tokio::net::{TcpListener, ToSocketAddrs};
 
 pub use server::ServerHandle;
@@ -141,4 +144,24 @@ impl Transport for TcpTransport {
     ) -> BoxFuture<'a, Result<(), TransferError>> {
         Box::pin(self.pool.run(endpoint, client::Batch::Read(ops)))
     }
+}
+
+/// Writes `head` then `body` with as few system calls as the socket allows (one
+/// `writev` when it takes both): a header never leaves in a packet of its own.
+pub(crate) async fn write_all_vectored<W: AsyncWrite + Unpin>(
+    writer: &mut W,
+    head: &[u8],
+    body: &[u8],
+) -> std::io::Result<()> {
+    let mut slices = [IoSlice::new(head), IoSlice::new(body)];
+    let mut remaining = &mut slices[..];
+    IoSlice::advance_slices(&mut remaining, 0);
+    while !remaining.is_empty() {
+        let written = writer.write_vectored(remaining).await?;
+        if written == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut remaining, written);
+    }
+    Ok(())
 }

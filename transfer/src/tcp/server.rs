@@ -7,7 +7,7 @@
 use std::future::Future;
 use std::net::SocketAddr;
 
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, BufReader, BufWriter};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::{JoinHandle, JoinSet};
@@ -109,13 +109,32 @@ pub(crate) async fn accept_failed(error: &std::io::Error) {
 
 struct Connection {
     reader: BufReader<OwnedReadHalf>,
-    writer: BufWriter<OwnedWriteHalf>,
+    writer: OwnedWriteHalf,
+    /// Responses not yet sent: they leave together once no request is buffered.
+    pending: Vec<u8>,
 }
 
 impl Connection {
+    /// Queues a response; one whose body would overflow the buffer leaves at once
+    /// with what is queued, in one vectored write (no separate send of its header).
     async fn reply(&mut self, response: Response, body: &[u8]) -> std::io::Result<()> {
-        self.writer.write_all(&response.encode()).await?;
-        self.writer.write_all(body).await
+        self.pending.extend_from_slice(&response.encode());
+        if self.pending.len() + body.len() <= BUFFER {
+            self.pending.extend_from_slice(body);
+            return Ok(());
+        }
+        super::write_all_vectored(&mut self.writer, &self.pending, body).await?;
+        self.pending.clear();
+        Ok(())
+    }
+
+    /// Sends every queued response.
+    async fn flush(&mut self) -> std::io::Result<()> {
+        if !self.pending.is_empty() {
+            self.writer.write_all(&self.pending).await?;
+            self.pending.clear();
+        }
+        Ok(())
     }
 
     async fn reply_error(&mut self, id: u64, error: &TransferError) -> std::io::Result<()> {
@@ -151,12 +170,13 @@ async fn serve_connection(
     let (read_half, write_half) = stream.into_split();
     let mut conn = Connection {
         reader: BufReader::with_capacity(BUFFER, read_half),
-        writer: BufWriter::with_capacity(BUFFER, write_half),
+        writer: write_half,
+        pending: Vec::with_capacity(BUFFER),
     };
     let mut header = [0u8; REQUEST_MAX_LEN];
     loop {
         if conn.reader.buffer().is_empty() {
-            conn.writer.flush().await.map_err(io)?;
+            conn.flush().await.map_err(io)?;
         }
         let mut fixed = [0u8; REQUEST_FIXED_LEN];
         match conn.reader.read_exact(&mut fixed).await {
@@ -234,7 +254,7 @@ async fn refuse_connection(
     error: TransferError,
 ) -> Result<(), TransferError> {
     let _ = conn.reply_error(CONNECTION_ERROR_ID, &error).await;
-    let _ = conn.writer.flush().await;
+    let _ = conn.flush().await;
     Err(error)
 }
 
@@ -291,7 +311,7 @@ async fn serve_read(
     let source = unsafe { segment.range(request.offset, request.len)? };
     let checksum = if request.checked { xxh3_64(source) } else { 0 };
     let response = Response::ok(request.id, request.len, checksum);
-    // Larger than the buffer: `BufWriter` hands the slice to the socket directly.
+    // Larger than the buffer: sent from the region with its header, not copied.
     conn.reply(response, source)
         .await
         .map_err(|source| TransferError::Io {
