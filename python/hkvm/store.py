@@ -13,12 +13,14 @@ the GIL released.
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
 import re
 import threading
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 from . import _native
+from .address import AddressError, load_config_file, resolve
 
 __all__ = [
     "BufferHandle",
@@ -26,6 +28,7 @@ __all__ = [
     "MooncakeDistributedStore",
     "MooncakeHostMemAllocator",
     "ReplicateConfig",
+    "SoftPinAction",
 ]
 
 log = logging.getLogger("hkvm.store")
@@ -52,21 +55,62 @@ class ErrorCode:
     UNAVAILABLE_IN_CURRENT_MODE = -1011
 
 
+class SoftPinAction(enum.IntEnum):
+    """Mooncake's soft-pin choice for a put: keep what the object had
+    (``PRESERVE``), pin it softly (``ENABLE``) or not (``DISABLE``)."""
+
+    PRESERVE = 0
+    ENABLE = 1
+    DISABLE = 2
+
+
 class ReplicateConfig:
     """How a put is placed: ``replica_num`` copies on distinct nodes, the first on
     ``preferred_segment`` (``host:port`` of a store, as ``get_hostname()`` gives)
-    when it has room; ``with_hard_pin`` objects are never evicted. ``with_soft_pin``,
-    ``prefer_alloc_in_same_node`` and ``group_ids`` are accepted and have no effect
-    (HKVM evicts oldest first among unpinned, unleased objects)."""
+    when it has room; ``with_hard_pin`` objects are never evicted.
+
+    The other fields of Mooncake's ``ReplicateConfig`` are accepted and have no
+    effect (HKVM evicts oldest first among unpinned, unleased objects, and has no
+    NoF or DFS tiers): ``soft_pin_action``, ``soft_pin_ttl_ms``, ``with_soft_pin``
+    (older Mooncake's name), ``prefer_alloc_in_same_node``, ``group_ids``,
+    ``nof_replica_num``, ``dfs_replica_num``, ``preferred_nof_segments``,
+    ``data_type``. Any other attribute is an ``AttributeError``, as on
+    Mooncake: a misspelt field must not pass silently."""
+
+    __slots__ = (
+        "replica_num",
+        "with_hard_pin",
+        "preferred_segment",
+        "preferred_segments",
+        "soft_pin_action",
+        "soft_pin_ttl_ms",
+        "with_soft_pin",
+        "prefer_alloc_in_same_node",
+        "group_ids",
+        "nof_replica_num",
+        "dfs_replica_num",
+        "preferred_nof_segments",
+        "data_type",
+    )
 
     def __init__(self) -> None:
         self.replica_num: int = 1
-        self.with_soft_pin: bool = False
         self.with_hard_pin: bool = False
         self.preferred_segment: str = ""
         self.preferred_segments: List[str] = []
+        self.soft_pin_action: SoftPinAction = SoftPinAction.PRESERVE
+        self.soft_pin_ttl_ms: Optional[int] = None
+        self.with_soft_pin: bool = False
         self.prefer_alloc_in_same_node: bool = False
         self.group_ids: Optional[List[str]] = None
+        self.nof_replica_num: int = 0
+        self.dfs_replica_num: int = 0
+        self.preferred_nof_segments: List[str] = []
+        self.data_type: int = 0
+
+    def settings(self) -> Dict[str, Any]:
+        """Every field and its value."""
+        return {name: getattr(self, name) for name in self.__slots__}
 
     def _preferred(self) -> Optional[str]:
         if self.preferred_segment:
@@ -77,9 +121,8 @@ class ReplicateConfig:
 
     def __repr__(self) -> str:
         return (
-            f"ReplicateConfig(replica_num={self.replica_num}, "
-            f"with_soft_pin={self.with_soft_pin}, with_hard_pin={self.with_hard_pin}, "
-            f"preferred_segment={self.preferred_segment!r})"
+            f"ReplicateConfig(replica_num={self.replica_num}, with_hard_pin={self.with_hard_pin}, "
+            f"preferred_segment={self.preferred_segment!r}, soft_pin_action={self.soft_pin_action!r})"
         )
 
     __str__ = __repr__
@@ -181,7 +224,11 @@ class MooncakeDistributedStore:
         client only). ``metadata_server`` and ``engine`` are accepted and ignored;
         so are Mooncake's extra keywords (``tenant_id``, ``enable_ssd_offload``...).
         Also takes one dict with the same keys (values may be strings such as
-        ``"16MB"``). Returns 0, or a negative Mooncake error code."""
+        ``"16MB"``). The address may be in any of Mooncake's forms
+        (``host:port``, ``mooncakestore://host:port``; see :mod:`hkvm.address`);
+        without one, ``MOONCAKE_CONFIG_PATH``'s file gives the settings.
+        Returns 0, or a negative Mooncake error code."""
+        config: Dict[str, Any] = {}
         if isinstance(local_hostname, dict):
             config = {str(k): v for k, v in local_hostname.items()}
             local_hostname = config.get("local_hostname")
@@ -193,10 +240,29 @@ class MooncakeDistributedStore:
             master_server_addr = config.get(
                 "master_server_addr", config.get("master_server_address", master_server_addr)
             )
+        config.update({key: extras.pop(key) for key in ("hkvm_cluster", "hkvm_subcluster") if key in extras})
         if extras:
             log.debug("ignoring setup options HKVM does not use: %s", sorted(extras))
-        if not local_hostname or not master_server_addr:
-            log.error("setup needs local_hostname and master_server_addr")
+        try:
+            if not master_server_addr:
+                # Mooncake's configuration file: engines point MOONCAKE_CONFIG_PATH at it.
+                file = load_config_file()
+                for key, value in file.items():
+                    config.setdefault(key, value)
+                local_hostname = local_hostname or file.get("local_hostname")
+                master_server_addr = file.get("master_server_address", file.get("master_server_addr"))
+                if "global_segment_size" in file:
+                    global_segment_size = file["global_segment_size"]
+                if "local_buffer_size" in file:
+                    local_buffer_size = file["local_buffer_size"]
+                protocol = file.get("protocol", protocol)
+                rdma_devices = file.get("device_name", file.get("rdma_devices", rdma_devices))
+            address = resolve(master_server_addr, config)
+        except AddressError as error:
+            log.error("setup: %s", error)
+            return ErrorCode.INVALID_PARAMS
+        if not local_hostname:
+            log.error("setup needs local_hostname")
             return ErrorCode.INVALID_PARAMS
         try:
             segment = _parse_size(global_segment_size)
@@ -217,7 +283,7 @@ class MooncakeDistributedStore:
             try:
                 self._native = _native.NativeStore(
                     str(local_hostname),
-                    str(master_server_addr),
+                    address,
                     segment,
                     buffer,
                     str(protocol).lower(),

@@ -1,0 +1,285 @@
+"""`from mooncake.store import ...` is HKVM's with no edit: the start-up hook the
+package installs (hkvm_mooncake.pth) serves `mooncake.store`, the setup address
+picks HKVM or an installed Mooncake wheel, and every other `mooncake.*` module
+stays the wheel's.
+
+Each case runs in a fresh interpreter of the venv, so the hook is installed the
+way it is for a user: by the .pth file at start-up. A small stand-in wheel (a
+`mooncake` package on PYTHONPATH, shaped as the real one: `extend_path` in its
+`__init__`, which imports from `mooncake.store`) shows which backend a call
+reached."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import CLUSTER, address
+from hkvm.store import ReplicateConfig, SoftPinAction
+
+WHEEL_INIT = """\
+from pkgutil import extend_path
+
+__path__ = extend_path(__path__, __name__)
+try:
+    from mooncake.store import WheelOnly
+except (ImportError, AttributeError):
+    WheelOnly = None
+"""
+
+WHEEL_STORE = """\
+CALLS = []
+
+
+class ReplicateConfig:
+    __slots__ = ("replica_num", "with_hard_pin", "preferred_segment")
+
+    def __init__(self):
+        self.replica_num = 1
+        self.with_hard_pin = False
+        self.preferred_segment = ""
+
+
+class WheelOnly:
+    pass
+
+
+class MooncakeDistributedStore:
+    def setup(self, *args, **kwargs):
+        CALLS.append(["setup", list(args)])
+        return 0
+
+    def put(self, key, value, config=None):
+        assert config is None or isinstance(config, ReplicateConfig), type(config)
+        CALLS.append(["put", key, config.replica_num if config else None])
+        return 0
+
+    def setup_dummy(self, *args):
+        CALLS.append(["setup_dummy", list(args)])
+        return 0
+
+    def get(self, key):
+        return b"from the wheel"
+
+    def close(self):
+        return 0
+"""
+
+
+@pytest.fixture
+def wheel(tmp_path) -> Path:
+    """A directory holding a stand-in Mooncake wheel (`mooncake.store`,
+    `mooncake.engine`)."""
+    package = tmp_path / "site" / "mooncake"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(WHEEL_INIT)
+    (package / "store.py").write_text(WHEEL_STORE)
+    (package / "engine.py").write_text('NAME = "the wheel\'s engine"\n')
+    return tmp_path / "site"
+
+
+def run(script: str, *, wheel: Path = None, env: dict = None) -> dict:
+    """Runs `script` in a fresh interpreter of this venv; it prints one JSON
+    object, returned here."""
+    environment = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("HKVM_CLUSTER", "HKVM_SUBCLUSTER", "HKVM_MOONCAKE", "MOONCAKE_"))
+    }
+    environment.pop("PYTHONPATH", None)
+    if wheel is not None:
+        environment["PYTHONPATH"] = str(wheel)
+    environment.update(env or {})
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["stderr"] = done.stderr
+    return result
+
+
+PUT_GET = """
+    import json
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+    store = MooncakeDistributedStore()
+    setup = store.setup("localhost", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", {address!r})
+    config = ReplicateConfig()
+    config.replica_num = 1
+    put = store.put("mooncake-import-{tag}", b"hkvm value", config) if setup == 0 else None
+    got = store.get("mooncake-import-{tag}") if setup == 0 else b""
+    store.close()
+    print(json.dumps({{"setup": setup, "put": put, "got": got.decode(), "class": type(store).__name__}}))
+"""
+
+
+def test_without_a_wheel_mooncake_store_is_hkvm(cluster):
+    result = run(
+        """
+        import json, mooncake, mooncake.store
+        print(json.dumps({"store": mooncake.store.__spec__.origin, "package": mooncake.__doc__}))
+        """
+    )
+    assert result["store"] == "hkvm.mooncake_store"
+    assert "Stand-in" in result["package"]
+
+    result = run(PUT_GET.format(address=address(cluster, "sc-0"), tag="nats"))
+    assert (result["setup"], result["put"], result["got"]) == (0, 0, "hkvm value")
+    assert result["class"] == "MooncakeDistributedStore"
+
+
+def test_host_port_joins_the_pool_the_environment_names(cluster):
+    host_port = cluster.split("://", 1)[1]
+    named = {"HKVM_CLUSTER": CLUSTER, "HKVM_SUBCLUSTER": "sc-1"}
+    result = run(PUT_GET.format(address=host_port, tag="host-port"), env=named)
+    assert (result["setup"], result["put"], result["got"]) == (0, 0, "hkvm value")
+    # LMCache's URL form.
+    result = run(PUT_GET.format(address=f"mooncakestore://{host_port}", tag="lmcache"), env=named)
+    assert (result["setup"], result["got"]) == (0, "hkvm value")
+
+
+def test_a_pool_nobody_named_fails_setup_and_says_why(cluster):
+    host_port = cluster.split("://", 1)[1]
+    result = run(PUT_GET.format(address=host_port, tag="unnamed"))
+    assert result["setup"] == -600
+    assert "HKVM_CLUSTER" in result["stderr"] and "HKVM_SUBCLUSTER" in result["stderr"]
+
+
+def test_mooncake_config_path_file_is_read(cluster, tmp_path):
+    config = tmp_path / "mooncake.json"
+    config.write_text(
+        json.dumps(
+            {
+                "local_hostname": "localhost",
+                "metadata_server": "P2PHANDSHAKE",
+                "global_segment_size": "16MB",
+                "local_buffer_size": "16MB",
+                "protocol": "tcp",
+                "device_name": "",
+                "master_server_address": address(cluster, "sc-0"),
+            }
+        )
+    )
+    result = run(
+        """
+        import json
+        from mooncake.store import MooncakeDistributedStore
+        store = MooncakeDistributedStore()
+        setup = store.setup(None)
+        put = store.put("mooncake-import-config-file", b"v")
+        print(json.dumps({"setup": setup, "put": put, "hostname": store.get_hostname()}))
+        store.close()
+        """,
+        env={"MOONCAKE_CONFIG_PATH": str(config)},
+    )
+    assert (result["setup"], result["put"]) == (0, 0)
+    assert result["hostname"].startswith("localhost:")
+
+
+def test_with_a_wheel_other_addresses_and_modules_stay_the_wheels(cluster, wheel):
+    result = run(
+        """
+        import json, mooncake
+        from mooncake.engine import NAME
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig, WheelOnly
+        import mooncake.store
+        wheel_store = MooncakeDistributedStore()
+        setup = wheel_store.setup("localhost", "P2PHANDSHAKE", 1 << 20, 1 << 20, "tcp", "", "127.0.0.1:50051")
+        config = ReplicateConfig()
+        config.replica_num = 2
+        put = wheel_store.put("k", b"v", config)
+        from hkvm._mooncake_hook import real_store
+        print(json.dumps({
+            "engine": NAME,
+            "init_saw": mooncake.WheelOnly is WheelOnly,
+            "store_module": mooncake.store.__spec__.origin,
+            "setup": setup, "put": put, "got": wheel_store.get("k").decode(),
+            "class": type(wheel_store).__name__,
+            "calls": real_store().CALLS,
+        }))
+        """,
+        wheel=wheel,
+    )
+    assert result["engine"] == "the wheel's engine"
+    assert result["init_saw"] is True
+    assert result["store_module"] == "hkvm.mooncake_store"
+    assert (result["setup"], result["put"], result["got"]) == (0, 0, "from the wheel")
+    assert result["class"] == "_OnWheel"
+    # HKVM's ReplicateConfig reached the wheel as the wheel's own, its setting kept.
+    assert result["calls"][0][0] == "setup" and result["calls"][0][1][-1] == "127.0.0.1:50051"
+    assert result["calls"][1] == ["put", "k", 2]
+
+    # Beside the wheel, an HKVM address (or HKVM_CLUSTER) still reaches HKVM.
+    result = run(PUT_GET.format(address=address(cluster, "sc-0"), tag="beside-wheel"), wheel=wheel)
+    assert (result["setup"], result["got"], result["class"]) == (0, "hkvm value", "MooncakeDistributedStore")
+    host_port = cluster.split("://", 1)[1]
+    result = run(
+        PUT_GET.format(address=host_port, tag="beside-wheel-env"),
+        wheel=wheel,
+        env={"HKVM_CLUSTER": CLUSTER, "HKVM_SUBCLUSTER": "sc-0"},
+    )
+    assert (result["setup"], result["got"]) == (0, "hkvm value")
+    # HKVM_MOONCAKE=hkvm sends every address to HKVM.
+    result = run(PUT_GET.format(address="127.0.0.1:50051", tag="forced"), wheel=wheel, env={"HKVM_MOONCAKE": "hkvm"})
+    assert result["setup"] == -600 and "HKVM_CLUSTER" in result["stderr"]
+
+
+def test_a_dummy_goes_to_the_hkvm_real_client_that_serves_its_port(real_client, wheel):
+    script = """
+        import json
+        from mooncake.store import MooncakeDistributedStore
+        store = MooncakeDistributedStore()
+        setup = store.setup_dummy(16 << 20, 16 << 20, {server!r})
+        print(json.dumps({{"setup": setup, "class": type(store).__name__}}))
+        store.close()
+    """
+    result = run(script.format(server=f"127.0.0.1:{real_client.port}"), wheel=wheel)
+    assert (result["setup"], result["class"]) == (0, "MooncakeDistributedStore")
+    # No HKVM real client on that port: the wheel's dummy.
+    result = run(script.format(server="127.0.0.1:1"), wheel=wheel)
+    assert (result["setup"], result["class"]) == (0, "_OnWheel")
+
+
+def test_off_leaves_mooncake_to_the_wheel(wheel):
+    result = run(
+        """
+        import json, mooncake.store
+        print(json.dumps({"file": mooncake.store.__file__}))
+        """,
+        wheel=wheel,
+        env={"HKVM_MOONCAKE": "off"},
+    )
+    assert result["file"] == str(wheel / "mooncake" / "store.py")
+    result = run(
+        """
+        import json
+        try:
+            import mooncake.store
+            found = True
+        except ModuleNotFoundError:
+            found = False
+        print(json.dumps({"found": found}))
+        """,
+        env={"HKVM_MOONCAKE": "off"},
+    )
+    assert result["found"] is False
+
+
+def test_replicate_config_refuses_misspelt_fields():
+    config = ReplicateConfig()
+    config.soft_pin_action = SoftPinAction.ENABLE
+    config.soft_pin_ttl_ms = 30_000
+    config.nof_replica_num = 0
+    with pytest.raises(AttributeError):
+        config.replica_nmu = 2  # type: ignore[attr-defined]
+    assert config.settings()["soft_pin_action"] == SoftPinAction.ENABLE
