@@ -283,3 +283,99 @@ def test_replicate_config_refuses_misspelt_fields():
     with pytest.raises(AttributeError):
         config.replica_nmu = 2  # type: ignore[attr-defined]
     assert config.settings()["soft_pin_action"] == SoftPinAction.ENABLE
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def mooncake_wheel_python() -> str:
+    """The interpreter of a venv holding the real Mooncake wheel
+    (`HKVM_MOONCAKE_PYTHON`; scripts/test installs the pinned one)."""
+    python = os.environ.get("HKVM_MOONCAKE_PYTHON")
+    if not python:
+        pytest.skip("HKVM_MOONCAKE_PYTHON names no interpreter with the Mooncake wheel (scripts/test sets it)")
+    return python
+
+
+def test_beside_the_real_mooncake_wheel(cluster, mooncake_wheel_python, tmp_path):
+    """The real wheel (a pybind11 `store` extension, whose loading enters itself
+    into sys.modules) beside HKVM's hook, installed as the wheel installs it (the
+    .pth processed as at start-up): a Mooncake address reaches a real
+    `mooncake_master`, an HKVM address reaches HKVM, in one process."""
+    import shutil
+    import socket
+    import time
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    shutil.copy(Path(__file__).resolve().parents[1] / "hkvm_mooncake.pth", hook)
+    located = subprocess.run(
+        [mooncake_wheel_python, "-c", "import mooncake, os; print(os.path.dirname(mooncake.__file__))"],
+        capture_output=True, text=True, check=True,
+    )
+    master_binary = Path(located.stdout.strip()) / "mooncake_master"
+    rpc, http, metrics = _free_port(), _free_port(), _free_port()
+    master = subprocess.Popen(
+        [
+            str(master_binary), "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
+            "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={http}", f"--metrics_port={metrics}", f"--log_dir={tmp_path}",
+        ],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # readiness: the master accepts RPC connections
+            assert master.poll() is None, "mooncake_master exited"
+            try:
+                socket.create_connection(("127.0.0.1", rpc), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "mooncake_master did not listen"
+                time.sleep(0.05)
+        script = f"""
+import json, site
+site.addsitedir({str(hook)!r})
+from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+import mooncake.engine, mooncake.store
+on_wheel = MooncakeDistributedStore()
+wheel_setup = on_wheel.setup("127.0.0.1", "http://127.0.0.1:{http}/metadata", 32 << 20, 16 << 20,
+                             "tcp", "", "127.0.0.1:{rpc}")
+config = ReplicateConfig()
+config.with_hard_pin = True
+wheel_put = on_wheel.put("beside-the-wheel", b"on mooncake", config)
+wheel_get = on_wheel.get("beside-the-wheel").decode()
+on_hkvm = MooncakeDistributedStore()
+hkvm_setup = on_hkvm.setup("localhost", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", {address(cluster, "sc-0")!r})
+hkvm_put = on_hkvm.put("beside-the-wheel", b"on hkvm")
+hkvm_get = on_hkvm.get("beside-the-wheel").decode()
+print(json.dumps({{
+    "module": mooncake.store.__spec__.origin,
+    "engine": mooncake.engine.__file__,
+    "wheel": [wheel_setup, wheel_put, wheel_get, type(on_wheel).__name__],
+    "hkvm": [hkvm_setup, hkvm_put, hkvm_get, type(on_hkvm).__name__],
+}}))
+on_hkvm.close()
+on_wheel.close()
+"""
+        environment = {k: v for k, v in os.environ.items() if not k.startswith(("HKVM_CLUSTER", "HKVM_SUBCLUSTER", "HKVM_MOONCAKE"))}
+        environment["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+        environment["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+        done = subprocess.run(
+            [mooncake_wheel_python, "-c", script], env=environment, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+    finally:
+        master.kill()
+        master.wait(timeout=20)
+    assert result["module"] == "hkvm.mooncake_store"
+    assert result["engine"].endswith("engine.so")
+    assert result["wheel"] == [0, 0, "on mooncake", "_OnWheel"]
+    assert result["hkvm"] == [0, 0, "on hkvm", "MooncakeDistributedStore"]
