@@ -5,7 +5,7 @@
 //! their keys' positions. Results are Mooncake codes (0 or negative), sizes, or
 //! Python objects; nothing here raises after setup.
 
-use hkvm_client::store::BufferRegistry;
+use hkvm_client::store::{check_host_range, BufferRegistry};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes};
 
@@ -362,6 +362,17 @@ impl NativeStore {
     /// pool and `MooncakeHostMemAllocator` memory), or the code of a failure to
     /// share it.
     fn register_buffer(&self, py: Python<'_>, ptr: usize, size: usize) -> i32 {
+        // A GPU tensor's data_ptr() (vLLM registers its KV cache) would be
+        // dereferenced on the CPU by every later call: refuse it here.
+        if let Err(error) = check_host_range(ptr, size) {
+            tracing::error!(
+                ptr = format_args!("{ptr:#x}"),
+                size,
+                %error,
+                "register_buffer refused: HKVM moves host memory only (a GPU device pointer? register host or pinned memory)"
+            );
+            return INVALID;
+        }
         if self.buffers.register(ptr, size).is_err() {
             return INVALID;
         }

@@ -109,6 +109,30 @@ def test_zero_copy_put_from_and_get_into(store, key):
     assert store.get_into(key, base + 4096, 100) == ErrorCode.INVALID_PARAMS
 
 
+def test_memory_the_cpu_cannot_touch_is_refused_at_registration(store, key):
+    """A GPU tensor's data_ptr() (vLLM registers its KV cache) is address space the
+    CPU has no access to: CUDA reserves it as a PROT_NONE mapping. Registering
+    such a range is refused (-600), so no later call dereferences it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = 1 << 20
+    prot_none, map_private_anonymous = 0, 0x02 | 0x20
+    reserved = libc.mmap(None, size, prot_none, map_private_anonymous, -1, 0)
+    assert reserved not in (None, ctypes.c_void_p(-1).value)
+    try:
+        assert store.register_buffer(reserved, size) == ErrorCode.INVALID_PARAMS
+        assert store.put(key, b"v" * 4096) == 0
+        assert store.get_into(key, reserved, size) == ErrorCode.INVALID_PARAMS
+        # Host memory is still fine.
+        buffer, base = registered(store)
+        assert store.get_into(key, base, size) == 4096
+        assert buffer[:4096] == b"v" * 4096
+    finally:
+        libc.munmap(reserved, size)
+
+
 def test_zero_copy_batches_and_multi_buffers(store, key):
     buffer, base = registered(store)
     keys = [f"{key}-{i}" for i in range(4)]

@@ -9,6 +9,7 @@ mod address;
 mod buffers;
 mod cluster_wide;
 mod code;
+mod host_range;
 mod peers;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -23,6 +24,7 @@ use tokio::sync::Mutex;
 pub use address::{AddressError, StoreAddress};
 pub use buffers::{BufferRegistry, RegisterError};
 pub use code::ErrorCode;
+pub use host_range::{check_host_range, check_in_maps, HostRangeError};
 
 use crate::connect::{connect, ConnectError};
 use crate::kv::{KvClient, KvError, Located, PutOptions};
