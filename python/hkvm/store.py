@@ -12,11 +12,13 @@ the GIL released.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import enum
 import logging
 import re
 import threading
+import weakref
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 from . import _native
@@ -194,9 +196,26 @@ def _as_bytes(value: Any) -> bytes:
     return bytes(memoryview(value).cast("B"))
 
 
+#: Every store object alive in this process: closed at interpreter exit.
+_LIVE_STORES: "weakref.WeakSet[MooncakeDistributedStore]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_stores() -> None:
+    """Closes the stores a program left open (Mooncake's destructor does; SGLang's
+    backend relies on it): their segments are unmounted now rather than at the
+    node timeout, so no put is placed on memory nobody serves any more."""
+    for store in list(_LIVE_STORES):
+        try:
+            store.close()
+        except Exception:  # pragma: no cover - best effort at exit
+            log.debug("closing a store at exit failed", exc_info=True)
+
+
 class MooncakeDistributedStore:
     """A client (and, with a segment size, a node) of an HKVM pool with Mooncake
-    Store's API. Construct it, then ``setup(...)``."""
+    Store's API. Construct it, then ``setup(...)``. A store dropped without
+    ``close()`` (garbage collected, or left open at exit) is closed then."""
 
     def __init__(self) -> None:
         self._native: Any = None
@@ -204,6 +223,16 @@ class MooncakeDistributedStore:
         # Memory alloc_from_mem_pool handed out (a full store's private buffers).
         self._owned: Dict[int, Any] = {}
         _native.init_logging()
+        _LIVE_STORES.add(self)
+
+    def __del__(self) -> None:
+        # Garbage collected while set up: unmount, as Mooncake's destructor does.
+        native = self.__dict__.get("_native")
+        if native is not None:
+            try:
+                native.close()
+            except Exception:  # pragma: no cover - never raise from __del__
+                pass
 
     # -- setup and lifecycle ------------------------------------------------------
 

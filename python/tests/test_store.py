@@ -291,3 +291,50 @@ def test_setup_forms_and_bad_setups(cluster):
     assert time.monotonic() - started < 10
     assert bad.setup("localhost", "", 0, 0, "tcp", "", address(cluster, "no-such-sc")) == ErrorCode.RPC_FAIL
     assert bad.health_check() == 1
+
+
+LEFT_OPEN = """
+import gc, sys
+from hkvm.store import MooncakeDistributedStore
+store = MooncakeDistributedStore()
+assert store.setup("localhost", "P2PHANDSHAKE", 32 << 20, 16 << 20, "tcp", "", {address!r}) == 0
+print(store.get_hostname(), flush=True)
+if {drop}:
+    del store
+    gc.collect()
+    print("dropped", flush=True)
+    sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("how", ["garbage-collected", "left open at exit"])
+def test_a_store_never_closed_unmounts_its_segment(cluster, key, how):
+    """Mooncake's destructor tears a store down and SGLang's backend relies on it
+    (its close() does nothing). A store garbage-collected, or still open when its
+    program exits, unmounts its segment then: a put that prefers that segment
+    lands elsewhere instead of failing on memory nobody serves (-800)."""
+    drop = how == "garbage-collected"
+    process = subprocess.Popen(
+        [python(), "-c", LEFT_OPEN.format(address=address(cluster, "sc-0"), drop=drop)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        hostname = process.stdout.readline().strip()
+        assert hostname.startswith("localhost:"), hostname
+        if drop:
+            assert process.stdout.readline().strip() == "dropped"
+        else:
+            assert process.wait(timeout=60) == 0
+        checker = open_store(cluster, "sc-0", segment=0)
+        try:
+            config = ReplicateConfig()
+            config.preferred_segment = hostname
+            for i in range(20):
+                assert checker.put(f"{key}-{i}", b"v" * 4096, config) == 0, f"put {i} went to the closed segment"
+                assert checker.get(f"{key}-{i}") == b"v" * 4096
+        finally:
+            checker.close()
+    finally:
+        if process.poll() is None:
+            process.stdin.close()
+            process.wait(timeout=60)
