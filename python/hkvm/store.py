@@ -270,6 +270,16 @@ class MooncakeDistributedStore:
                 "master_server_addr", config.get("master_server_address", master_server_addr)
             )
         config.update({key: extras.pop(key) for key in ("hkvm_cluster", "hkvm_subcluster") if key in extras})
+        tenant = extras.pop("tenant_id", config.get("tenant_id"))
+        if tenant is not None and str(tenant).strip() not in ("", "default"):
+            # Sharing one key space between tenants would leak one's KV cache to
+            # another: refuse until tenants are isolated.
+            log.error(
+                "setup: tenant_id %r: HKVM does not isolate tenants yet; refusing rather than "
+                "sharing keys with every other tenant (leave tenant_id unset or 'default')",
+                tenant,
+            )
+            return ErrorCode.INVALID_PARAMS
         if extras:
             log.debug("ignoring setup options HKVM does not use: %s", sorted(extras))
         try:

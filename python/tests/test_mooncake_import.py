@@ -379,3 +379,79 @@ on_wheel.close()
     assert result["engine"].endswith("engine.so")
     assert result["wheel"] == [0, 0, "on mooncake", "_OnWheel"]
     assert result["hkvm"] == [0, 0, "on hkvm", "MooncakeDistributedStore"]
+
+
+def test_the_calls_of_sglangs_own_mooncake_backend(cluster):
+    """SGLang's `--hicache-storage-backend mooncake` (MooncakeStore in
+    sglang/srt/mem_cache/storage/mooncake_store/mooncake_store.py) imports
+    `mooncake.store` and makes exactly these calls; each works on HKVM through
+    the hook, with the arguments SGLang passes (SGLang itself needs torch and a
+    GPU, so its calls are replayed here)."""
+    import ctypes
+    import uuid
+
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+    assert hasattr(ReplicateConfig(), "group_ids")  # its group-semantics probe
+    store = MooncakeDistributedStore()
+    # setup(hostname, metadata, per-rank segment, local buffer, protocol, device,
+    # master, transfer_engine, **kwargs): the engine and the HTTP-server keywords
+    # are accepted.
+    code = store.setup(
+        "localhost", "P2PHANDSHAKE", 64 << 20, 16 << 20, "tcp", "", address(cluster, "sc-0"), None,
+        enable_client_http_server=True, client_http_port=9300,
+    )
+    assert code == 0
+    try:
+        # warmup()
+        warmup_key = "sglang_mooncake_store_warmup_key" + uuid.uuid4().hex
+        assert store.put(warmup_key, bytes(4 * 1024)) == 0
+        assert store.is_exist(warmup_key) == 1
+        assert store.get(warmup_key) == bytes(4 * 1024)
+        # register_mem_pool_host(): the host pool's buffer (a CPU tensor's data_ptr).
+        page, pages = 8192, 8
+        pool = ctypes.create_string_buffer(page * pages * 2)
+        base = ctypes.addressof(pool)
+        assert store.register_buffer(base, page * pages * 2) == 0
+        for i in range(page * pages):
+            pool[i] = i % 251
+        prefix = f"sglang-{uuid.uuid4().hex}"
+        keys = [f"{prefix}_{p}_0_k" for p in range(pages)]
+        # batch_set_v1(): batch_is_exist, then batch_put_from of the missing ones.
+        assert store.batch_is_exist(keys) == [0] * pages
+        ptrs = [base + p * page for p in range(pages)]
+        assert store.batch_put_from(keys, ptrs, [page] * pages) == [0] * pages
+        # With group semantics: a ReplicateConfig carrying group_ids.
+        config = ReplicateConfig()
+        config.group_ids = [f"sglang-hicache:{k}" for k in keys]
+        grouped = [k + "_g" for k in keys]
+        assert store.batch_put_from(grouped, ptrs, [page] * pages, config) == [0] * pages
+        # MLA layer_first layouts: several buffers per object.
+        multi = [k + "_m" for k in keys[:2]]
+        halves = [[base + p * page, base + p * page + page // 2] for p in range(2)]
+        sizes = [[page // 2, page // 2] for _ in range(2)]
+        assert store.batch_put_from_multi_buffers(multi, halves, sizes, ReplicateConfig()) == [0, 0]
+        # batch_exists(): the hit prefix; batch_get_v1(): batch_get_into.
+        assert store.batch_is_exist(keys + [prefix + "_missing"]) == [1] * pages + [0]
+        into = [base + page * pages + p * page for p in range(pages)]
+        assert store.batch_get_into(keys, into, [page] * pages) == [page] * pages
+        assert pool[page * pages : page * pages * 2] == pool[: page * pages]
+        out = [[base + page * pages + p * page, base + page * pages + p * page + page // 2] for p in range(2)]
+        assert store.batch_get_into_multi_buffers(multi, out, sizes) == [page, page]
+        # clear(): remove_all() without force.
+        assert store.remove_all() >= 0
+    finally:
+        store.close()
+
+
+def test_a_tenant_is_refused_rather_than_shared(cluster):
+    """Mooncake isolates tenants' keys; HKVM does not yet, so a non-default
+    tenant_id fails setup (-600) instead of sharing every key with other tenants."""
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    at = address(cluster, "sc-0")
+    assert store.setup("localhost", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", at, tenant_id="team-a") == -600
+    assert store.setup({"local_hostname": "localhost", "master_server_address": at, "tenant_id": "team-a"}) == -600
+    assert store.setup("localhost", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", at, tenant_id="default") == 0
+    store.close()
