@@ -215,19 +215,21 @@ impl NodeHandle {
     /// # Errors
     /// [`NodeError`] when the segment, the listener or the mount fails.
     pub async fn start(config: NodeConfig, client: SubmasterClient) -> Result<Self, NodeError> {
-        let segment =
-            Segment::allocate(RegionId::new(config.segment.as_str())?, config.segment_size)?;
-        if config.populate {
-            populate(&segment).await;
-        }
         // Every read through this transport is the KV client's (for the node's own
         // store or its dummies), which verifies each value end to end.
         let transport = TcpTransport::new(TcpConfig {
             read_checksums: false,
             ..TcpConfig::default()
         });
-        transport.register(Arc::clone(&segment))?;
+        // The port first: a port chosen a moment ago is taken at once, not after
+        // the segment is populated (seconds for a large one).
         let server = transport.bind(config.listen).await?;
+        let segment =
+            Segment::allocate(RegionId::new(config.segment.as_str())?, config.segment_size)?;
+        if config.populate {
+            populate(&segment).await;
+        }
+        transport.register(Arc::clone(&segment))?;
         let endpoint = advertised_endpoint(config.advertise.as_deref(), server.local_addr());
         let rdma = serve_rdma(&config, &segment, &endpoint).await?;
         let advert = rdma.as_ref().map(|serving| serving.advert.clone());

@@ -210,9 +210,38 @@ fn split_host(local_hostname: &str) -> Result<(String, u16), StoreError> {
     }
 }
 
-/// A free TCP port on `ip` (the node binds it right after; the race with another
-/// process taking it in between is accepted: setup then fails and can be retried).
+/// How many ports a store picks before giving up when each was taken between
+/// the pick and the bind.
+const PORT_ATTEMPTS: u32 = 8;
+
+/// Whether a node failed to start because its listen port was in use.
+fn port_taken(error: &NodeError) -> bool {
+    matches!(
+        error,
+        NodeError::Transfer(hkvm_transfer::TransferError::Io { source, .. })
+            if source.kind() == std::io::ErrorKind::AddrInUse
+    )
+}
+
+/// The ports Mooncake's clients serve their memory on when none is given: the
+/// range firewalls between inference hosts are opened for.
+pub const MOONCAKE_PORTS: std::ops::RangeInclusive<u16> = 12300..=14300;
+
+/// A free TCP port on `ip`, from [`MOONCAKE_PORTS`] (tried from a random start, so
+/// that processes starting together spread over it) and only when all of those
+/// are taken any port the kernel gives. The node binds it right after; the race
+/// with another process taking it in between is accepted: setup then fails and
+/// can be retried.
 fn free_port(ip: std::net::IpAddr) -> Result<u16, StoreError> {
+    let (first, last) = (*MOONCAKE_PORTS.start(), *MOONCAKE_PORTS.end());
+    let span = last - first + 1;
+    let start = rand::random::<u16>() % span;
+    let in_range = (0..span)
+        .map(|step| first + (start + step) % span)
+        .find(|&port| std::net::TcpListener::bind((ip, port)).is_ok());
+    if let Some(port) = in_range {
+        return Ok(port);
+    }
     std::net::TcpListener::bind((ip, 0))
         .and_then(|listener| listener.local_addr())
         .map(|addr| addr.port())
@@ -267,26 +296,39 @@ impl Store {
                 .and_then(|mut addrs| addrs.next())
                 .map(|addr| addr.ip())
                 .ok_or_else(|| StoreError::InvalidParams(format!("cannot resolve {host:?}")))?;
-            let listen = match config.listen {
-                Some(listen) if listen.port() != 0 => listen,
-                Some(listen) => std::net::SocketAddr::new(listen.ip(), free_port(listen.ip())?),
-                None => {
-                    let port = if port == 0 { free_port(ip)? } else { port };
-                    std::net::SocketAddr::new(ip, port)
+            // A port this process picked may be taken by another picking at the
+            // same moment (ranks of one engine start together): pick again.
+            let picked_here = config.listen.map_or(port == 0, |listen| listen.port() == 0);
+            let mut attempts = 0;
+            let node = loop {
+                let listen = match config.listen {
+                    Some(listen) if listen.port() != 0 => listen,
+                    Some(listen) => std::net::SocketAddr::new(listen.ip(), free_port(listen.ip())?),
+                    None => {
+                        let port = if port == 0 { free_port(ip)? } else { port };
+                        std::net::SocketAddr::new(ip, port)
+                    }
+                };
+                let endpoint = format!("{host}:{}", if port == 0 { listen.port() } else { port });
+                let node_id = match config.node_id.clone() {
+                    Some(id) => id,
+                    None => NodeId::new(node_name_for(&endpoint))
+                        .map_err(|e| StoreError::InvalidParams(e.to_string()))?,
+                };
+                let mut node_config = NodeConfig::new(node_id, config.global_segment_size)
+                    .map_err(|e| StoreError::InvalidParams(e.to_string()))?;
+                node_config.listen = listen;
+                node_config.advertise = Some(endpoint.clone());
+                node_config.protocol = config.protocol.clone();
+                match NodeHandle::start(node_config, metadata.clone()).await {
+                    Ok(node) => break node,
+                    Err(error) if picked_here && attempts < PORT_ATTEMPTS && port_taken(&error) => {
+                        attempts += 1;
+                        tracing::debug!(%listen, attempts, "the port picked was taken meanwhile; picking another");
+                    }
+                    Err(error) => return Err(error.into()),
                 }
             };
-            let endpoint = format!("{host}:{}", if port == 0 { listen.port() } else { port });
-            let node_id = match config.node_id.clone() {
-                Some(id) => id,
-                None => NodeId::new(node_name_for(&endpoint))
-                    .map_err(|e| StoreError::InvalidParams(e.to_string()))?,
-            };
-            let mut node_config = NodeConfig::new(node_id, config.global_segment_size)
-                .map_err(|e| StoreError::InvalidParams(e.to_string()))?;
-            node_config.listen = listen;
-            node_config.advertise = Some(endpoint.clone());
-            node_config.protocol = config.protocol.clone();
-            let node = NodeHandle::start(node_config, metadata.clone()).await?;
             (node.endpoint().to_owned(), Some(node))
         } else {
             (config.local_hostname.clone(), None)
@@ -494,6 +536,33 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_listen_port_in_use_is_told_apart_from_other_start_failures() {
+        let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let transport = TcpTransport::default();
+        let error = transport
+            .bind(held.local_addr().unwrap())
+            .await
+            .expect_err("the port is held");
+        assert!(port_taken(&NodeError::Transfer(error)));
+        let other = hkvm_transfer::TransferError::Invalid("segment size 0".into());
+        assert!(!port_taken(&NodeError::Transfer(other)));
+    }
+
+    #[test]
+    fn a_port_is_chosen_from_mooncakes_range_and_skips_taken_ones() {
+        let ip = std::net::IpAddr::from([127, 0, 0, 1]);
+        let port = free_port(ip).unwrap();
+        assert!(MOONCAKE_PORTS.contains(&port), "{port}");
+        // Held here, the port is taken: the next choice is another one. (When
+        // another process took it first, it was free only a moment ago: the
+        // second half proves nothing then, and is skipped.)
+        if let Ok(_held) = std::net::TcpListener::bind((ip, port)) {
+            let next = free_port(ip).unwrap();
+            assert!(MOONCAKE_PORTS.contains(&next) && next != port, "{next}");
+        }
+    }
 
     #[test]
     fn endpoints_name_nodes_and_segments_stably() {
