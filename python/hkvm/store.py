@@ -567,6 +567,55 @@ class MooncakeDistributedStore:
         negative code; every entry -600 when the shapes differ."""
         return self._put_from(keys, all_buffer_ptrs, all_sizes, config)
 
+    # -- upsert (insert or replace) ---------------------------------------------------
+
+    def _replaced(self, keys: List[str], put: Any) -> List[int]:
+        """Removes the keys that exist, then runs ``put`` on the indexes of those
+        removed or missing. The removal is forced, as Mooncake's upsert replaces a
+        value a reader holds: a read in flight of the old value fails its
+        end-to-end checksum if the memory is reused, and never returns other
+        bytes."""
+        removed = self.batch_remove(list(keys), True) if keys else []
+        ready = [i for i, code in enumerate(removed) if code in (ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND)]
+        results = list(removed)
+        if ready:
+            for index, code in zip(ready, put(ready)):
+                results[index] = code
+        return results
+
+    def upsert(self, key: str, value: Any, config: Optional[ReplicateConfig] = None) -> int:
+        """Stores ``value`` under ``key``, replacing what it held (also while a
+        reader holds it, as on Mooncake): 0 or a negative code. Not atomic: a
+        reader in between sees the key missing, and a concurrent ``put`` of the
+        same key may be the one that stays."""
+        return self._replaced([key], lambda ready: self._put([key], [[value]], config))[0]
+
+    def upsert_parts(self, key: str, *parts: Any, config: Optional[ReplicateConfig] = None) -> int:
+        """:meth:`upsert` of the concatenation of ``parts``."""
+        return self._replaced([key], lambda ready: self._put([key], [list(parts)], config))[0]
+
+    def upsert_from(self, key: str, buffer_ptr: int, size: int, config: Optional[ReplicateConfig] = None) -> int:
+        """:meth:`upsert` from registered memory (as :meth:`put_from`)."""
+        return self._replaced([key], lambda ready: self._put_from([key], [[buffer_ptr]], [[size]], config))[0]
+
+    def batch_upsert_from(
+        self,
+        keys: List[str],
+        buffer_ptrs: List[int],
+        sizes: List[int],
+        config: Optional[ReplicateConfig] = None,
+    ) -> List[int]:
+        """:meth:`upsert_from` per key; every entry -600 when the lists differ in
+        length."""
+        if not (len(keys) == len(buffer_ptrs) == len(sizes)):
+            return [ErrorCode.INVALID_PARAMS] * len(keys)
+        return self._replaced(
+            keys,
+            lambda ready: self._put_from(
+                [keys[i] for i in ready], [[buffer_ptrs[i]] for i in ready], [[sizes[i]] for i in ready], config
+            ),
+        )
+
     def _put_from(self, keys, ptrs, sizes, config) -> List[int]:
         native = self._native
         if native is None:

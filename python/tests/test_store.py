@@ -80,6 +80,28 @@ def test_remove_respects_the_read_lease(store, key):
     assert store.is_exist(key) == 0
 
 
+def test_upsert_inserts_or_replaces(store, key):
+    assert store.put(key, b"first") == 0
+    assert store.put(key, b"second") == 0, "put: the first writer wins"
+    assert store.upsert(key, b"replaced") == 0
+    assert store.upsert(key + "-new", b"inserted") == 0
+    assert store.upsert_parts(key + "-parts", b"a", b"b") == 0
+    assert store.get(key) == b"replaced"  # takes a read lease
+    assert store.get(key + "-new") == b"inserted"
+    assert store.get(key + "-parts") == b"ab"
+    # A value a reader holds (its read lease) is replaced too, as on Mooncake.
+    assert store.upsert(key, b"again") == 0
+    assert store.get(key) == b"again"
+    buffer, base = registered(store)
+    buffer[0:8] = b"12345678"
+    assert store.upsert_from(key, base, 4) == 0
+    keys = [key + "-b0", key + "-b1"]
+    assert store.put(keys[0], b"old") == 0
+    assert store.batch_upsert_from(keys, [base, base + 4], [4, 4]) == [0, 0]
+    assert store.batch_upsert_from(keys, [base], [4, 4]) == [ErrorCode.INVALID_PARAMS] * 2
+    assert [store.get(k) for k in [key] + keys] == [b"1234", b"1234", b"5678"]
+
+
 def test_remove_all_and_by_regex(store, other, key):
     for i in range(3):
         assert store.put(f"{key}-a-{i}", b"a") == 0
