@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use hkvm_client::coalesce::CoalesceConfig;
-use hkvm_client::dummy::DummyServer;
+use hkvm_client::dummy::{DummyServer, DummyServerConfig, PeerAccess};
 use hkvm_client::store::{Store, StoreAddress, StoreConfig};
 use hkvm_client::{
     KvClient, NodeConfig, NodeHandle, Protocol, RdmaSettings, SubmasterClient, Transports,
@@ -104,6 +104,11 @@ pub struct NodeArgs {
     /// `hkvm-node-<port>`: this node is then their real client.
     #[arg(long)]
     pub dummy_port: Option<u16>,
+    /// With --dummy-port: also serve dummies run by these users (numeric uids,
+    /// repeatable or comma-separated); this process's own user is always served,
+    /// every other refused.
+    #[arg(long, value_delimiter = ',')]
+    pub dummy_allow_uid: Vec<u32>,
     /// With --dummy-port: how long (µs) a batch of the dummies' metadata calls may
     /// wait for more, while fewer have come than were in the previous batch (0:
     /// send what queued while the previous batch was in flight). A lone caller
@@ -174,7 +179,11 @@ async fn real_client(args: NodeArgs, port: u16) -> anyhow::Result<()> {
         ..CoalesceConfig::default()
     });
     let store = Arc::new(Store::open(config).await.context("starting the node")?);
-    let server = DummyServer::start(Arc::clone(&store), port)
+    let access = DummyServerConfig {
+        access: PeerAccess::with_uids(args.dummy_allow_uid.iter().copied()),
+        ..DummyServerConfig::default()
+    };
+    let server = DummyServer::start_with(Arc::clone(&store), port, access)
         .with_context(|| format!("serving dummy clients on port {port}"))?;
     println!(
         "node serving {} bytes at {}; real client of dummies on {}",

@@ -36,7 +36,7 @@ impl Coded for StoreError {
 impl Coded for DummyError {
     fn mooncake_code(&self) -> i32 {
         match self {
-            Self::Refused(_) | Self::Region(_) => INVALID,
+            Self::Refused(_) | Self::Region(_) | Self::Untrusted { .. } => INVALID,
             Self::Unreachable { .. } | Self::Disconnected | Self::Frame(_) => {
                 ErrorCode::RpcFail.value()
             }

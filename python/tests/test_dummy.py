@@ -6,10 +6,13 @@ its dummies an error at once and they reconnect by themselves."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import re
 import subprocess
 import time
+
+import pytest
 
 from conftest import CLUSTER, RealClient, _hkvm_binary, open_dummy, open_store, python
 from hkvm.store import ErrorCode, MooncakeHostMemAllocator
@@ -254,3 +257,42 @@ def test_host_memory_works_on_a_full_store(cluster, key):
     finally:
         store.close()
         allocator.free(pool)
+
+
+STRANGER = """
+import json, logging, os
+logging.basicConfig(level=logging.ERROR)
+from hkvm.store import MooncakeDistributedStore
+store = MooncakeDistributedStore()
+# Everything loaded, this process becomes another user (nobody) for the rest.
+os.setuid(65534)
+print(json.dumps({{"uid": os.geteuid(), "code": store.setup_dummy(8 << 20, 4 << 20, "localhost:{port}")}}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a process as another user needs root")
+@pytest.mark.parametrize("trusts_the_server", [False, True])
+def test_another_users_process_gets_nothing_through_the_dummy_channel(real_client, trusts_the_server):
+    """The channel is an abstract socket, open to every user of the host. A
+    process of another user (here nobody, uid 65534) is refused: by its own
+    side, which sends its memory only to a real client of a user it trusts, and,
+    when it trusts this one (HKVM_DUMMY_SERVER_UIDS), by the real client, which
+    serves only its own user's dummies."""
+    env = {k: v for k, v in os.environ.items() if k != "HKVM_DUMMY_SERVER_UIDS"}
+    if trusts_the_server:
+        env["HKVM_DUMMY_SERVER_UIDS"] = "0"
+    done = subprocess.run(
+        [python(), "-c", STRANGER.format(port=real_client.port)],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"uid": 65534, "code": ErrorCode.INVALID_PARAMS}
+    if trusts_the_server:
+        assert "runs as uid 65534" in done.stderr, done.stderr
+    else:
+        assert "does not trust" in done.stderr and "uid 0" in done.stderr, done.stderr
+    # The real client still serves its own user.
+    own = open_dummy(real_client.port)
+    assert own.health_check() == 0
+    own.close()

@@ -19,6 +19,7 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::oneshot;
 
+use super::access::{PeerAccess, TRUSTED_SERVER_UIDS_ENV};
 use super::fd::send_with_fd;
 use super::region::{RangeAllocator, SharedRegion};
 
@@ -40,6 +41,15 @@ pub enum DummyError {
     /// The real client refused the connection.
     #[error("the real client refused the connection: {0}")]
     Refused(String),
+    /// The process serving the socket is not a real client this dummy trusts
+    /// with its memory (another user's process holds the name).
+    #[error("{socket} is served by a process this dummy does not trust: {reason}")]
+    Untrusted {
+        /// The socket name.
+        socket: String,
+        /// Who serves it.
+        reason: String,
+    },
     /// The shared region could not be created.
     #[error("creating the shared region")]
     Region(#[source] std::io::Error),
@@ -84,6 +94,8 @@ impl Drop for Connection {
 /// A dummy client. Cheap to share across threads (`Arc`).
 pub struct DummyClient {
     socket: String,
+    /// The users whose real client may receive this dummy's memory.
+    trusted: PeerAccess,
     region: SharedRegion,
     pool_bytes: u64,
     pool: Mutex<RangeAllocator>,
@@ -110,10 +122,12 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl DummyClient {
     /// A dummy of the real client serving `port` on this host, with a shared
     /// region of `pool_bytes` (the caller's memory pool) plus `staging_bytes` (for
-    /// copying calls). Connects at once.
+    /// copying calls). Connects at once. It trusts a real client of its own user,
+    /// and of the users [`TRUSTED_SERVER_UIDS_ENV`] lists.
     ///
     /// # Errors
-    /// When the region cannot be created or the real client is not reachable.
+    /// When the region cannot be created or the real client is not reachable or
+    /// not trusted.
     pub async fn connect(
         port: u16,
         pool_bytes: u64,
@@ -123,9 +137,16 @@ impl DummyClient {
             .checked_add(staging_bytes)
             .filter(|total| *total > 0)
             .ok_or_else(|| DummyError::Region(std::io::Error::other("empty or huge region")))?;
+        let trusted = PeerAccess::from_env(TRUSTED_SERVER_UIDS_ENV).map_err(|reason| {
+            DummyError::Untrusted {
+                socket: dummy_socket_name(port),
+                reason,
+            }
+        })?;
         let region = SharedRegion::create("hkvm-dummy", total).map_err(DummyError::Region)?;
         let client = Self {
             socket: dummy_socket_name(port),
+            trusted,
             region,
             pool_bytes,
             pool: Mutex::new(RangeAllocator::new(0, pool_bytes)),
@@ -229,6 +250,13 @@ impl DummyClient {
             .map_err(|e| self.unreachable(e))?;
         let stream = std::os::unix::net::UnixStream::connect_addr(&address)
             .map_err(|e| self.unreachable(e))?;
+        // Whoever holds the name gets this memory: make sure it is ours.
+        self.trusted
+            .check(&stream)
+            .map_err(|error| DummyError::Untrusted {
+                socket: self.socket.clone(),
+                reason: error.to_string(),
+            })?;
         let hello = encode_frame(&Frame { id: 0, body: hello })?;
         send_with_fd(stream.as_fd(), &hello, fd).map_err(|e| self.unreachable(e))?;
         stream

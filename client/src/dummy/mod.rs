@@ -5,11 +5,13 @@
 //! dummy's buffers and the pool without a copy through the socket. The protocol's
 //! frames are in `hkvm_events::rpc::dummy`.
 
+mod access;
 mod client;
 mod fd;
 mod region;
 mod server;
 
+pub use access::{parse_uids, PeerAccess, TRUSTED_SERVER_UIDS_ENV};
 pub use client::{DummyClient, DummyError};
 pub use region::{RangeAllocator, SharedRegion};
-pub use server::{DummyServer, DummyServerStats};
+pub use server::{DummyServer, DummyServerConfig, DummyServerStats};

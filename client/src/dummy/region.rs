@@ -20,17 +20,34 @@ impl SharedRegion {
     ///
     /// # Errors
     /// When the memfd cannot be created, sized or mapped.
+    /// The memfd is sealed against shrinking: a peer that maps it can never be
+    /// made to touch pages that were cut off under it (a SIGBUS).
     pub fn create(name: &str, len: u64) -> std::io::Result<Self> {
-        let fd = rustix::fs::memfd_create(name, rustix::fs::MemfdFlags::CLOEXEC)?;
+        let fd = rustix::fs::memfd_create(
+            name,
+            rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING,
+        )?;
         rustix::fs::ftruncate(&fd, len)?;
+        rustix::fs::fcntl_add_seals(&fd, rustix::fs::SealFlags::SHRINK)?;
         Self::map(fd, len)
     }
 
-    /// Maps a region received from a peer, checking it is `len` bytes long.
+    /// Maps a region received from a peer, checking it is `len` bytes long and
+    /// sealed against shrinking (its owner could otherwise truncate it and make
+    /// this process fault on its next access).
     ///
     /// # Errors
-    /// When the descriptor is not a file of that length or cannot be mapped.
+    /// When the descriptor is not a sealed memfd of that length or cannot be
+    /// mapped.
     pub fn map(fd: OwnedFd, len: u64) -> std::io::Result<Self> {
+        let sealed = rustix::fs::fcntl_get_seals(&fd)
+            .is_ok_and(|seals| seals.contains(rustix::fs::SealFlags::SHRINK));
+        if !sealed {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "shared region is not a memfd sealed against shrinking (F_SEAL_SHRINK)",
+            ));
+        }
         let file = File::from(fd);
         let actual = file.metadata()?.len();
         if actual != len || len == 0 {
@@ -206,5 +223,22 @@ mod tests {
             SharedRegion::map(fd, 8192).is_err(),
             "a wrong length is refused"
         );
+    }
+
+    #[test]
+    fn a_region_cannot_shrink_under_its_peer_and_an_unsealed_one_is_refused() {
+        let region = SharedRegion::create("sealed", 8192).unwrap();
+        let truncated = rustix::fs::ftruncate(region.fd(), 4096);
+        assert!(truncated.is_err(), "the seal refuses the shrink");
+        assert_eq!(region.len(), 8192);
+        // A memfd its owner can still truncate: a peer must not map it.
+        let loose = rustix::fs::memfd_create("loose", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&loose, 4096).unwrap();
+        let error = SharedRegion::map(loose, 4096).unwrap_err();
+        assert!(error.to_string().contains("F_SEAL_SHRINK"), "{error}");
+        // A plain file neither.
+        let file = tempfile::tempfile().unwrap();
+        file.set_len(4096).unwrap();
+        assert!(SharedRegion::map(OwnedFd::from(file), 4096).is_err());
     }
 }

@@ -6,10 +6,11 @@
 //! unmapped.
 
 use std::collections::HashMap;
-use std::os::fd::AsFd as _;
+use std::os::fd::{AsFd as _, OwnedFd};
 use std::os::linux::net::SocketAddrExt as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use hkvm_events::rpc::dummy::{
     decode_frame, dummy_socket_name, encode_frame, frame_len, Attach, DummyReply, DummyRequest,
@@ -17,13 +18,41 @@ use hkvm_events::rpc::dummy::{
 };
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::UnixStream;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinHandle;
 
+use super::access::PeerAccess;
 use super::fd::recv_with_fd;
 use super::region::SharedRegion;
 use crate::kv::PutOptions;
 use crate::store::{segment_for, ErrorCode, Store};
+
+/// What a real client accepts from its dummies.
+#[derive(Debug, Clone)]
+pub struct DummyServerConfig {
+    /// The users whose processes may connect (this process's own always).
+    pub access: PeerAccess,
+    /// How long a connection may take to send its first frame.
+    pub handshake_timeout: Duration,
+    /// Regions one dummy may share at once (the first included).
+    pub max_regions: usize,
+    /// Bytes of one dummy's regions mapped at once.
+    pub max_mapped_bytes: u64,
+    /// Requests of one dummy served at once; further ones wait to be read.
+    pub max_in_flight: usize,
+}
+
+impl Default for DummyServerConfig {
+    fn default() -> Self {
+        Self {
+            access: PeerAccess::own_user(),
+            handshake_timeout: Duration::from_secs(5),
+            max_regions: 1024,
+            max_mapped_bytes: 16 << 40,
+            max_in_flight: 1024,
+        }
+    }
+}
 
 /// How many dummies are connected and what they asked (for logs, metrics, tests).
 #[derive(Debug, Default)]
@@ -36,6 +65,9 @@ pub struct DummyServerStats {
     pub requests: AtomicU64,
     /// Regions attached after a connection (host buffers).
     pub attached: AtomicU64,
+    /// Connections refused: a stranger's, a malformed or slow handshake, a
+    /// region over the limits.
+    pub refused: AtomicU64,
 }
 
 /// A dummy's region as this process maps it, registered with the store's
@@ -102,6 +134,25 @@ impl Session {
     }
 }
 
+/// Whether one more region of `bytes` fits a session holding `regions`.
+fn within_limits(config: &DummyServerConfig, regions: &Regions, bytes: u64) -> Result<(), String> {
+    if regions.len() >= config.max_regions {
+        return Err(format!(
+            "{} regions are shared already (the limit)",
+            regions.len()
+        ));
+    }
+    let mapped: u64 = regions.values().map(|region| region.len()).sum();
+    if mapped.saturating_add(bytes) > config.max_mapped_bytes {
+        return Err(format!(
+            "{bytes} more bytes would map {} of at most {}",
+            mapped.saturating_add(bytes),
+            config.max_mapped_bytes
+        ));
+    }
+    Ok(())
+}
+
 /// The open sessions, by id.
 #[derive(Default)]
 struct Sessions {
@@ -130,11 +181,25 @@ impl Drop for DummyServer {
 
 impl DummyServer {
     /// Listens on the abstract socket of `port` ([`dummy_socket_name`]) and serves
-    /// dummies through `store`.
+    /// dummies of this process's user through `store`, within the default
+    /// limits.
     ///
     /// # Errors
     /// When the socket name is taken (another real client serves that port).
     pub fn start(store: Arc<Store>, port: u16) -> std::io::Result<Self> {
+        Self::start_with(store, port, DummyServerConfig::default())
+    }
+
+    /// As [`DummyServer::start`], accepting what `config` says.
+    ///
+    /// # Errors
+    /// When the socket name is taken (another real client serves that port).
+    pub fn start_with(
+        store: Arc<Store>,
+        port: u16,
+        config: DummyServerConfig,
+    ) -> std::io::Result<Self> {
+        let config = Arc::new(config);
         let name = dummy_socket_name(port);
         let address = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
         let listener = std::os::unix::net::UnixListener::bind_addr(&address)?;
@@ -148,13 +213,16 @@ impl DummyServer {
                 loop {
                     match listener.accept().await {
                         Ok((stream, _)) => {
-                            let (store, stats, sessions) = (
+                            let (store, stats, sessions, config) = (
                                 Arc::clone(&store),
                                 Arc::clone(&stats),
                                 Arc::clone(&sessions),
+                                Arc::clone(&config),
                             );
                             tokio::spawn(async move {
-                                if let Err(error) = serve(stream, store, &stats, &sessions).await {
+                                if let Err(error) =
+                                    serve(stream, store, &stats, &sessions, &config).await
+                                {
                                     tracing::warn!(%error, "a dummy client's connection failed");
                                 }
                             });
@@ -182,78 +250,109 @@ impl DummyServer {
     }
 }
 
-/// Reads the Hello frame and the region's descriptor.
-async fn handshake(stream: &UnixStream) -> std::io::Result<(Hello, SharedRegion)> {
+/// Reads the Hello frame and the region's descriptor (not mapped yet: that
+/// waits until the hello is accepted). A peer that closes or sends a frame too
+/// long for a hello is an error, at once.
+async fn handshake(stream: &UnixStream) -> std::io::Result<(Hello, OwnedFd)> {
+    let invalid = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
+    let closed = || invalid("closed during the handshake".into());
     let mut buffer = vec![0u8; 4096];
     let (mut filled, fd) = loop {
         stream.readable().await?;
         match stream.try_io(tokio::io::Interest::READABLE, || {
             recv_with_fd(stream.as_fd(), &mut buffer)
         }) {
+            Ok((0, _)) => return Err(closed()),
             Ok(received) => break received,
             Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => continue,
             Err(error) => return Err(error),
         }
     };
-    let invalid = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
     let fd = fd.ok_or_else(|| invalid("the first frame carried no region".into()))?;
-    while filled < 4 {
-        let n = stream.try_read(&mut buffer[filled..]).or_else(|e| {
-            if e.kind() == std::io::ErrorKind::WouldBlock {
-                Ok(0)
-            } else {
-                Err(e)
-            }
-        })?;
-        if n == 0 {
-            stream.readable().await?;
-        }
-        filled += n;
-    }
+    read_until(stream, &mut buffer, &mut filled, 4).await?;
     let len = frame_len([buffer[0], buffer[1], buffer[2], buffer[3]])
         .map_err(|e| invalid(e.to_string()))?;
     if 4 + len > buffer.len() {
         return Err(invalid(format!("hello frame of {len} bytes")));
     }
-    while filled < 4 + len {
+    read_until(stream, &mut buffer, &mut filled, 4 + len).await?;
+    let hello: Frame<Hello> =
+        decode_frame(&buffer[4..4 + len]).map_err(|e| invalid(e.to_string()))?;
+    Ok((hello.body, fd))
+}
+
+/// Reads into `buffer` until `filled` reaches `want`; the peer closing first is
+/// an error.
+async fn read_until(
+    stream: &UnixStream,
+    buffer: &mut [u8],
+    filled: &mut usize,
+    want: usize,
+) -> std::io::Result<()> {
+    while *filled < want {
         stream.readable().await?;
-        match stream.try_read(&mut buffer[filled..4 + len]) {
-            Ok(0) => return Err(invalid("closed during the handshake".into())),
-            Ok(n) => filled += n,
+        match stream.try_read(&mut buffer[*filled..want]) {
+            Ok(0) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "closed during the handshake",
+                ))
+            }
+            Ok(n) => *filled += n,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(e) => return Err(e),
         }
     }
-    let hello: Frame<Hello> =
-        decode_frame(&buffer[4..4 + len]).map_err(|e| invalid(e.to_string()))?;
-    let hello = hello.body;
-    let region = SharedRegion::map(fd, hello.region_bytes)?;
-    Ok((hello, region))
+    Ok(())
 }
 
-/// Adds the region of an attaching connection to its session.
+/// Adds the region of an attaching connection to its session: only the process
+/// that opened the session may, within the session's limits; the region is
+/// mapped (and registered with the transports) only once all that holds.
 fn attach(
     sessions: &Sessions,
-    attach: Attach,
+    config: &DummyServerConfig,
+    store: &Arc<Store>,
+    request: Attach,
     pid: Option<i32>,
-    region: ServedRegion,
+    (fd, bytes): (OwnedFd, u64),
 ) -> Result<u32, String> {
     let session = lock(&sessions.open)
-        .get(&attach.session)
+        .get(&request.session)
         .cloned()
-        .ok_or_else(|| format!("no open session {}", attach.session))?;
+        .ok_or_else(|| format!("no open session {}", request.session))?;
     if session.pid.is_none() || session.pid != pid {
         return Err("a region may only be attached by the process that opened the session".into());
     }
-    if attach.region == 0 {
+    if request.region == 0 {
         return Err("region 0 is the session's first region".into());
     }
     let mut regions = lock(&session.regions);
-    if regions.contains_key(&attach.region) {
-        return Err(format!("region {} is attached already", attach.region));
+    if regions.contains_key(&request.region) {
+        return Err(format!("region {} is attached already", request.region));
     }
-    regions.insert(attach.region, Arc::new(region));
-    Ok(attach.region)
+    within_limits(config, &regions, bytes)?;
+    let region = SharedRegion::map(fd, bytes).map_err(|error| error.to_string())?;
+    regions.insert(request.region, Arc::new(ServedRegion::new(region, store)));
+    Ok(request.region)
+}
+
+/// Why a connection's hello is refused before anything of it is mapped: a
+/// stranger's, another protocol version, a first region over the limits.
+fn refusal(config: &DummyServerConfig, stream: &UnixStream, hello: &Hello) -> Option<String> {
+    if let Err(error) = config.access.check(stream) {
+        return Some(error.to_string());
+    }
+    if hello.version != DUMMY_PROTOCOL_VERSION {
+        return Some(format!(
+            "protocol version {} (this real client speaks {DUMMY_PROTOCOL_VERSION})",
+            hello.version
+        ));
+    }
+    if hello.attach.is_none() {
+        return within_limits(config, &Regions::new(), hello.region_bytes).err();
+    }
+    None
 }
 
 async fn serve(
@@ -261,21 +360,39 @@ async fn serve(
     store: Arc<Store>,
     stats: &DummyServerStats,
     sessions: &Sessions,
+    config: &DummyServerConfig,
 ) -> std::io::Result<()> {
     let pid = stream.peer_cred().ok().and_then(|cred| cred.pid());
-    let (hello, region) = handshake(&stream).await?;
-    let region = ServedRegion::new(region, &store);
+    let handshake = tokio::time::timeout(config.handshake_timeout, handshake(&stream)).await;
+    let (hello, fd) = match handshake {
+        Ok(Ok(received)) => received,
+        Ok(Err(error)) => {
+            stats.refused.fetch_add(1, Ordering::Relaxed);
+            return Err(error);
+        }
+        Err(_) => {
+            stats.refused.fetch_add(1, Ordering::Relaxed);
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no hello within {:?}", config.handshake_timeout),
+            ));
+        }
+    };
+    let refused = refusal(config, &stream, &hello);
     let (reader, mut writer) = stream.into_split();
     let mut opened = None;
-    let welcome = if hello.version != DUMMY_PROTOCOL_VERSION {
-        Welcome::Refused {
-            reason: format!(
-                "protocol version {} (this real client speaks {DUMMY_PROTOCOL_VERSION})",
-                hello.version
-            ),
-        }
+    let welcome = if let Some(reason) = refused {
+        tracing::warn!(pid = ?pid, %reason, "a dummy client's connection refused");
+        Welcome::Refused { reason }
     } else if let Some(request) = hello.attach {
-        match attach(sessions, request, pid, region) {
+        match attach(
+            sessions,
+            config,
+            &store,
+            request,
+            pid,
+            (fd, hello.region_bytes),
+        ) {
             Ok(region) => {
                 stats.attached.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(
@@ -289,18 +406,29 @@ async fn serve(
             Err(reason) => Welcome::Refused { reason },
         }
     } else {
-        let id = sessions.next.fetch_add(1, Ordering::Relaxed) + 1;
-        let session = Arc::new(Session {
-            pid,
-            regions: Mutex::new(HashMap::from([(0, Arc::new(region))])),
-        });
-        lock(&sessions.open).insert(id, Arc::clone(&session));
-        opened = Some((id, session));
-        Welcome::Ready {
-            hostname: store.hostname().to_owned(),
-            session: id,
+        match SharedRegion::map(fd, hello.region_bytes) {
+            Ok(region) => {
+                let id = sessions.next.fetch_add(1, Ordering::Relaxed) + 1;
+                let region = ServedRegion::new(region, &store);
+                let session = Arc::new(Session {
+                    pid,
+                    regions: Mutex::new(HashMap::from([(0, Arc::new(region))])),
+                });
+                lock(&sessions.open).insert(id, Arc::clone(&session));
+                opened = Some((id, session));
+                Welcome::Ready {
+                    hostname: store.hostname().to_owned(),
+                    session: id,
+                }
+            }
+            Err(error) => Welcome::Refused {
+                reason: error.to_string(),
+            },
         }
     };
+    if matches!(welcome, Welcome::Refused { .. }) {
+        stats.refused.fetch_add(1, Ordering::Relaxed);
+    }
     let bytes = encode_frame(&Frame {
         id: 0,
         body: welcome,
@@ -312,7 +440,7 @@ async fn serve(
     };
     stats.connected.fetch_add(1, Ordering::Relaxed);
     let served = match written {
-        Ok(()) => serve_session(reader, writer, &hello, &store, stats, &session).await,
+        Ok(()) => serve_session(reader, writer, &hello, &store, stats, &session, config).await,
         Err(error) => Err(error),
     };
     lock(&sessions.open).remove(&id);
@@ -329,7 +457,9 @@ async fn serve_session(
     store: &Arc<Store>,
     stats: &DummyServerStats,
     session: &Arc<Session>,
+    config: &DummyServerConfig,
 ) -> std::io::Result<()> {
+    let in_flight = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
     tracing::info!(
         pid = hello.pid,
         region_bytes = hello.region_bytes,
@@ -368,9 +498,14 @@ async fn serve_session(
             }
             continue;
         }
+        // At the limit, the next request is not read until one is answered.
+        let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else {
+            break;
+        };
         let (store, regions, replies) = (Arc::clone(store), session.regions(), replies.clone());
         tokio::spawn(async move {
             let body = handle(&store, &regions, frame.body).await;
+            drop(permit);
             if let Ok(bytes) = encode_frame(&Frame { id: frame.id, body }) {
                 let _ = replies.send(bytes).await;
             }
@@ -404,6 +539,17 @@ fn read_slices<'r>(regions: &'r Regions, spans: &[Span]) -> Option<Vec<&'r [u8]>
         // them until it has the reply (the protocol's contract, as with DMA).
         .map(|span| unsafe { regions.get(&span.region)?.slice(span.offset, span.len) })
         .collect()
+}
+
+/// Two spans of one request that share bytes, if any (empty spans share none).
+fn overlap(spans: &[Vec<Span>]) -> Option<(Span, Span)> {
+    let mut all: Vec<&Span> = spans.iter().flatten().filter(|span| span.len > 0).collect();
+    all.sort_by_key(|span| (span.region, span.offset));
+    all.windows(2).find_map(|pair| {
+        let (a, b) = (pair[0], pair[1]);
+        let overlaps = a.region == b.region && a.offset.saturating_add(a.len) > b.offset;
+        overlaps.then(|| (a.clone(), b.clone()))
+    })
 }
 
 async fn handle(store: &Store, regions: &Regions, request: DummyRequest) -> DummyReply {
@@ -461,6 +607,11 @@ async fn handle(store: &Store, regions: &Regions, request: DummyRequest) -> Dumm
         }
         DummyRequest::GetInto { keys, spans } => {
             if spans.len() != keys.len() {
+                return DummyReply::Sizes(vec![i64::from(invalid); keys.len()]);
+            }
+            if let Some((a, b)) = overlap(&spans) {
+                // Two writable slices of the same bytes at once would alias.
+                tracing::warn!(?a, ?b, "a get_into whose destinations overlap; refused");
                 return DummyReply::Sizes(vec![i64::from(invalid); keys.len()]);
             }
             let mut sizes = vec![0i64; keys.len()];
@@ -549,5 +700,119 @@ async fn handle(store: &Store, regions: &Regions, request: DummyRequest) -> Dumm
             code: invalid,
             reason: "a region is released by its session".into(),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use hkvm_events::rpc::dummy::encode_frame;
+
+    use super::super::fd::send_with_fd;
+    use super::*;
+
+    fn hello(attach: Option<Attach>, region_bytes: u64) -> Hello {
+        Hello {
+            version: DUMMY_PROTOCOL_VERSION,
+            pid: std::process::id(),
+            region_bytes,
+            attach,
+        }
+    }
+
+    fn pair() -> (UnixStream, std::os::unix::net::UnixStream) {
+        let (server, peer) = std::os::unix::net::UnixStream::pair().unwrap();
+        server.set_nonblocking(true).unwrap();
+        (UnixStream::from_std(server).unwrap(), peer)
+    }
+
+    #[tokio::test]
+    async fn a_hello_and_its_region_are_received_unmapped() {
+        let (server, peer) = pair();
+        let region = SharedRegion::create("hello", 4096).unwrap();
+        let frame = encode_frame(&Frame {
+            id: 0,
+            body: hello(None, 4096),
+        })
+        .unwrap();
+        send_with_fd(peer.as_fd(), &frame, region.fd()).unwrap();
+        let (received, fd) = handshake(&server).await.unwrap();
+        assert_eq!(received, hello(None, 4096));
+        assert_eq!(SharedRegion::map(fd, 4096).unwrap().len(), 4096);
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_closes_mid_handshake_ends_it_at_once() {
+        // Nothing at all, then EOF.
+        let (server, peer) = pair();
+        drop(peer);
+        let error = handshake(&server).await.unwrap_err();
+        assert_eq!(error.kind(), std::io::ErrorKind::InvalidData, "{error}");
+        // A descriptor and two bytes of the length prefix, then EOF: once this
+        // spun forever, reading EOF as "nothing yet".
+        let (server, peer) = pair();
+        let region = SharedRegion::create("cut", 4096).unwrap();
+        send_with_fd(peer.as_fd(), &[0, 0], region.fd()).unwrap();
+        drop(peer);
+        let error = tokio::time::timeout(Duration::from_secs(10), handshake(&server))
+            .await
+            .expect("the handshake ends")
+            .unwrap_err();
+        assert_eq!(error.kind(), std::io::ErrorKind::UnexpectedEof, "{error}");
+    }
+
+    #[tokio::test]
+    async fn strangers_other_versions_and_oversized_regions_are_refused_before_mapping() {
+        let (server, _peer) = pair();
+        let config = DummyServerConfig::default();
+        assert_eq!(refusal(&config, &server, &hello(None, 4096)), None);
+        let own = rustix::process::geteuid().as_raw();
+        let strict = DummyServerConfig {
+            access: PeerAccess::only(vec![own.wrapping_add(1)]),
+            ..DummyServerConfig::default()
+        };
+        let reason = refusal(&strict, &server, &hello(None, 4096)).unwrap();
+        assert!(reason.contains(&format!("uid {own}")), "{reason}");
+        let mut old = hello(None, 4096);
+        old.version = DUMMY_PROTOCOL_VERSION + 1;
+        assert!(refusal(&config, &server, &old)
+            .unwrap()
+            .contains("protocol version"));
+        let small = DummyServerConfig {
+            max_mapped_bytes: 1 << 20,
+            ..DummyServerConfig::default()
+        };
+        let reason = refusal(&small, &server, &hello(None, 2 << 20)).unwrap();
+        assert!(reason.contains("at most 1048576"), "{reason}");
+    }
+
+    #[test]
+    fn a_sessions_regions_are_bounded_in_number_and_bytes() {
+        let config = DummyServerConfig {
+            max_regions: 2,
+            max_mapped_bytes: 10_000,
+            ..DummyServerConfig::default()
+        };
+        assert!(within_limits(&config, &Regions::new(), 10_000).is_ok());
+        assert!(within_limits(&config, &Regions::new(), 10_001).is_err());
+    }
+
+    #[test]
+    fn destinations_that_share_bytes_are_found() {
+        let span = |region, offset, len| Span {
+            region,
+            offset,
+            len,
+        };
+        let apart = vec![
+            vec![span(0, 0, 100), span(0, 100, 100)],
+            vec![span(1, 50, 100)],
+        ];
+        assert_eq!(overlap(&apart), None);
+        let shared = vec![vec![span(0, 0, 100)], vec![span(0, 99, 10)]];
+        assert_eq!(overlap(&shared), Some((span(0, 0, 100), span(0, 99, 10))));
+        // Across keys and out of order, and empty spans share nothing.
+        let shuffled = vec![vec![span(2, 500, 10), span(2, 0, 0)], vec![span(2, 505, 1)]];
+        assert!(overlap(&shuffled).is_some());
+        assert_eq!(overlap(&[vec![span(0, 5, 0), span(0, 5, 0)]]), None);
     }
 }
