@@ -548,7 +548,7 @@ fn overlap(spans: &[Vec<Span>]) -> Option<(Span, Span)> {
     all.windows(2).find_map(|pair| {
         let (a, b) = (pair[0], pair[1]);
         let overlaps = a.region == b.region && a.offset.saturating_add(a.len) > b.offset;
-        overlaps.then(|| (a.clone(), b.clone()))
+        overlaps.then_some((*a, *b))
     })
 }
 
