@@ -541,15 +541,47 @@ fn read_slices<'r>(regions: &'r Regions, spans: &[Span]) -> Option<Vec<&'r [u8]>
         .collect()
 }
 
-/// Two spans of one request that share bytes, if any (empty spans share none).
-fn overlap(spans: &[Vec<Span>]) -> Option<(Span, Span)> {
-    let mut all: Vec<&Span> = spans.iter().flatten().filter(|span| span.len > 0).collect();
-    all.sort_by_key(|span| (span.region, span.offset));
-    all.windows(2).find_map(|pair| {
-        let (a, b) = (pair[0], pair[1]);
-        let overlaps = a.region == b.region && a.offset.saturating_add(a.len) > b.offset;
-        overlaps.then_some((*a, *b))
-    })
+/// The keys (indexes) whose spans share bytes with an earlier key's spans or
+/// with each other; empty spans share none.
+fn overlapping_keys(spans: &[Vec<Span>]) -> Vec<usize> {
+    use std::collections::BTreeMap;
+    // Accepted spans: (region, start) -> end.
+    let mut taken: BTreeMap<(u32, u64), u64> = BTreeMap::new();
+    let clashes = |taken: &BTreeMap<(u32, u64), u64>, span: &Span| {
+        let end = span.offset.saturating_add(span.len);
+        let before = taken
+            .range(..=(span.region, span.offset))
+            .next_back()
+            .is_some_and(|(&(region, _), &taken_end)| {
+                region == span.region && taken_end > span.offset
+            });
+        let after = taken
+            .range((span.region, span.offset)..(span.region, end))
+            .next()
+            .is_some();
+        before || after
+    };
+    let mut refused = Vec::new();
+    for (index, key_spans) in spans.iter().enumerate() {
+        let mut mine: BTreeMap<(u32, u64), u64> = BTreeMap::new();
+        let mut clash = false;
+        for span in key_spans.iter().filter(|span| span.len > 0) {
+            if clashes(&taken, span) || clashes(&mine, span) {
+                clash = true;
+                break;
+            }
+            mine.insert(
+                (span.region, span.offset),
+                span.offset.saturating_add(span.len),
+            );
+        }
+        if clash {
+            refused.push(index);
+        } else {
+            taken.extend(mine);
+        }
+    }
+    refused
 }
 
 async fn handle(store: &Store, regions: &Regions, request: DummyRequest) -> DummyReply {
@@ -609,17 +641,22 @@ async fn handle(store: &Store, regions: &Regions, request: DummyRequest) -> Dumm
             if spans.len() != keys.len() {
                 return DummyReply::Sizes(vec![i64::from(invalid); keys.len()]);
             }
-            if let Some((a, b)) = overlap(&spans) {
-                // Two writable slices of the same bytes at once would alias.
-                tracing::warn!(?a, ?b, "a get_into whose destinations overlap; refused");
-                return DummyReply::Sizes(vec![i64::from(invalid); keys.len()]);
+            // Two writable slices of the same bytes at once would alias: a key
+            // whose destination overlaps an earlier key's (or its own) is refused.
+            let clashing = overlapping_keys(&spans);
+            if !clashing.is_empty() {
+                tracing::warn!(keys = ?clashing, "get_into destinations that overlap earlier ones; refused");
             }
             let mut sizes = vec![0i64; keys.len()];
             let mut parts: Vec<Vec<&mut [u8]>> = Vec::with_capacity(keys.len());
             let mut indexes = Vec::with_capacity(keys.len());
             for (index, spans) in spans.iter().enumerate() {
+                if clashing.contains(&index) {
+                    sizes[index] = i64::from(invalid);
+                    continue;
+                }
                 // SAFETY: as for reads; the dummy leaves these ranges to this
-                // request until the reply.
+                // request until the reply, and no two of them overlap (above).
                 let buffers: Option<Vec<&mut [u8]>> = spans
                     .iter()
                     .map(|span| unsafe {
@@ -806,13 +843,26 @@ mod tests {
         let apart = vec![
             vec![span(0, 0, 100), span(0, 100, 100)],
             vec![span(1, 50, 100)],
+            vec![span(0, 200, 1)],
         ];
-        assert_eq!(overlap(&apart), None);
+        assert_eq!(overlapping_keys(&apart), Vec::<usize>::new());
+        // The later key is refused, the first one served.
         let shared = vec![vec![span(0, 0, 100)], vec![span(0, 99, 10)]];
-        assert_eq!(overlap(&shared), Some((span(0, 0, 100), span(0, 99, 10))));
-        // Across keys and out of order, and empty spans share nothing.
-        let shuffled = vec![vec![span(2, 500, 10), span(2, 0, 0)], vec![span(2, 505, 1)]];
-        assert!(overlap(&shuffled).is_some());
-        assert_eq!(overlap(&[vec![span(0, 5, 0), span(0, 5, 0)]]), None);
+        assert_eq!(overlapping_keys(&shared), vec![1]);
+        // A span inside, or around, an earlier one; across keys, out of order.
+        let inside = vec![
+            vec![span(2, 500, 10)],
+            vec![span(2, 0, 5), span(2, 505, 1)],
+            vec![span(2, 400, 200)],
+            vec![span(2, 10, 5)],
+        ];
+        assert_eq!(overlapping_keys(&inside), vec![1, 2]);
+        // A key's own spans that overlap; a refused key's spans do not count.
+        let own = vec![vec![span(0, 0, 10), span(0, 5, 10)], vec![span(0, 0, 10)]];
+        assert_eq!(overlapping_keys(&own), vec![0]);
+        // Empty spans share nothing.
+        assert!(
+            overlapping_keys(&[vec![span(0, 5, 0), span(0, 5, 0)], vec![span(0, 5, 0)]]).is_empty()
+        );
     }
 }

@@ -161,14 +161,28 @@ async fn dummies_move_values_through_shared_memory() {
         .unwrap();
     assert_eq!(put, DummyReply::Codes(vec![0]));
     let dst = reader.pool_alloc(len).unwrap();
+    let spare = reader.pool_alloc(1).unwrap();
     let got = reader
         .call(&DummyRequest::GetInto {
             keys: vec!["shared".into(), "absent".into()],
-            spans: vec![vec![Span::in_pool(dst, len)], vec![Span::in_pool(dst, 1)]],
+            spans: vec![vec![Span::in_pool(dst, len)], vec![Span::in_pool(spare, 1)]],
         })
         .await
         .unwrap();
     assert_eq!(got, DummyReply::Sizes(vec![len as i64, -704]));
+    // A destination that overlaps an earlier key's is refused (two writers of
+    // the same bytes), the earlier key still served.
+    let clashing = reader
+        .call(&DummyRequest::GetInto {
+            keys: vec!["shared".into(), "shared".into()],
+            spans: vec![
+                vec![Span::in_pool(dst, len)],
+                vec![Span::in_pool(dst + 10, 1)],
+            ],
+        })
+        .await
+        .unwrap();
+    assert_eq!(clashing, DummyReply::Sizes(vec![len as i64, -600]));
     // SAFETY: the real client finished writing (its reply arrived).
     assert_eq!(
         unsafe { reader.region().slice(dst, len) }.unwrap(),
