@@ -383,10 +383,14 @@ on_wheel.close()
 
 def test_the_calls_of_sglangs_own_mooncake_backend(cluster):
     """SGLang's `--hicache-storage-backend mooncake` (MooncakeStore in
-    sglang/srt/mem_cache/storage/mooncake_store/mooncake_store.py) imports
-    `mooncake.store` and makes exactly these calls; each works on HKVM through
-    the hook, with the arguments SGLang passes (SGLang itself needs torch and a
-    GPU, so its calls are replayed here)."""
+    python/sglang/srt/mem_cache/storage/mooncake_store/mooncake_store.py of
+    sgl-project/sglang, read at commit 00fe477f32b3878f64d44cc36895e1de4a113afe)
+    imports `mooncake.store` and makes exactly these calls; each works on HKVM
+    through the hook, with the arguments SGLang passes (SGLang itself needs torch
+    and a GPU, so its calls are replayed here). Its failure paths: a setup code
+    other than 0 raises (covered by the address and tenant tests), a
+    register_buffer code other than 0 raises (the GPU-memory test in
+    test_store.py)."""
     import ctypes
     import uuid
 
