@@ -1,8 +1,9 @@
 """Mooncake Store's Python API on HKVM.
 
-A program written for Mooncake runs on HKVM after changing its import
-(``from hkvm.store import MooncakeDistributedStore, ReplicateConfig``) and its master
-address (``nats://h1:4222,h2:4222/<cluster>/<subcluster>``). Method names, argument
+A program written for Mooncake runs on HKVM unchanged: installing the package
+makes ``mooncake.store`` serve these classes (see ``hkvm.mooncake_store``), and the
+master address (``nats://h1:4222,h2:4222/<cluster>/<subcluster>``, or any of
+Mooncake's forms, see ``hkvm.address``) names the pool. Method names, argument
 order and defaults, return types and Mooncake's integer error codes are kept; the
 differences are listed in ``docs/python.md``.
 
