@@ -190,6 +190,11 @@ pub async fn run(args: LocalArgs) -> anyhow::Result<()> {
     for line in &metrics {
         println!("  metrics:       {line}");
     }
+    if args.metrics_base_port != 0 {
+        println!(
+            "                 a sub-master's metrics port also answers the Mooncake master's routes: /health, /get_all_segments, /query_key?key=K (SGLang's master_metrics_port)"
+        );
+    }
     println!("Try:");
     println!("  hkvm status");
     println!("  hkvm stat   --subcluster sc-0");

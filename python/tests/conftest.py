@@ -70,6 +70,66 @@ def cluster():
         process.kill()
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def http_get(url: str):
+    """(status, body text) of a GET; HTTP errors are answers too."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+@pytest.fixture(scope="module")
+def mooncake_admin(cluster):
+    """The base URL of the Mooncake master's admin routes on a sub-master of sc-0:
+    a third, standby instance (`hkvm submaster --metrics`), whose routes answer
+    from the leader; stopped at the end of the module."""
+    import urllib.error
+
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            str(_hkvm_binary()), "submaster", "--nats", cluster, "--cluster", CLUSTER,
+            "--subcluster", "sc-0", "--id", f"sm-admin-{uuid.uuid4().hex[:8]}",
+            "--metrics", f"127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:  # readiness: /health answers and the leader answered it
+        if process.poll() is not None:
+            pytest.fail("hkvm submaster exited")
+        try:
+            status, body = http_get(f"{base}/health")
+            if status == 200 and '"service_ready":true' in body:
+                break
+        except (OSError, urllib.error.URLError):
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail("the sub-master's admin routes did not answer")
+        time.sleep(0.1)
+    yield base
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
 def address(url: str, subcluster: str) -> str:
     return f"{url}/{CLUSTER}/{subcluster}"
 

@@ -303,11 +303,13 @@ def mooncake_wheel_python() -> str:
     return python
 
 
-def test_beside_the_real_mooncake_wheel(cluster, mooncake_wheel_python, tmp_path):
+def test_beside_the_real_mooncake_wheel(cluster, mooncake_admin, mooncake_wheel_python, tmp_path):
     """The real wheel (a pybind11 `store` extension, whose loading enters itself
     into sys.modules) beside HKVM's hook, installed as the wheel installs it (the
     .pth processed as at start-up): a Mooncake address reaches a real
-    `mooncake_master`, an HKVM address reaches HKVM, in one process."""
+    `mooncake_master`, an HKVM address reaches HKVM, in one process. With a key
+    stored on each, the real master's HTTP routes (its `--metrics_port`) and a
+    sub-master's answer with the same statuses and every field Mooncake's has."""
     import shutil
     import socket
     import time
@@ -339,6 +341,11 @@ def test_beside_the_real_mooncake_wheel(cluster, mooncake_wheel_python, tmp_path
             except OSError:
                 assert time.monotonic() < deadline, "mooncake_master did not listen"
                 time.sleep(0.05)
+        routes = [
+            "/health", "/get_all_segments", "/get_segments_detail", "/query_segment?segment=absent",
+            "/query_key?key=beside-the-wheel", "/query_key?key=absent", "/query_key",
+            "/batch_query_keys?keys=beside-the-wheel,absent", "/batch_query_keys?keys=",
+        ]
         script = f"""
 import json, site
 site.addsitedir({str(hook)!r})
@@ -355,7 +362,24 @@ on_hkvm = MooncakeDistributedStore()
 hkvm_setup = on_hkvm.setup("localhost", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", {address(cluster, "sc-0")!r})
 hkvm_put = on_hkvm.put("beside-the-wheel", b"on hkvm")
 hkvm_get = on_hkvm.get("beside-the-wheel").decode()
+import urllib.error, urllib.request
+def answer(base, path):
+    try:
+        with urllib.request.urlopen(base + path, timeout=10) as reply:
+            status, body = reply.status, reply.read().decode()
+    except urllib.error.HTTPError as error:
+        status, body = error.code, error.read().decode()
+    try:
+        return [status, json.loads(body)]
+    except ValueError:
+        return [status, None]
+routes = {routes!r}
+http = {{
+    "wheel": [answer("http://127.0.0.1:{metrics}", route) for route in routes],
+    "hkvm": [answer({mooncake_admin!r}, route) for route in routes],
+}}
 print(json.dumps({{
+    "http": http,
     "module": mooncake.store.__spec__.origin,
     "engine": mooncake.engine.__file__,
     "wheel": [wheel_setup, wheel_put, wheel_get, type(on_wheel).__name__],
@@ -379,6 +403,21 @@ on_wheel.close()
     assert result["engine"].endswith("engine.so")
     assert result["wheel"] == [0, 0, "on mooncake", "_OnWheel"]
     assert result["hkvm"] == [0, 0, "on hkvm", "MooncakeDistributedStore"]
+    for route, wheel, hkvm in zip(routes, result["http"]["wheel"], result["http"]["hkvm"]):
+        assert hkvm[0] == wheel[0], f"{route}: HKVM answers {hkvm}, Mooncake {wheel}"
+        assert _has_every_field(hkvm[1], wheel[1]), f"{route}: HKVM answers {hkvm}, Mooncake {wheel}"
+
+
+def _has_every_field(hkvm, mooncake) -> bool:
+    """Whether the JSON answer `hkvm` holds every field of `mooncake`'s, at every
+    depth (lists by their first element; values may differ)."""
+    if isinstance(mooncake, dict):
+        return isinstance(hkvm, dict) and all(
+            name in hkvm and _has_every_field(hkvm[name], value) for name, value in mooncake.items()
+        )
+    if isinstance(mooncake, list) and mooncake:
+        return isinstance(hkvm, list) and bool(hkvm) and _has_every_field(hkvm[0], mooncake[0])
+    return True
 
 
 def test_the_calls_of_sglangs_own_mooncake_backend(cluster):

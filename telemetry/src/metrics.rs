@@ -163,8 +163,22 @@ impl MetricsRegistry {
         &self,
         addr: Option<SocketAddr>,
     ) -> Result<Option<MetricsServer>, TelemetryError> {
+        self.serve_with_routes(addr, None).await
+    }
+
+    /// [`MetricsRegistry::serve`], with `routes` served beside `/metrics`.
+    ///
+    /// # Errors
+    /// [`TelemetryError::Bind`] when the address cannot be bound.
+    pub async fn serve_with_routes(
+        &self,
+        addr: Option<SocketAddr>,
+        routes: Option<std::sync::Arc<dyn crate::HttpRoutes>>,
+    ) -> Result<Option<MetricsServer>, TelemetryError> {
         match addr {
-            Some(addr) => MetricsServer::start(addr, self.clone()).await.map(Some),
+            Some(addr) => MetricsServer::start_with_routes(addr, self.clone(), routes)
+                .await
+                .map(Some),
             None => Ok(None),
         }
     }

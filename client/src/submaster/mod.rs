@@ -265,7 +265,7 @@ impl SubmasterClient {
         let subject = submaster_rpc_subject(&self.cluster, &self.subcluster, Op::Status.name());
         let asked = self
             .caller
-            .call_once::<Status, StatusReply>(Op::Status.name(), subject, &Status {})
+            .call_once::<Status, StatusReply>(Op::Status.name(), subject, &Status::default())
             .await;
         match asked {
             // Answered (in whatever form that build answers).
@@ -507,7 +507,7 @@ impl SubmasterClient {
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`].
     pub async fn status(&self) -> Result<StatusReply, ClientError> {
-        self.call(Op::Status, &Status {}).await
+        self.call(Op::Status, &Status::default()).await
     }
 
     /// Whether concurrent calls share batched requests ([`SubmasterClient::coalesced`]).

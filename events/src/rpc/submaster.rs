@@ -464,7 +464,29 @@ pub struct RemoveAllReply {
 
 /// Ask for the sub-master's state summary.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Status {}
+pub struct Status {
+    /// Also list every mounted segment ([`StatusReply::segment_list`]); a
+    /// sub-master from before this field ignores it and lists none.
+    #[serde(default)]
+    pub segments: bool,
+}
+
+/// One mounted segment, as [`StatusReply::segment_list`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SegmentStatus {
+    /// Its name.
+    pub id: SegmentId,
+    /// The node that mounted it.
+    pub node: NodeId,
+    /// The node's transfer endpoint.
+    pub endpoint: String,
+    /// Whether peers may reach it over RDMA.
+    pub rdma: bool,
+    /// Bytes mounted.
+    pub capacity_bytes: u64,
+    /// Bytes allocated (complete and pending replicas).
+    pub used_bytes: u64,
+}
 
 /// A sub-master's state summary.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -490,6 +512,9 @@ pub struct StatusReply {
     pub used_bytes: u64,
     /// Bytes mounted.
     pub capacity_bytes: u64,
+    /// Every mounted segment, when [`Status::segments`] asked for them.
+    #[serde(default)]
+    pub segment_list: Vec<SegmentStatus>,
 }
 
 #[cfg(test)]
@@ -570,6 +595,52 @@ mod tests {
         assert_eq!(decode::<Mixed>(&encode(&mixed).unwrap()).unwrap(), mixed);
     }
 
+    /// [`Status`] as sub-masters and clients built before its `segments` field
+    /// wrote and read it.
+    #[derive(Debug, PartialEq, Serialize, Deserialize)]
+    struct StatusBeforeSegments {}
+
+    #[test]
+    fn a_status_request_from_before_segment_lists_asks_for_none_and_an_old_reply_has_none() {
+        let old = encode(&StatusBeforeSegments {}).unwrap();
+        assert_eq!(decode::<Status>(&old).unwrap(), Status { segments: false });
+        let asked = encode(&Status { segments: true }).unwrap();
+        assert_eq!(
+            decode::<StatusBeforeSegments>(&asked).unwrap(),
+            StatusBeforeSegments {}
+        );
+        #[derive(Serialize)]
+        struct ReplyBeforeSegments {
+            producer: String,
+            epoch: u64,
+            applied_seq: u64,
+            objects: u64,
+            pending_puts: u64,
+            space_leases: u64,
+            segments: u64,
+            nodes: u64,
+            used_bytes: u64,
+            capacity_bytes: u64,
+        }
+        let reply: StatusReply = decode(
+            &encode(&ReplyBeforeSegments {
+                producer: "p".into(),
+                epoch: 1,
+                applied_seq: 2,
+                objects: 3,
+                pending_puts: 0,
+                space_leases: 0,
+                segments: 1,
+                nodes: 1,
+                used_bytes: 4,
+                capacity_bytes: 8,
+            })
+            .unwrap(),
+        )
+        .unwrap();
+        assert_eq!((reply.segments, reply.segment_list.len()), (1, 0));
+    }
+
     proptest! {
         #[test]
         fn arbitrary_bytes_never_panic_a_mixed_decoder(
@@ -577,6 +648,8 @@ mod tests {
         ) {
             let _ = decode::<Mixed>(&bytes);
             let _ = decode::<MixedReply>(&bytes);
+            let _ = decode::<Status>(&bytes);
+            let _ = decode::<StatusReply>(&bytes);
         }
     }
 }

@@ -13,7 +13,8 @@ use hkvm_events::rpc::submaster::{
     Exist, ExistReply, GetReplicaList, GetReplicaListReply, LeaseReturn, LeaseSpace,
     LeaseSpaceReply, Mixed, MixedReply, MountSegment, PutCommit, PutCommitReply, PutEnd,
     PutEndReply, PutRevoke, PutRevokeReply, PutStart, PutStartReply, Remount, Remove, RemoveAll,
-    RemoveAllReply, RemoveMatching, RemoveReply, Status, StatusReply, UnmountSegment,
+    RemoveAllReply, RemoveMatching, RemoveReply, SegmentStatus, Status, StatusReply,
+    UnmountSegment,
 };
 use hkvm_events::rpc::RpcError;
 use hkvm_events::{KvEvent, Limits};
@@ -235,7 +236,9 @@ pub fn handle(
         }
         Request::RemoveAll(remove_all) => Ok(objects::remove_all(state, &remove_all, now_ms)),
         Request::RemoveMatching(matching) => objects::remove_matching(state, &matching, now_ms),
-        Request::Status(Status {}) => Ok(Outcome::reply(Reply::Status(status(state, serving)))),
+        Request::Status(Status { segments }) => Ok(Outcome::reply(Reply::Status(status(
+            state, serving, segments,
+        )))),
         Request::Mixed(mixed) => {
             check_batch(mixed.len(), policy)?;
             Ok(mixed::mixed(state, mixed, now_ms, policy))
@@ -249,8 +252,23 @@ pub fn handle(
     }
 }
 
-fn status(state: &State, serving: &ServingInfo) -> StatusReply {
+fn status(state: &State, serving: &ServingInfo, list_segments: bool) -> StatusReply {
     let (capacity, used) = state.usage();
+    let segment_list = if list_segments {
+        state
+            .segments()
+            .map(|(_, segment)| SegmentStatus {
+                id: segment.id.clone(),
+                node: segment.node.clone(),
+                endpoint: segment.endpoint.clone(),
+                rdma: segment.rdma.is_some(),
+                capacity_bytes: segment.allocator.size(),
+                used_bytes: segment.allocator.used_bytes(),
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
     let nodes: std::collections::HashSet<_> =
         state.segments().map(|(_, s)| s.node.clone()).collect();
     StatusReply {
@@ -264,6 +282,7 @@ fn status(state: &State, serving: &ServingInfo) -> StatusReply {
         nodes: nodes.len() as u64,
         used_bytes: used,
         capacity_bytes: capacity,
+        segment_list,
     }
 }
 

@@ -300,9 +300,17 @@ async fn run_observed(
     metrics: SubmasterMetrics,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<(), SubmasterError> {
+    // Mooncake's read-only admin routes ride on the metrics port, as on a
+    // Mooncake master's.
+    let admin = crate::admin::MooncakeAdmin::new(
+        client.clone(),
+        config.cluster.clone(),
+        config.subcluster.clone(),
+        metrics.clone(),
+    );
     let _metrics_server = metrics
         .registry()
-        .serve(config.metrics_addr)
+        .serve_with_routes(config.metrics_addr, Some(std::sync::Arc::new(admin)))
         .await
         .map_err(|TelemetryError::Bind { source, .. }| setup_error("metrics endpoint", source))?;
     let ctx = Context::new(client, config, metrics).await?;
