@@ -287,6 +287,7 @@ async fn revoke_one(kv: &KvClient, key: &str, size: u64, replicas: u32) -> bool 
         preferred_segment: None,
         hard_pin: false,
         put_id: 0,
+        avoid_nodes: Vec::new(),
     };
     let started = kv.metadata().put_start(vec![start]).await;
     matches!(started.as_deref(), Ok([ItemResult::Ok(_)]))

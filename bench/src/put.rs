@@ -42,6 +42,7 @@ fn item(key: String) -> PutStartItem {
         preferred_segment: None,
         hard_pin: false,
         put_id: 0,
+        avoid_nodes: Vec::new(),
     }
 }
 

@@ -298,6 +298,7 @@ pub(super) async fn put_until_served(client: &SubmasterClient, key: String) -> a
             preferred_segment: None,
             hard_pin: false,
             put_id,
+            avoid_nodes: Vec::new(),
         };
         if let Ok(reply) = client.put_start(vec![item]).await {
             if matches!(reply.first(), Some(ItemResult::Ok(_))) {

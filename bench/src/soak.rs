@@ -216,6 +216,7 @@ async fn put(
         preferred_segment: None,
         hard_pin: false,
         put_id,
+        avoid_nodes: Vec::new(),
     };
     let started = client.put_start(vec![item]).await?;
     match started.first() {

@@ -325,19 +325,24 @@ if {drop}:
     del store
     gc.collect()
     print("dropped", flush=True)
+if {wait}:
     sys.stdin.readline()
 """
 
 
-@pytest.mark.parametrize("how", ["garbage-collected", "left open at exit"])
-def test_a_store_never_closed_unmounts_its_segment(cluster, key, how):
+@pytest.mark.parametrize("how", ["garbage-collected", "left open at exit", "killed"])
+def test_a_store_never_closed_leaves_no_segment_a_put_fails_on(cluster, key, how):
     """Mooncake's destructor tears a store down and SGLang's backend relies on it
     (its close() does nothing). A store garbage-collected, or still open when its
-    program exits, unmounts its segment then: a put that prefers that segment
-    lands elsewhere instead of failing on memory nobody serves (-800)."""
+    program exits, unmounts its segment then. A killed one cannot: its segment
+    stays mounted until the sub-master's node timeout, and a put placed there
+    (here: preferring it) is placed again on a live node once its write fails.
+    Either way a put lands elsewhere instead of failing on memory nobody serves
+    (-800)."""
     drop = how == "garbage-collected"
+    wait = how != "left open at exit"
     process = subprocess.Popen(
-        [python(), "-c", LEFT_OPEN.format(address=address(cluster, "sc-0"), drop=drop)],
+        [python(), "-c", LEFT_OPEN.format(address=address(cluster, "sc-0"), drop=drop, wait=wait)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
     try:
@@ -345,6 +350,9 @@ def test_a_store_never_closed_unmounts_its_segment(cluster, key, how):
         assert hostname.startswith("localhost:"), hostname
         if drop:
             assert process.stdout.readline().strip() == "dropped"
+        elif how == "killed":
+            process.kill()
+            process.wait(timeout=60)
         else:
             assert process.wait(timeout=60) == 0
         checker = open_store(cluster, "sc-0", segment=0)

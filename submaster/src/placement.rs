@@ -44,41 +44,57 @@ impl std::str::FromStr for PlacementStrategy {
 }
 
 /// Picks up to `replicas` segments on distinct nodes that can hold `size` bytes,
-/// starting with `preferred` when it can. Returns fewer only when fewer nodes have
-/// room.
+/// none on a node of `avoid`, starting with `preferred` when it can. Returns
+/// fewer only when fewer such nodes have room.
 pub fn choose(
     state: &State,
     size: u64,
     replicas: usize,
     preferred: Option<Slot>,
+    avoid: &[NodeId],
     strategy: PlacementStrategy,
 ) -> Vec<Slot> {
     choose_with(
         state,
-        size,
-        replicas,
-        preferred,
+        Wanted {
+            size,
+            replicas,
+            preferred,
+            avoid,
+        },
         strategy,
         &mut rand::thread_rng(),
     )
 }
 
+/// What one placement asks for.
+#[derive(Debug, Clone, Copy)]
+pub struct Wanted<'a> {
+    /// Bytes per replica.
+    pub size: u64,
+    /// Replicas, on distinct nodes.
+    pub replicas: usize,
+    /// The segment to take first when it has room.
+    pub preferred: Option<Slot>,
+    /// Nodes to place nothing on.
+    pub avoid: &'a [NodeId],
+}
+
 /// [`choose`] with the random source given (tests seed it).
 pub fn choose_with(
     state: &State,
-    size: u64,
-    replicas: usize,
-    preferred: Option<Slot>,
+    wanted: Wanted<'_>,
     strategy: PlacementStrategy,
     rng: &mut impl Rng,
 ) -> Vec<Slot> {
     let mut picks = Picks {
         state,
-        needed: aligned(size),
-        wanted: replicas,
-        chosen: Vec::with_capacity(replicas),
+        needed: aligned(wanted.size),
+        wanted: wanted.replicas,
+        avoid: wanted.avoid,
+        chosen: Vec::with_capacity(wanted.replicas),
     };
-    if let Some(slot) = preferred {
+    if let Some(slot) = wanted.preferred {
         picks.offer(slot);
     }
     match strategy {
@@ -97,6 +113,8 @@ struct Picks<'a> {
     /// Aligned bytes each replica needs.
     needed: u64,
     wanted: usize,
+    /// Nodes that get no replica.
+    avoid: &'a [NodeId],
     chosen: Vec<Slot>,
 }
 
@@ -117,10 +135,11 @@ impl Picks<'_> {
             .any(|&slot| self.state.segment(slot).is_some_and(|s| &s.node == node))
     }
 
-    /// Whether `slot` can take a replica: it has room, on a node not chosen yet.
+    /// Whether `slot` can take a replica: it has room, on a node neither chosen
+    /// yet nor avoided.
     fn eligible(&self, slot: Slot) -> bool {
         self.node_with_room(slot)
-            .is_some_and(|node| !self.node_taken(node))
+            .is_some_and(|node| !self.avoid.contains(node) && !self.node_taken(node))
     }
 
     /// Takes `slot` when it is eligible and more replicas are wanted.

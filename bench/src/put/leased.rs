@@ -50,6 +50,7 @@ pub(super) async fn run_leased_clients(
                                     len: LEASE_LEN,
                                     replicas: 2,
                                     preferred_segment: None,
+                                    avoid_nodes: Vec::new(),
                                 })
                                 .await?
                                 .into_result()?;

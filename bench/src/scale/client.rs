@@ -102,6 +102,7 @@ impl Client {
                     preferred_segment: None,
                     hard_pin: false,
                     put_id: 0,
+                    avoid_nodes: Vec::new(),
                 };
                 let Ok(reply) = self.submaster.put_start(vec![item]).await else {
                     return false;

@@ -20,6 +20,7 @@ use crate::submaster::SubmasterClient;
 
 mod read;
 mod space;
+mod unreachable;
 mod write;
 
 pub use space::DEFAULT_LEASE_LEN;
@@ -156,6 +157,8 @@ pub struct KvClient {
     /// Space leases its puts place objects in (none: every put goes through
     /// `put_start` / `put_end`).
     space: Option<Arc<space::SpacePool>>,
+    /// Nodes its writes failed to reach lately, which its placements avoid.
+    unreachable: Arc<unreachable::UnreachableNodes>,
 }
 
 impl std::fmt::Debug for KvClient {
@@ -178,22 +181,31 @@ impl KvClient {
     /// instead of `put_start` and `put_end` (coalesced with other calls when
     /// `metadata` coalesces, as a real client serving dummies does).
     pub fn with_transports(metadata: SubmasterClient, transports: Transports) -> Self {
+        let unreachable = Arc::default();
         let space = Some(Arc::new(space::SpacePool::new(
             metadata.clone(),
             DEFAULT_LEASE_LEN,
+            Arc::clone(&unreachable),
         )));
         Self {
             metadata,
             transports: Arc::new(transports),
             local_endpoint: None,
             space,
+            unreachable,
         }
     }
 
     /// This client with space leases of `len` bytes per segment, or none
     /// (`None`: every put reserves with `put_start`).
     pub fn with_space_leases(mut self, len: Option<u64>) -> Self {
-        self.space = len.map(|len| Arc::new(space::SpacePool::new(self.metadata.clone(), len)));
+        self.space = len.map(|len| {
+            Arc::new(space::SpacePool::new(
+                self.metadata.clone(),
+                len,
+                Arc::clone(&self.unreachable),
+            ))
+        });
         self
     }
 

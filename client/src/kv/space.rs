@@ -17,6 +17,7 @@ use hkvm_events::rpc::space_lease::ALIGNMENT;
 use hkvm_events::rpc::submaster::{ItemResult, LeaseId, LeaseSpace, ReplicaLocation, SpaceLease};
 use hkvm_events::SegmentId;
 
+use super::unreachable::UnreachableNodes;
 use super::PutOptions;
 use crate::submaster::SubmasterClient;
 
@@ -91,6 +92,8 @@ pub(crate) struct SpacePool {
     metadata: SubmasterClient,
     lease_len: u64,
     state: Mutex<PoolState>,
+    /// Nodes a lease asked for now leaves out.
+    unreachable: Arc<UnreachableNodes>,
 }
 
 impl std::fmt::Debug for SpacePool {
@@ -102,12 +105,18 @@ impl std::fmt::Debug for SpacePool {
 }
 
 impl SpacePool {
-    /// A pool asking `metadata` for leases of `lease_len` bytes.
-    pub(crate) fn new(metadata: SubmasterClient, lease_len: u64) -> Self {
+    /// A pool asking `metadata` for leases of `lease_len` bytes on none of the
+    /// nodes `unreachable` holds at the time.
+    pub(crate) fn new(
+        metadata: SubmasterClient,
+        lease_len: u64,
+        unreachable: Arc<UnreachableNodes>,
+    ) -> Self {
         Self {
             metadata,
             lease_len: aligned(lease_len),
             state: Mutex::new(PoolState::default()),
+            unreachable,
         }
     }
 
@@ -177,6 +186,7 @@ impl SpacePool {
                 len: self.lease_len,
                 replicas: shape.replicas,
                 preferred_segment: shape.preferred.clone(),
+                avoid_nodes: self.unreachable.current(),
             })
             .await;
         let mut state = self.state();
@@ -210,7 +220,7 @@ impl SpacePool {
     }
 
     /// Stops carving from `lease` (the sub-master no longer holds it: a leader
-    /// change, or its time ran out).
+    /// change, or its time ran out; or a write into one of its ranges failed).
     pub(crate) fn forget(&self, lease: LeaseId) {
         self.state().held.retain(|_, held| held.lease.id != lease);
     }

@@ -1,7 +1,7 @@
 //! The write side of [`KvClient`]: puts (placed in a space lease and committed
 //! with one request, or reserved, written to every replica and committed;
 //! revoke or remove on failure, start again when a reservation or a lease
-//! vanished), and
+//! vanished, place again on other nodes when a replica write failed), and
 //! reserve/complete for callers that fetch the value after reserving.
 
 use futures::future::join_all;
@@ -15,8 +15,22 @@ use super::space::Carved;
 use super::{KvClient, KvError, PutOptions};
 use crate::error::ClientError;
 
-/// How often a put whose reservation vanished before its commit is started again.
+/// How often a put is started again: when its reservation vanished before its
+/// commit, or when a write to one of its replicas failed (placed then on other
+/// nodes: see [`super::unreachable`]).
 const PUT_RESTARTS: usize = 2;
+
+/// Whether an attempt's outcome calls for another attempt.
+fn worth_again(result: &Result<(), KvError>) -> bool {
+    matches!(
+        result,
+        Err(KvError::Write { .. }
+            | KvError::Item {
+                error: ItemError::NoPendingPut,
+                ..
+            })
+    )
+}
 
 /// A fresh id for one attempt of a put: random and nonzero, so that its
 /// `put_start` and `put_end` can be sent again and the sub-master tells this put's
@@ -89,20 +103,14 @@ impl KvClient {
         let mut results = self.put_scattered_once(items, options).await?;
         // A put whose reservation vanished before its commit (a leader change
         // clears reservations) is started again, so the caller never sees "no
-        // pending put" for a put it made once.
+        // pending put" for a put it made once; so is a put whose replica write
+        // failed (its node is gone but still mounted, until the sub-master's node
+        // timeout): revoked, it is placed again avoiding that node.
         for _ in 0..PUT_RESTARTS {
             let lost: Vec<usize> = results
                 .iter()
                 .enumerate()
-                .filter(|(_, r)| {
-                    matches!(
-                        r,
-                        Err(KvError::Item {
-                            error: ItemError::NoPendingPut,
-                            ..
-                        })
-                    )
-                })
+                .filter(|(_, result)| worth_again(result))
                 .map(|(i, _)| i)
                 .collect();
             if lost.is_empty() {
@@ -110,12 +118,20 @@ impl KvClient {
             }
             tracing::info!(
                 puts = lost.len(),
-                "reservations lost before their commit: putting again"
+                "reservations lost before their commit, or replica writes failed: putting again"
             );
             let again: Vec<(&str, &[&[u8]])> = lost.iter().map(|&i| items[i]).collect();
             let retried = self.put_scattered_once(&again, options).await?;
             for (index, result) in lost.into_iter().zip(retried) {
-                results[index] = result;
+                // Placed again after a failed write, a put the sub-master
+                // refuses (no room left off the failed node, or the first
+                // reservation still holding the key because its revoke did not
+                // arrive) keeps the write failure as its answer: it says more.
+                let first_failed_writing = matches!(results[index], Err(KvError::Write { .. }));
+                let refused = matches!(result, Err(KvError::Item { .. })) && !worth_again(&result);
+                if !(first_failed_writing && refused) {
+                    results[index] = result;
+                }
             }
         }
         Ok(results)
@@ -212,8 +228,14 @@ impl KvClient {
                         put_id: new_put_id(),
                     });
                 }
-                // The space stays the lease's and is freed when it ends.
-                Err(error) => outcomes.push((*index, Err(error))),
+                // The space stays the lease's and is freed when it ends; a lease
+                // with a range on a node that failed a write carves no more.
+                Err(error) => {
+                    if let (KvError::Write { .. }, Some(pool)) = (&error, &self.space) {
+                        pool.forget(carved.lease);
+                    }
+                    outcomes.push((*index, Err(error)));
+                }
             }
         }
         if commits.is_empty() {
@@ -262,6 +284,7 @@ impl KvClient {
             return Ok(Vec::new());
         }
         let ids: Vec<PutId> = items.iter().map(|_| new_put_id()).collect();
+        let avoid = self.unreachable.current();
         let starts = items
             .iter()
             .zip(&ids)
@@ -272,6 +295,7 @@ impl KvClient {
                 preferred_segment: options.preferred_segment.clone(),
                 hard_pin: options.hard_pin,
                 put_id,
+                avoid_nodes: avoid.clone(),
             })
             .collect();
         let placements = self.metadata.put_start(starts).await?;
@@ -363,6 +387,7 @@ impl KvClient {
             preferred_segment: None,
             hard_pin: false,
             put_id,
+            avoid_nodes: self.unreachable.current(),
         };
         let mut placed = self.metadata.put_start(vec![start]).await?;
         match placed.pop() {
@@ -384,9 +409,10 @@ impl KvClient {
     }
 
     /// Writes `value` into a reserved put's replicas and commits it (put_end with
-    /// the value's checksum). A failed write revokes the put; a reservation lost
-    /// before the commit (a leader change) is put again; a put_end whose outcome
-    /// stays unknown removes the key, as [`KvClient::put`] does.
+    /// the value's checksum). A failed write revokes the put and puts the value
+    /// again on other nodes; a reservation lost before the commit (a leader
+    /// change) is put again; a put_end whose outcome stays unknown removes the
+    /// key, as [`KvClient::put`] does.
     ///
     /// # Errors
     /// [`KvError::Write`], [`KvError::SizeMismatch`],
@@ -406,8 +432,20 @@ impl KvClient {
             .write_replicas(&pending.key, &[value], &pending.replicas)
             .await
         {
+            let (key, replicas) = (pending.key.clone(), pending.replicas.len() as u32);
             self.abandon(pending).await;
-            return Err(error);
+            tracing::info!(key = %key, %error, "a replica write failed: putting on other nodes");
+            let options = PutOptions::replicas(replicas);
+            let mut results = self
+                .put_scattered(&[(key.as_str(), &[value])], &options)
+                .await?;
+            return match results.pop() {
+                // Refused (no room off the failed node, or the abandoned
+                // reservation still holding the key): the write failure is the
+                // answer, as in `put_scattered`.
+                Some(Err(KvError::Item { .. })) => Err(error),
+                other => other.unwrap_or(Ok(())),
+            };
         }
         let end = PutEndItem {
             key: pending.key.clone(),
@@ -477,7 +515,11 @@ impl KvClient {
                 return Ok(());
             }
             let route = self.transports.route(replica);
-            route.transport.write_batch(route.endpoint, &ops).await
+            let written = route.transport.write_batch(route.endpoint, &ops).await;
+            if written.is_err() {
+                self.unreachable.note(&replica.node);
+            }
+            written
         });
         for result in join_all(writes).await {
             result.map_err(|source| KvError::Write {

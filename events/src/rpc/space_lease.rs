@@ -13,7 +13,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::submaster::{ItemResult, PutId, ReplicaLocation};
-use crate::id::SegmentId;
+use crate::id::{NodeId, SegmentId};
 
 /// A lease's id: random, so ids of one leader never name leases of the next.
 pub type LeaseId = u64;
@@ -34,6 +34,10 @@ pub struct LeaseSpace {
     /// Take the first range from this segment if it has room.
     #[serde(default)]
     pub preferred_segment: Option<SegmentId>,
+    /// Take no range on these nodes (see
+    /// [`PutStartItem::avoid_nodes`](super::submaster::PutStartItem::avoid_nodes)).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub avoid_nodes: Vec<NodeId>,
 }
 
 /// A granted lease: `len` bytes at each location's offset; an object committed at

@@ -16,6 +16,10 @@ pub use super::space_lease::{
 /// longer batches into requests of at most this many items.
 pub const MAX_BATCH_ITEMS: usize = 4096;
 
+/// Most nodes one placement request may ask to avoid
+/// ([`PutStartItem::avoid_nodes`], [`LeaseSpace::avoid_nodes`]).
+pub const MAX_AVOIDED_NODES: usize = 64;
+
 /// The sub-master operations and their subject suffixes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Op {
@@ -270,6 +274,11 @@ pub struct PutStartItem {
     /// is idempotent. 0: none (the put's commit cannot be asked after).
     #[serde(default)]
     pub put_id: PutId,
+    /// Place no replica on these nodes (at most [`MAX_AVOIDED_NODES`]): a client
+    /// just failed to write to them, so a put placed again goes to live nodes
+    /// while the sub-master still counts them mounted (until its node timeout).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub avoid_nodes: Vec<NodeId>,
 }
 
 /// The reply to [`PutStart`]: per item, where to write the replicas.

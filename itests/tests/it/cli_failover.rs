@@ -47,6 +47,7 @@ fn start(key: &str) -> PutStartItem {
         preferred_segment: None,
         hard_pin: false,
         put_id: 0,
+        avoid_nodes: Vec::new(),
     }
 }
 

@@ -1,6 +1,7 @@
 //! The data path end to end on real NATS, a real sub-master and real nodes serving
 //! mmap'd segments over TCP: byte-exact round trips, distinct replicas, a node dying
-//! mid-put, a vanished replica and corrupted replicas caught by the checksum.
+//! mid-put (and puts placed elsewhere while it stays mounted), a vanished replica
+//! and corrupted replicas caught by the checksum.
 
 use std::time::Duration;
 
@@ -154,6 +155,7 @@ async fn a_put_whose_replica_node_died_fails_cleanly_and_is_revoked() {
             preferred_segment: None,
             hard_pin: false,
             put_id: 0,
+            avoid_nodes: Vec::new(),
         }])
         .await
         .unwrap();
@@ -183,6 +185,48 @@ async fn a_put_whose_replica_node_died_fails_cleanly_and_is_revoked() {
     c.kv["sc"].put("fine", &value(1000, 2), 2).await.ok();
     let status = c.kv["sc"].metadata().status().await.unwrap();
     assert_eq!(status.pending_puts, 0);
+    c.shutdown().await;
+}
+
+#[tokio::test]
+async fn puts_go_to_live_nodes_while_a_dead_node_is_still_mounted() {
+    // One of three nodes dies without unmounting (its process is gone): the
+    // sub-master counts its segment until the node timeout, so placements still
+    // pick it, but no put fails: a failed write is placed again avoiding it, and
+    // later placements (space leases too) leave it out.
+    let mut c = cluster(3, 16 << 20).await;
+    let victim = c.nodes.remove(1);
+    let dead_endpoint = victim.endpoint().to_owned();
+    victim.kill().await;
+    for round in 0..40u8 {
+        let key = format!("live-{round}");
+        let bytes = value(3000, round);
+        let replicas: u32 = if round % 2 == 0 { 1 } else { 2 };
+        c.kv["sc"]
+            .put(&key, &bytes, replicas)
+            .await
+            .unwrap_or_else(|e| panic!("{key}: {e}"));
+        let fetched = c.kv["sc"].get(&key).await.unwrap();
+        assert_eq!(&fetched.value[..], &bytes[..]);
+        let located = c.kv["sc"]
+            .locate(&[key.as_str()])
+            .await
+            .unwrap()
+            .pop()
+            .unwrap()
+            .unwrap();
+        assert_eq!(located.list.replicas.len() as u32, replicas);
+        assert!(
+            located
+                .list
+                .replicas
+                .iter()
+                .all(|r| r.endpoint != dead_endpoint),
+            "{key} placed on the dead node"
+        );
+    }
+    let status = c.kv["sc"].metadata().status().await.unwrap();
+    assert_eq!(status.segments, 3, "the dead node is still mounted");
     c.shutdown().await;
 }
 

@@ -85,6 +85,7 @@ async fn an_rdma_descriptor_reaches_every_replica_location_and_survives_a_restar
             preferred_segment: None,
             hard_pin: false,
             put_id: 7,
+            avoid_nodes: Vec::new(),
         }])
         .await
         .unwrap();

@@ -67,6 +67,7 @@ pub(crate) fn start_item(key: &str, size: u64, replicas: u32) -> PutStartItem {
         preferred_segment: None,
         hard_pin: false,
         put_id: 0,
+        avoid_nodes: Vec::new(),
     }
 }
 

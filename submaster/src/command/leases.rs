@@ -6,12 +6,12 @@
 use hkvm_events::rpc::space_lease::ALIGNMENT;
 use hkvm_events::rpc::submaster::{
     ItemError, ItemResult, LeaseReturn, LeaseSpace, PutCommit, PutCommitItem, PutCommitReply,
-    SpaceLease as GrantedLease,
+    SpaceLease as GrantedLease, MAX_AVOIDED_NODES,
 };
 use hkvm_events::rpc::RpcError;
 use hkvm_events::{KvEvent, PutCommitted, PutFlags};
 
-use super::objects::{locations, reserve};
+use super::objects::{locations, reserve, Placing};
 use super::{Outcome, Policy, Reply};
 use crate::state::{CarveError, PendingPut, SpaceLease, State};
 
@@ -61,13 +61,19 @@ pub(super) fn lease_space(
             },
         ))));
     }
-    let ranges = match reserve(
-        state,
-        len,
-        ask.replicas,
-        ask.preferred_segment.as_ref(),
-        policy,
-    ) {
+    if ask.avoid_nodes.len() > MAX_AVOIDED_NODES {
+        return Err(RpcError::invalid(format!(
+            "{} nodes to avoid; at most {MAX_AVOIDED_NODES}",
+            ask.avoid_nodes.len()
+        )));
+    }
+    let placing = Placing {
+        size: len,
+        replicas: ask.replicas,
+        preferred: ask.preferred_segment.as_ref(),
+        avoid: &ask.avoid_nodes,
+    };
+    let ranges = match reserve(state, placing, policy) {
         Ok(ranges) => ranges,
         Err(error) => return Ok(Outcome::reply(Reply::LeaseSpace(ItemResult::Err(error)))),
     };

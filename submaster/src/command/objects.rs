@@ -4,10 +4,10 @@
 use hkvm_events::rpc::submaster::{
     GetReplicaList, GetReplicaListReply, ItemError, ItemResult, PutEnd, PutEndItem, PutEndReply,
     PutRevoke, PutStart, PutStartItem, PutStartReply, Remove, RemoveAll, RemoveAllReply,
-    RemoveMatching, ReplicaList, ReplicaLocation, MAX_KEY_PATTERN_LEN,
+    RemoveMatching, ReplicaList, ReplicaLocation, MAX_AVOIDED_NODES, MAX_KEY_PATTERN_LEN,
 };
 use hkvm_events::rpc::RpcError;
-use hkvm_events::{KvEvent, PutCommitted, PutFlags, Removed};
+use hkvm_events::{KvEvent, NodeId, PutCommitted, PutFlags, Removed, SegmentId};
 
 use super::{chunked, Outcome, Policy, Reply};
 use crate::placement;
@@ -62,11 +62,20 @@ fn start_one(
     if state.object(&item.key).is_some() {
         return Err(ItemError::AlreadyExists);
     }
+    if item.avoid_nodes.len() > MAX_AVOIDED_NODES {
+        return Err(ItemError::Invalid(format!(
+            "{} nodes to avoid; at most {MAX_AVOIDED_NODES}",
+            item.avoid_nodes.len()
+        )));
+    }
     let replicas = reserve(
         state,
-        item.size,
-        item.replicas,
-        item.preferred_segment.as_ref(),
+        Placing {
+            size: item.size,
+            replicas: item.replicas,
+            preferred: item.preferred_segment.as_ref(),
+            avoid: &item.avoid_nodes,
+        },
         policy,
     )?;
     let reply = locations(state, &replicas);
@@ -83,18 +92,42 @@ fn start_one(
     Ok(reply)
 }
 
-/// Allocates `size` bytes on `replicas` segments of distinct nodes (the first
-/// on `preferred` when it has room); nothing is held when there is no room.
+/// What one reservation asks for.
+pub(super) struct Placing<'a> {
+    /// Bytes on each segment.
+    pub(super) size: u64,
+    /// Segments, on distinct nodes.
+    pub(super) replicas: u32,
+    /// The segment to take first when it has room.
+    pub(super) preferred: Option<&'a SegmentId>,
+    /// Nodes to take nothing on.
+    pub(super) avoid: &'a [NodeId],
+}
+
+/// Allocates `size` bytes on `replicas` segments of distinct nodes, none of
+/// them avoided (the first on `preferred` when it has room); nothing is held
+/// when there is no room.
 pub(super) fn reserve(
     state: &mut State,
-    size: u64,
-    replicas: u32,
-    preferred: Option<&hkvm_events::SegmentId>,
+    placing: Placing<'_>,
     policy: &Policy,
 ) -> Result<Vec<Replica>, ItemError> {
+    let Placing {
+        size,
+        replicas,
+        preferred,
+        avoid,
+    } = placing;
     let no_space = ItemError::NoSpace { replicas, size };
     let preferred = preferred.and_then(|s| state.slot_of(s));
-    let slots = placement::choose(state, size, replicas as usize, preferred, policy.strategy);
+    let slots = placement::choose(
+        state,
+        size,
+        replicas as usize,
+        preferred,
+        avoid,
+        policy.strategy,
+    );
     if slots.len() < replicas as usize {
         return Err(no_space);
     }

@@ -4,7 +4,7 @@
 use hkvm_events::rpc::submaster::{
     Exist, GetReplicaList, ItemError, ItemResult, Mixed, MountSegment, PingReply, PutEnd,
     PutEndItem, PutRevoke, PutStart, PutStartItem, Remount, Remove, RemoveAll, RemoveMatching,
-    UnmountSegment, MAX_KEY_PATTERN_LEN,
+    UnmountSegment, MAX_AVOIDED_NODES, MAX_KEY_PATTERN_LEN,
 };
 use hkvm_events::rpc::RpcErrorCode;
 use hkvm_events::{KvEvent, NodeId, SegmentId};
@@ -88,6 +88,7 @@ impl Harness {
             preferred_segment: None,
             hard_pin: false,
             put_id: 0,
+            avoid_nodes: Vec::new(),
         };
         match self.run(Request::PutStart(PutStart { items: vec![item] })) {
             Ok(Reply::PutStart(mut results)) => results.remove(0),
@@ -206,6 +207,7 @@ fn put_errors_are_per_item() {
             preferred_segment: None,
             hard_pin: false,
             put_id: 0,
+            avoid_nodes: Vec::new(),
         })
         .collect();
     assert!(h
@@ -358,6 +360,7 @@ fn eviction_is_oldest_first_and_spares_pinned_and_leased() {
         preferred_segment: None,
         hard_pin: true,
         put_id: 0,
+        avoid_nodes: Vec::new(),
     };
     h.run(Request::PutStart(PutStart {
         items: vec![pinned],
@@ -413,6 +416,7 @@ fn a_silent_node_is_lost_with_the_objects_only_it_held() {
             preferred_segment: Some(SegmentId::new("s1").unwrap()),
             hard_pin: false,
             put_id: 0,
+            avoid_nodes: Vec::new(),
         }],
     }))
     .unwrap();
@@ -537,6 +541,7 @@ fn a_mixed_request_decides_reads_then_reservations_then_commits() {
         preferred_segment: None,
         hard_pin: false,
         put_id: 0,
+        avoid_nodes: Vec::new(),
     };
     let end = |key: &str| PutEndItem {
         key: key.into(),
@@ -592,6 +597,55 @@ fn a_mixed_request_is_bounded_by_its_items_in_all_parts() {
         ..Mixed::default()
     }));
     assert!(matches!(reply, Err(error) if error.code == RpcErrorCode::InvalidRequest));
+}
+
+#[test]
+fn a_placement_leaves_out_the_nodes_it_is_asked_to_avoid() {
+    let mut h = three_nodes();
+    let avoid = vec![NodeId::new("n2").unwrap()];
+    let start = |key: &str, replicas: u32, avoid: Vec<NodeId>| PutStartItem {
+        key: key.into(),
+        size: 1000,
+        replicas,
+        preferred_segment: Some(SegmentId::new("s2").unwrap()),
+        hard_pin: false,
+        put_id: 0,
+        avoid_nodes: avoid,
+    };
+    let items = (0..20)
+        .map(|i| start(&format!("k{i}"), 2, avoid.clone()))
+        .chain([
+            start("three", 3, avoid.clone()),
+            start(
+                "too-many",
+                1,
+                vec![NodeId::new("n1").unwrap(); MAX_AVOIDED_NODES + 1],
+            ),
+        ])
+        .collect();
+    let Ok(Reply::PutStart(results)) = h.run(Request::PutStart(PutStart { items })) else {
+        panic!()
+    };
+    for result in &results[..20] {
+        let ItemResult::Ok(placed) = result else {
+            panic!("{result:?}")
+        };
+        assert_eq!(placed.len(), 2);
+        // Not even the preferred segment, when it is on an avoided node.
+        assert!(placed.iter().all(|r| r.node.as_str() != "n2"), "{placed:?}");
+    }
+    assert_eq!(
+        results[20],
+        ItemResult::Err(ItemError::NoSpace {
+            replicas: 3,
+            size: 1000
+        }),
+        "two nodes are left for three replicas"
+    );
+    assert!(matches!(
+        results[21],
+        ItemResult::Err(ItemError::Invalid(_))
+    ));
 }
 
 mod leases;

@@ -1,6 +1,7 @@
 //! Placement against a naive model: the right number of replicas on distinct nodes
-//! with room, the preferred segment first, most-free order, and random draws that
-//! reach every segment and fall back to a scan when room is scarce.
+//! with room, none on an avoided node, the preferred segment first, most-free
+//! order, and random draws that reach every segment and fall back to a scan when
+//! room is scarce.
 
 use hkvm_events::event::SegmentMounted;
 use hkvm_events::{KvEvent, NodeId, SegmentId};
@@ -46,23 +47,32 @@ fn has_room(state: &State, slot: Slot, size: u64) -> bool {
     state.segment(slot).unwrap().allocator.largest_free() >= aligned(size)
 }
 
+/// `replicas` of `size` bytes, without preference or avoided nodes.
+fn plain(size: u64, replicas: usize) -> Wanted<'static> {
+    Wanted {
+        size,
+        replicas,
+        preferred: None,
+        avoid: &[],
+    }
+}
+
 /// What most-free-first must give: greedy over every segment sorted by free bytes
 /// (ties by slot), skipping nodes already chosen.
-fn most_free_model(
-    state: &State,
-    size: u64,
-    replicas: usize,
-    preferred: Option<Slot>,
-) -> Vec<Slot> {
+fn most_free_model(state: &State, wanted: Wanted<'_>) -> Vec<Slot> {
+    let (size, replicas) = (wanted.size, wanted.replicas);
+    let usable = |slot: Slot| {
+        state.segment(slot).is_some()
+            && has_room(state, slot, size)
+            && !wanted.avoid.contains(&node_of(state, slot))
+    };
     let mut chosen: Vec<Slot> = Vec::new();
-    if let Some(slot) =
-        preferred.filter(|&s| state.segment(s).is_some() && has_room(state, s, size))
-    {
+    if let Some(slot) = wanted.preferred.filter(|&s| usable(s)) {
         chosen.push(slot);
     }
     let mut order: Vec<(u64, Slot)> = state
         .segments()
-        .filter(|&(slot, _)| has_room(state, slot, size))
+        .filter(|&(slot, _)| usable(slot))
         .map(|(slot, segment)| (segment.allocator.free_bytes(), slot))
         .collect();
     order.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
@@ -92,6 +102,7 @@ proptest! {
         size in 1u64..(SEGMENT / 2),
         replicas in 1usize..5,
         preferred in prop::option::of(0u32..60),
+        avoided in prop::collection::vec(0usize..12, 0..4),
         most_free in any::<bool>(),
         seed in any::<u64>(),
     ) {
@@ -103,13 +114,19 @@ proptest! {
         } else {
             PlacementStrategy::Random
         };
+        let avoid: Vec<NodeId> = avoided
+            .iter()
+            .map(|node| NodeId::new(format!("node-{node}")).unwrap())
+            .collect();
+        let wanted = Wanted { size, replicas, preferred, avoid: &avoid };
         let mut rng = StdRng::seed_from_u64(seed);
-        let chosen = choose_with(&state, size, replicas, preferred, strategy, &mut rng);
+        let chosen = choose_with(&state, wanted, strategy, &mut rng);
 
         let mut nodes_with_room: Vec<NodeId> = state
             .segments()
             .filter(|&(slot, _)| has_room(&state, slot, size))
             .map(|(_, segment)| segment.node.clone())
+            .filter(|node| !avoid.contains(node))
             .collect();
         nodes_with_room.sort();
         nodes_with_room.dedup();
@@ -121,11 +138,18 @@ proptest! {
         for &slot in &chosen {
             prop_assert!(has_room(&state, slot, size));
         }
-        if let Some(slot) = preferred.filter(|&s| state.segment(s).is_some() && has_room(&state, s, size)) {
+        for &slot in &chosen {
+            prop_assert!(!avoid.contains(&node_of(&state, slot)), "an avoided node got a replica");
+        }
+        if let Some(slot) = preferred.filter(|&s| {
+            state.segment(s).is_some()
+                && has_room(&state, s, size)
+                && !avoid.contains(&node_of(&state, s))
+        }) {
             prop_assert_eq!(chosen.first(), Some(&slot), "the preferred segment comes first");
         }
         if most_free {
-            prop_assert_eq!(chosen, most_free_model(&state, size, replicas, preferred));
+            prop_assert_eq!(chosen, most_free_model(&state, wanted));
         }
     }
 }
@@ -137,7 +161,7 @@ fn random_draws_reach_every_segment() {
     let mut rng = StdRng::seed_from_u64(7);
     let mut hits = [0u32; 64];
     for _ in 0..6400 {
-        let chosen = choose_with(&state, 4096, 2, None, PlacementStrategy::Random, &mut rng);
+        let chosen = choose_with(&state, plain(4096, 2), PlacementStrategy::Random, &mut rng);
         assert_eq!(chosen.len(), 2);
         assert_ne!(chosen[0], chosen[1]);
         for slot in chosen {
@@ -159,7 +183,7 @@ fn scarce_room_is_found_by_the_scan_after_the_draws_miss() {
     let state = state_of(&nodes, &used);
     let mut rng = StdRng::seed_from_u64(11);
     for _ in 0..50 {
-        let mut chosen = choose_with(&state, 4096, 2, None, PlacementStrategy::Random, &mut rng);
+        let mut chosen = choose_with(&state, plain(4096, 2), PlacementStrategy::Random, &mut rng);
         chosen.sort_unstable();
         assert_eq!(chosen, vec![700, 1500]);
     }
@@ -173,9 +197,7 @@ fn most_free_first_orders_by_free_bytes() {
     let mut rng = StdRng::seed_from_u64(1);
     let chosen = choose_with(
         &state,
-        4096,
-        3,
-        None,
+        plain(4096, 3),
         PlacementStrategy::MostFreeFirst,
         &mut rng,
     );

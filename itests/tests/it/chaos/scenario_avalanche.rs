@@ -42,6 +42,7 @@ async fn put_batch(client: &SubmasterClient, keys: Vec<String>) -> Result<(), St
             preferred_segment: None,
             hard_pin: false,
             put_id,
+            avoid_nodes: Vec::new(),
         })
         .collect();
     let started = client.put_start(starts).await.map_err(|e| e.to_string())?;

@@ -28,6 +28,7 @@ fn bad_bodies() -> Vec<(&'static str, Vec<u8>, bool)> {
                 preferred_segment: None,
                 hard_pin: false,
                 put_id: 0,
+                avoid_nodes: Vec::new(),
             })
             .collect(),
     })
@@ -40,6 +41,7 @@ fn bad_bodies() -> Vec<(&'static str, Vec<u8>, bool)> {
             preferred_segment: None,
             hard_pin: false,
             put_id: 0,
+            avoid_nodes: Vec::new(),
         }],
     })
     .unwrap();

@@ -3,7 +3,7 @@
 
 use hkvm_events::rpc::submaster::{
     GetReplicaList, ItemError, ItemResult, LeaseReturn, LeaseSpace, Mixed, PutCommit,
-    PutCommitItem, PutEndItem, Remove, SpaceLease, UnmountSegment,
+    PutCommitItem, PutEndItem, Remove, SpaceLease, UnmountSegment, MAX_AVOIDED_NODES,
 };
 use hkvm_events::{KvEvent, NodeId, SegmentId};
 
@@ -18,6 +18,7 @@ impl Harness {
             len,
             replicas,
             preferred_segment: None,
+            avoid_nodes: Vec::new(),
         })) {
             Ok(Reply::LeaseSpace(granted)) => granted,
             other => panic!("{other:?}"),
@@ -233,6 +234,7 @@ fn a_lease_needs_room_on_enough_nodes_and_a_sane_size() {
             len,
             replicas,
             preferred_segment: None,
+            avoid_nodes: Vec::new(),
         }));
         assert!(refused.is_err(), "{len} x {replicas}: {refused:?}");
     }
@@ -300,4 +302,30 @@ fn a_lease_takes_at_most_a_sixteenth_of_the_smallest_segment() {
             size: LEASE
         })
     );
+}
+
+#[test]
+fn a_lease_takes_no_range_on_an_avoided_node() {
+    let mut h = three_nodes();
+    for _ in 0..10 {
+        let granted = h.run(Request::LeaseSpace(LeaseSpace {
+            len: LEASE,
+            replicas: 2,
+            preferred_segment: None,
+            avoid_nodes: vec![NodeId::new("n1").unwrap()],
+        }));
+        let Ok(Reply::LeaseSpace(ItemResult::Ok(lease))) = granted else {
+            panic!("{granted:?}")
+        };
+        let mut nodes: Vec<&str> = lease.ranges.iter().map(|r| r.node.as_str()).collect();
+        nodes.sort_unstable();
+        assert_eq!(nodes, ["n2", "n3"]);
+    }
+    let refused = h.run(Request::LeaseSpace(LeaseSpace {
+        len: LEASE,
+        replicas: 1,
+        preferred_segment: None,
+        avoid_nodes: vec![NodeId::new("n1").unwrap(); MAX_AVOIDED_NODES + 1],
+    }));
+    assert!(refused.is_err(), "{refused:?}");
 }

@@ -17,6 +17,7 @@ fn start_with_id(key: &str, put_id: u64) -> PutStartItem {
         preferred_segment: None,
         hard_pin: false,
         put_id,
+        avoid_nodes: Vec::new(),
     }
 }
 
