@@ -24,14 +24,28 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from . import _mooncake_hook
 from .address import is_hkvm_address
-from .store import BufferHandle, ErrorCode, MooncakeHostMemAllocator, ReplicateConfig, SoftPinAction
+from .store import (
+    BufferHandle,
+    Descriptor,
+    ErrorCode,
+    MemoryDescriptor,
+    MooncakeHostMemAllocator,
+    ReplicaDescriptor,
+    ReplicaStatus,
+    ReplicateConfig,
+    SoftPinAction,
+)
 from .store import MooncakeDistributedStore as _HkvmStore
 
 __all__ = [
     "BufferHandle",
+    "Descriptor",
     "ErrorCode",
+    "MemoryDescriptor",
     "MooncakeDistributedStore",
     "MooncakeHostMemAllocator",
+    "ReplicaDescriptor",
+    "ReplicaStatus",
     "ReplicateConfig",
     "SoftPinAction",
     "choose_backend",

@@ -1,5 +1,6 @@
 """The value types of Mooncake Store's Python API as HKVM keeps them: error
-codes, ``ReplicateConfig`` and ``SoftPinAction``, ``BufferHandle``, the host
+codes, ``ReplicateConfig`` and ``SoftPinAction``, the replica descriptors of
+``get_replica_desc``, ``BufferHandle``, the host
 memory allocator, and the parsing of sizes such as ``"16MB"``. ``hkvm.store``
 re-exports them."""
 
@@ -105,6 +106,77 @@ class ReplicateConfig:
         )
 
     __str__ = __repr__
+
+
+class ReplicaStatus(enum.IntEnum):
+    """A replica's state, with Mooncake's numbers. HKVM describes only complete
+    replicas: a put's replicas become visible together when it commits."""
+
+    UNDEFINED = 0
+    INITIALIZED = 1
+    PROCESSING = 2
+    COMPLETE = 3
+    REMOVED = 4
+    FAILED = 5
+
+
+class Descriptor:
+    """Where one replica's bytes are: ``size``, ``buffer_address`` (HKVM: the
+    offset in its segment, as HKVM places by offset) and ``transport_endpoint``
+    (the holding node's ``host:port``, a segment name as ``get_hostname()``
+    gives it)."""
+
+    __slots__ = ("size", "buffer_address", "transport_endpoint")
+
+    def __init__(self, size: int, buffer_address: int, transport_endpoint: str) -> None:
+        self.size = size
+        self.buffer_address = buffer_address
+        self.transport_endpoint = transport_endpoint
+
+    def __repr__(self) -> str:
+        return (
+            f"<Descriptor size={self.size} buffer_address={self.buffer_address} "
+            f"transport_endpoint={self.transport_endpoint}>"
+        )
+
+
+class MemoryDescriptor:
+    """A memory replica's place: its ``buffer_descriptor``."""
+
+    __slots__ = ("buffer_descriptor",)
+
+    def __init__(self, buffer_descriptor: Descriptor) -> None:
+        self.buffer_descriptor = buffer_descriptor
+
+
+class ReplicaDescriptor:
+    """One replica of an object, as ``get_replica_desc`` describes it: always a
+    memory replica in HKVM (it keeps no disk tier)."""
+
+    __slots__ = ("status", "_memory")
+
+    def __init__(self, memory: MemoryDescriptor, status: ReplicaStatus = ReplicaStatus.COMPLETE) -> None:
+        self.status = status
+        self._memory = memory
+
+    def is_memory_replica(self) -> bool:
+        return True
+
+    def is_disk_replica(self) -> bool:
+        return False
+
+    def is_local_disk_replica(self) -> bool:
+        return False
+
+    def get_memory_descriptor(self) -> MemoryDescriptor:
+        return self._memory
+
+    def get_disk_descriptor(self) -> Any:
+        """Raises ``RuntimeError``, as Mooncake does for a memory replica."""
+        raise RuntimeError("Expected DiskDescriptor")
+
+    def __repr__(self) -> str:
+        return f"<ReplicaDescriptor {self.status.name} {self._memory.buffer_descriptor!r}>"
 
 
 class BufferHandle(bytearray):

@@ -24,8 +24,12 @@ from . import _native
 from .address import AddressError, load_config_file, resolve
 from .mooncake_types import (  # noqa: F401 - re-exported, and _parse_size for hkvm.sglang
     BufferHandle,
+    Descriptor,
     ErrorCode,
+    MemoryDescriptor,
     MooncakeHostMemAllocator,
+    ReplicaDescriptor,
+    ReplicaStatus,
     ReplicateConfig,
     SoftPinAction,
     _as_bytes,
@@ -34,9 +38,13 @@ from .mooncake_types import (  # noqa: F401 - re-exported, and _parse_size for h
 
 __all__ = [
     "BufferHandle",
+    "Descriptor",
     "ErrorCode",
+    "MemoryDescriptor",
     "MooncakeDistributedStore",
     "MooncakeHostMemAllocator",
+    "ReplicaDescriptor",
+    "ReplicaStatus",
     "ReplicateConfig",
     "SoftPinAction",
 ]
@@ -345,6 +353,34 @@ class MooncakeDistributedStore:
             return ErrorCode.INVALID_PARAMS
         return native.size([key])[0]
 
+    def get_replica_desc(self, key: str) -> List[ReplicaDescriptor]:
+        """The replicas of ``key`` (an empty list when it is missing or the
+        lookup failed), as Mooncake describes them."""
+        return self._replica_descs([key])[0] or []
+
+    def batch_get_replica_desc(self, keys: List[str]) -> Dict[str, List[ReplicaDescriptor]]:
+        """Per key found its replicas; keys missing (or whose lookup failed) are
+        left out, as on Mooncake."""
+        found = self._replica_descs(list(keys))
+        return {key: replicas for key, replicas in zip(keys, found) if replicas is not None}
+
+    def _replica_descs(self, keys: List[str]) -> List[Optional[List[ReplicaDescriptor]]]:
+        native = self._native
+        if native is None:
+            return [None] * len(keys)
+        out: List[Optional[List[ReplicaDescriptor]]] = []
+        for key, found in zip(keys, native.replicas([str(k) for k in keys])):
+            if isinstance(found, int):
+                if found != ErrorCode.OBJECT_NOT_FOUND:
+                    log.warning("get_replica_desc(%r): code %d", key, found)
+                out.append(None)
+                continue
+            out.append([
+                ReplicaDescriptor(MemoryDescriptor(Descriptor(size, offset, endpoint)))
+                for size, offset, endpoint in found
+            ])
+        return out
+
     def remove(self, key: str, force: bool = False) -> int:
         """Removes ``key`` wherever it is: 0, -704 when missing, -706 while a
         reader holds its lease (unless ``force``)."""
@@ -502,6 +538,68 @@ class MooncakeDistributedStore:
         """Per key, scatters its value over its (pointer, size) parts in order:
         total size or a negative code; every entry -600 when the shapes differ."""
         return self._get_into(keys, all_buffer_ptrs, all_sizes)
+
+    def get_into_ranges(
+        self,
+        buffer_ptrs: List[int],
+        all_keys: List[List[str]],
+        all_dst_offsets: List[List[List[int]]],
+        all_src_offsets: List[List[List[int]]],
+        all_sizes: List[List[List[int]]],
+    ) -> List[List[List[int]]]:
+        """Copies byte ranges of objects into registered buffers: for buffer ``i``,
+        its keys ``all_keys[i]``, and for key ``j`` its ranges ``k``:
+        ``all_sizes[i][j][k]`` bytes from offset ``all_src_offsets[i][j][k]`` of the
+        value to ``buffer_ptrs[i] + all_dst_offsets[i][j][k]``. Every value is read
+        whole and checked against its checksum first. Per buffer, key and range
+        the bytes copied or a negative code: -600 for a range beyond the value,
+        memory outside every registered buffer or lists of unequal lengths, the
+        read's code (-704 missing) otherwise."""
+        invalid = ErrorCode.INVALID_PARAMS
+
+        def refused(dst: Any) -> List[int]:
+            return [invalid] * max(len(dst), 1) if isinstance(dst, (list, tuple)) else [invalid]
+
+        shaped = len(buffer_ptrs) == len(all_keys) == len(all_dst_offsets) == len(all_src_offsets) == len(all_sizes)
+        if not shaped or self._native is None:
+            return [[refused(d) for d in dsts] for dsts in all_dst_offsets]
+        keys: List[str] = []
+        ranges: List[List[tuple]] = []
+        where: List[tuple] = []  # (buffer, key) of each flattened key, or None when refused
+        out: List[List[List[int]]] = []
+        for i, base in enumerate(buffer_ptrs):
+            rows: List[List[int]] = []
+            per = (all_keys[i], all_dst_offsets[i], all_src_offsets[i], all_sizes[i])
+            if not len(per[0]) == len(per[1]) == len(per[2]) == len(per[3]):
+                out.append([refused(d) for d in per[1]])
+                continue
+            for j, (key, dst, src, size) in enumerate(zip(*per)):
+                try:
+                    if not len(dst) == len(src) == len(size):
+                        raise ValueError("ranges of unequal lengths")
+                    numbers = [(int(d), int(o), int(n)) for d, o, n in zip(dst, src, size)]
+                    if int(base) < 0 or any(v < 0 for triple in numbers for v in triple):
+                        raise ValueError("negative pointer, offset or size")
+                    triples = [(int(base) + d, o, n) for d, o, n in numbers]
+                except (TypeError, ValueError, OverflowError):
+                    rows.append(refused(dst))
+                    continue
+                rows.append([])
+                keys.append(str(key))
+                ranges.append(triples)
+                where.append((i, j))
+            out.append(rows)
+        if keys:
+            native = self._native
+            if native is None:
+                return [[refused(d) for d in dsts] for dsts in all_dst_offsets]
+            try:
+                copied_all = native.get_into_ranges(keys, ranges)
+            except OverflowError:  # a pointer or size beyond 64 bits
+                copied_all = [[invalid] * len(r) for r in ranges]
+            for (i, j), copied in zip(where, copied_all):
+                out[i][j] = copied
+        return out
 
     def _get_into(self, keys, ptrs, sizes) -> List[int]:
         native = self._native

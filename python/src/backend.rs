@@ -8,6 +8,7 @@
 use std::future::Future;
 
 use hkvm_client::store::BufferRegistry;
+use hkvm_events::rpc::dummy::ReplicaDesc;
 use pyo3::prelude::*;
 
 use crate::zero_copy::Part;
@@ -133,6 +134,10 @@ pub trait Backend: Send + Sync {
         limit: u64,
         sink: &mut dyn Sink,
     ) -> PyResult<Vec<i32>>;
+
+    /// Where each key's replicas are: per key its descriptors or a negative code.
+    fn replicas(&self, wait: Wait<'_, '_>, keys: &[String])
+        -> Batch<Result<Vec<ReplicaDesc>, i32>>;
 
     /// Reads values into registered memory, each filling its key's parts in
     /// order: per key the value's size or a negative code.

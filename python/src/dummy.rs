@@ -9,7 +9,9 @@ use std::sync::{Arc, Mutex};
 
 use hkvm_client::dummy::{DummyClient, DummyError, SharedRegion};
 use hkvm_client::store::BufferRegistry;
-use hkvm_events::rpc::dummy::{DummyReply, DummyRequest, Placement as WirePlacement, Span};
+use hkvm_events::rpc::dummy::{
+    DummyReply, DummyRequest, Placement as WirePlacement, ReplicaDesc, Span,
+};
 use pyo3::PyResult;
 
 use crate::backend::{spread, Backend, Batch, Placement, Sink, Wait};
@@ -367,6 +369,23 @@ impl Backend for Dummy {
             },
         ) {
             Ok(DummyReply::Sizes(sizes)) if sizes.len() == keys.len() => Ok(sizes),
+            Ok(_) => Err(INTERNAL),
+            Err(code) => Err(code),
+        }
+    }
+
+    fn replicas(
+        &self,
+        wait: Wait<'_, '_>,
+        keys: &[String],
+    ) -> Batch<Result<Vec<ReplicaDesc>, i32>> {
+        match self.call(
+            wait,
+            &DummyRequest::Replicas {
+                keys: keys.to_vec(),
+            },
+        ) {
+            Ok(DummyReply::Replicas(replicas)) if replicas.len() == keys.len() => Ok(replicas),
             Ok(_) => Err(INTERNAL),
             Err(code) => Err(code),
         }

@@ -7,6 +7,7 @@ use hkvm_client::store::{
     segment_for, BufferRegistry, Store, StoreAddress, StoreConfig, StoreError,
 };
 use hkvm_client::{Protocol, PutOptions};
+use hkvm_events::rpc::dummy::ReplicaDesc;
 use pyo3::PyResult;
 
 use crate::backend::{Backend, Batch, Placement, Sink, Wait};
@@ -200,6 +201,21 @@ impl Backend for Embedded {
                         |l| i64::try_from(l.list.size).unwrap_or(i64::MAX),
                     )
                 })
+                .collect()),
+            Err(error) => Err(code_of(&error)),
+        }
+    }
+
+    fn replicas(
+        &self,
+        wait: Wait<'_, '_>,
+        keys: &[String],
+    ) -> Batch<Result<Vec<ReplicaDesc>, i32>> {
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        match wait.on(self.store.locate(&refs)) {
+            Ok(located) => Ok(located
+                .into_iter()
+                .map(|l| l.map(|l| ReplicaDesc::of(&l.list)).map_err(|e| code_of(&e)))
                 .collect()),
             Err(error) => Err(code_of(&error)),
         }

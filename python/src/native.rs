@@ -334,6 +334,101 @@ impl NativeStore {
         self.wait(py, Call::Query).on(async { vec![0; keys.len()] })
     }
 
+    /// Copies byte ranges of values into registered memory (Mooncake's
+    /// `get_into_ranges`): per key its ranges as (destination pointer, offset in
+    /// the value, length). Each value is read whole and verified against its
+    /// checksum before any range is copied. Per key, per range, the bytes copied
+    /// or a negative code (`INVALID` for a destination outside registered memory
+    /// or a range beyond the value; the read's code for a missing or unreadable
+    /// key).
+    fn get_into_ranges(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        ranges: Vec<Vec<(usize, u64, usize)>>,
+    ) -> PyResult<Vec<Vec<i64>>> {
+        if keys.len() != ranges.len() {
+            return Ok(ranges
+                .iter()
+                .map(|r| vec![i64::from(INVALID); r.len()])
+                .collect());
+        }
+        let mut sink = Ranges {
+            targets: ranges
+                .iter()
+                .map(|key_ranges| {
+                    key_ranges
+                        .iter()
+                        .map(|&(ptr, offset, len)| {
+                            Part::registered(&self.buffers, ptr, len)
+                                .filter(|_| len > 0)
+                                .map(|part| (part, offset))
+                        })
+                        .collect()
+                })
+                .collect(),
+            // An empty range copies nothing and succeeds, as on Mooncake.
+            copied: ranges
+                .iter()
+                .map(|r| {
+                    r.iter()
+                        .map(|&(_, _, len)| if len == 0 { 0 } else { i64::from(INVALID) })
+                        .collect()
+                })
+                .collect(),
+        };
+        // Only keys with a range to copy are read.
+        let wanted: Vec<usize> = (0..keys.len())
+            .filter(|&i| sink.targets[i].iter().any(Option::is_some))
+            .collect();
+        if wanted.is_empty() {
+            return Ok(sink.copied);
+        }
+        let read_keys: Vec<String> = wanted.iter().map(|&i| keys[i].clone()).collect();
+        let mut positioned = Positioned {
+            sink: &mut sink,
+            indexes: &wanted,
+        };
+        let codes = self.backend.read(
+            self.wait(py, Call::Get),
+            &read_keys,
+            u64::MAX,
+            &mut positioned,
+        )?;
+        for (&index, code) in wanted.iter().zip(codes) {
+            if code != 0 {
+                for (copied, target) in sink.copied[index].iter_mut().zip(&sink.targets[index]) {
+                    if target.is_some() {
+                        *copied = i64::from(code);
+                    }
+                }
+            }
+        }
+        Ok(sink.copied)
+    }
+
+    /// Where each key's replicas are: per key a list of (size, offset in the
+    /// segment, transfer endpoint), or a negative code.
+    fn replicas(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<Vec<Py<PyAny>>> {
+        let found = self
+            .backend
+            .replicas(self.wait(py, Call::Query), &keys)
+            .unwrap_or_else(|code| vec![Err(code); keys.len()]);
+        found
+            .into_iter()
+            .map(|result| match result {
+                Ok(replicas) => Ok(replicas
+                    .into_iter()
+                    .map(|r| (r.size, r.offset, r.endpoint))
+                    .collect::<Vec<_>>()
+                    .into_pyobject(py)?
+                    .into_any()
+                    .unbind()),
+                Err(code) => Ok(code.into_pyobject(py)?.into_any().unbind()),
+            })
+            .collect()
+    }
+
     /// Per key its value's size, or a negative code.
     fn size(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i64> {
         self.backend
@@ -437,6 +532,63 @@ impl Sink for Bytes<'_> {
             self.values[index] = Some(bytes.into_any().unbind());
         }
         Ok(failed)
+    }
+}
+
+/// Ranges of read values copied into registered memory
+/// ([`NativeStore::get_into_ranges`]).
+struct Ranges {
+    /// Per key, per range: where it goes and its offset in the value, or `None`
+    /// for a destination outside registered memory.
+    targets: Vec<Vec<Option<(Part, u64)>>>,
+    /// Per key, per range: bytes copied or a negative code.
+    copied: Vec<Vec<i64>>,
+}
+
+impl Sink for Ranges {
+    fn value(&mut self, index: usize, size: u64, fill: &mut Fill<'_>) -> PyResult<i32> {
+        let Ok(len) = usize::try_from(size) else {
+            return Ok(OVERFLOW);
+        };
+        let mut value = vec![0u8; len];
+        if let Err(code) = fill(&mut value) {
+            return Ok(code);
+        }
+        for (target, copied) in self.targets[index].iter().zip(&mut self.copied[index]) {
+            let Some((part, offset)) = target else {
+                continue;
+            };
+            let range = usize::try_from(*offset)
+                .ok()
+                .and_then(|start| Some(start..start.checked_add(part.size())?))
+                .filter(|range| range.end <= value.len());
+            *copied = match range {
+                Some(range) => {
+                    // SAFETY: the part lies inside memory the caller registered
+                    // and promised to keep valid, and not to touch while this
+                    // call writes it.
+                    let destination = unsafe {
+                        std::slice::from_raw_parts_mut(part.ptr() as *mut u8, part.size())
+                    };
+                    destination.copy_from_slice(&value[range]);
+                    i64::try_from(part.size()).unwrap_or(i64::MAX)
+                }
+                None => i64::from(INVALID),
+            };
+        }
+        Ok(0)
+    }
+}
+
+/// A sink seen through a map from the read's positions to the request's.
+struct Positioned<'a, S> {
+    sink: &'a mut S,
+    indexes: &'a [usize],
+}
+
+impl<S: Sink> Sink for Positioned<'_, S> {
+    fn value(&mut self, index: usize, size: u64, fill: &mut Fill<'_>) -> PyResult<i32> {
+        self.sink.value(self.indexes[index], size, fill)
     }
 }
 

@@ -36,6 +36,23 @@ def test_memory_outside_the_shared_region_is_refused(real_client, key):
         store.close()
 
 
+def test_a_dummy_reads_ranges_and_describes_replicas(real_client, key):
+    store = open_dummy(real_client.port)
+    try:
+        shared = store.alloc_from_mem_pool(4096)
+        ctypes.memmove(shared, b"0123456789", 10)
+        assert store.put_from(key, shared, 10) == 0
+        target = store.alloc_from_mem_pool(4096)
+        assert store.get_into_ranges([target], [[key]], [[[0, 8]]], [[[3, 0]]], [[[4, 2]]]) == [[[4, 2]]]
+        assert ctypes.string_at(target, 4) == b"3456"
+        assert ctypes.string_at(target + 8, 2) == b"01"
+        (replica,) = store.get_replica_desc(key)
+        assert replica.get_memory_descriptor().buffer_descriptor.size == 10
+        assert store.batch_get_replica_desc([key, f"{key}-absent"]).keys() == {key}
+    finally:
+        store.close()
+
+
 WORKER = """
 import ctypes, hashlib, sys
 from hkvm.store import MooncakeDistributedStore

@@ -307,9 +307,11 @@ def test_beside_the_real_mooncake_wheel(cluster, mooncake_admin, mooncake_wheel_
     """The real wheel (a pybind11 `store` extension, whose loading enters itself
     into sys.modules) beside HKVM's hook, installed as the wheel installs it (the
     .pth processed as at start-up): a Mooncake address reaches a real
-    `mooncake_master`, an HKVM address reaches HKVM, in one process. With a key
-    stored on each, the real master's HTTP routes (its `--metrics_port`) and a
-    sub-master's answer with the same statuses and every field Mooncake's has."""
+    `mooncake_master`, an HKVM address reaches HKVM, in one process. The same
+    `get_into_ranges` and `get_replica_desc` calls answer alike on both (codes,
+    bytes copied, descriptor shapes). With a key stored on each, the real
+    master's HTTP routes (its `--metrics_port`) and a sub-master's answer with the
+    same statuses and every field Mooncake's has."""
     import shutil
     import socket
     import time
@@ -362,6 +364,43 @@ on_hkvm = MooncakeDistributedStore()
 hkvm_setup = on_hkvm.setup("localhost", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", {address(cluster, "sc-0")!r})
 hkvm_put = on_hkvm.put("beside-the-wheel", b"on hkvm")
 hkvm_get = on_hkvm.get("beside-the-wheel").decode()
+import ctypes
+def same_calls(store):
+    # get_into_ranges and the replica descriptors, called alike on both
+    store.put("ranges-a", bytes(range(256)) * 4)
+    store.put("ranges-b", b"B" * 100)
+    buffer = ctypes.create_string_buffer(4096)
+    ptr = ctypes.addressof(buffer)
+    unregistered = ctypes.addressof(ctypes.create_string_buffer(64))
+    registered = store.register_buffer(ptr, 4096)
+    calls = [
+        ([ptr], [["ranges-a", "ranges-b", "absent"]], [[[0, 10], [100], [200]]], [[[0, 1000], [5], [0]]], [[[4, 8], [10], [5]]]),
+        ([ptr], [["ranges-a"]], [[[0]]], [[[1020]]], [[[10]]]),
+        ([ptr], [["ranges-a"]], [[[4090]]], [[[0]]], [[[10]]]),
+        ([unregistered], [["ranges-a"]], [[[0]]], [[[0]]], [[[10]]]),
+        ([ptr, ptr], [["ranges-a"], ["ranges-b"]], [[[0]], [[50]]], [[[0]], [[0]]], [[[3]], [[3]]]),
+        ([ptr], [["ranges-a"]], [[[0]]], [[[0]]], [[[0]]]),
+        ([ptr], [["ranges-a"]], [[[0, 1]]], [[[0]]], [[[3]]]),
+    ]
+    results = [store.get_into_ranges(*call) for call in calls]
+    described = []
+    for replica in store.get_replica_desc("ranges-a"):
+        where = replica.get_memory_descriptor().buffer_descriptor
+        described.append([
+            replica.is_memory_replica(), replica.is_disk_replica(), replica.is_local_disk_replica(),
+            int(replica.status), where.size, type(where.buffer_address).__name__,
+            type(where.transport_endpoint).__name__,
+        ])
+    try:
+        replica.get_disk_descriptor()
+        disk = "no error"
+    except RuntimeError as error:
+        disk = str(error)
+    batch = sorted(store.batch_get_replica_desc(["ranges-a", "absent"]))
+    missing = store.get_replica_desc("absent")
+    store.unregister_buffer(ptr)
+    return [registered, results, buffer.raw[:128].hex(), described, disk, batch, missing]
+same = {{"wheel": same_calls(on_wheel), "hkvm": same_calls(on_hkvm)}}
 import urllib.error, urllib.request
 def answer(base, path):
     try:
@@ -379,6 +418,7 @@ http = {{
     "hkvm": [answer({mooncake_admin!r}, route) for route in routes],
 }}
 print(json.dumps({{
+    "same": same,
     "http": http,
     "module": mooncake.store.__spec__.origin,
     "engine": mooncake.engine.__file__,
@@ -403,6 +443,7 @@ on_wheel.close()
     assert result["engine"].endswith("engine.so")
     assert result["wheel"] == [0, 0, "on mooncake", "_OnWheel"]
     assert result["hkvm"] == [0, 0, "on hkvm", "MooncakeDistributedStore"]
+    assert result["same"]["hkvm"] == result["same"]["wheel"]
     for route, wheel, hkvm in zip(routes, result["http"]["wheel"], result["http"]["hkvm"]):
         assert hkvm[0] == wheel[0], f"{route}: HKVM answers {hkvm}, Mooncake {wheel}"
         assert _has_every_field(hkvm[1], wheel[1]), f"{route}: HKVM answers {hkvm}, Mooncake {wheel}"

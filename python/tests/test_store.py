@@ -368,3 +368,52 @@ def test_a_store_never_closed_leaves_no_segment_a_put_fails_on(cluster, key, how
         if process.poll() is None:
             process.stdin.close()
             process.wait(timeout=60)
+
+
+def test_byte_ranges_of_values_land_in_registered_memory(cluster, key):
+    """Mooncake's get_into_ranges: per buffer, key and range the bytes copied or
+    a code; each value read whole and verified first."""
+    store = open_store(cluster)
+    try:
+        value = bytes(range(256)) * 16
+        assert store.put(key, value) == 0
+        buffer = ctypes.create_string_buffer(8192)
+        ptr = ctypes.addressof(buffer)
+        assert store.register_buffer(ptr, 8192) == 0
+        absent = f"{key}-absent"
+        copied = store.get_into_ranges(
+            [ptr], [[key, absent]], [[[0, 100, 4000], [200]]], [[[10, 0, 4090], [0]]], [[[5, 100, 6], [1]]]
+        )
+        assert copied == [[[5, 100, 6], [ErrorCode.OBJECT_NOT_FOUND]]]
+        assert buffer.raw[0:5] == value[10:15]
+        assert buffer.raw[100:200] == value[0:100]
+        assert buffer.raw[4000:4006] == value[4090:4096]
+        assert buffer.raw[200] == 0, "the absent key's range is left alone"
+        beyond_value = store.get_into_ranges([ptr], [[key]], [[[0]]], [[[len(value) - 1]]], [[[2]]])
+        beyond_buffer = store.get_into_ranges([ptr], [[key]], [[[8190]]], [[[0]]], [[[4]]])
+        negative = store.get_into_ranges([ptr], [[key]], [[[-1]]], [[[0]]], [[[4]]])
+        assert beyond_value == beyond_buffer == negative == [[[ErrorCode.INVALID_PARAMS]]]
+        assert store.get_into_ranges([ptr], [[key]], [[[0, 1]]], [[[0]]], [[[1]]]) == [[[ErrorCode.INVALID_PARAMS] * 2]]
+    finally:
+        store.close()
+
+
+def test_replica_descriptors_say_where_each_replica_is(cluster, key):
+    store = open_store(cluster)
+    try:
+        assert store.put(key, b"d" * 3000, ReplicateConfig()) == 0
+        (replica,) = store.get_replica_desc(key)
+        assert replica.is_memory_replica() and not replica.is_disk_replica()
+        assert replica.status == 3  # ReplicaStatus.COMPLETE
+        where = replica.get_memory_descriptor().buffer_descriptor
+        assert where.size == 3000
+        host, _, port = where.transport_endpoint.rpartition(":")
+        assert host and port.isdigit()
+        with pytest.raises(RuntimeError):
+            replica.get_disk_descriptor()
+        absent = f"{key}-absent"
+        assert store.get_replica_desc(absent) == []
+        found = store.batch_get_replica_desc([key, absent])
+        assert list(found) == [key] and found[key][0].get_memory_descriptor().buffer_descriptor.size == 3000
+    finally:
+        store.close()

@@ -15,6 +15,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::submaster::ReplicaList;
+
 /// The protocol version this build speaks.
 pub const DUMMY_PROTOCOL_VERSION: u16 = 1;
 /// The largest frame either side accepts.
@@ -140,6 +142,11 @@ pub enum DummyRequest {
         /// The keys.
         keys: Vec<String>,
     },
+    /// Where each key's replicas are (Mooncake's `get_replica_desc`).
+    Replicas {
+        /// The keys.
+        keys: Vec<String>,
+    },
     /// Whether each key exists anywhere.
     Exist {
         /// The keys.
@@ -183,6 +190,8 @@ pub enum DummyReply {
     Count(i64),
     /// 0 healthy, 2 sub-master unreachable (health).
     Health(i32),
+    /// Per key, its replicas or a negative code (replicas).
+    Replicas(Vec<Result<Vec<ReplicaDesc>, i32>>),
     /// The request as a whole was refused (malformed, a span outside the region).
     Refused {
         /// A Mooncake code.
@@ -190,6 +199,31 @@ pub enum DummyReply {
         /// Why.
         reason: String,
     },
+}
+
+/// One replica of a value, as Mooncake's buffer descriptor gives it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaDesc {
+    /// The value's size in bytes.
+    pub size: u64,
+    /// Its offset in the segment (where Mooncake gives the buffer's address).
+    pub offset: u64,
+    /// The transfer endpoint of the node holding it, `host:port`.
+    pub endpoint: String,
+}
+
+impl ReplicaDesc {
+    /// The descriptors of every replica in `list`.
+    pub fn of(list: &ReplicaList) -> Vec<Self> {
+        list.replicas
+            .iter()
+            .map(|replica| Self {
+                size: list.size,
+                offset: replica.offset,
+                endpoint: replica.endpoint.clone(),
+            })
+            .collect()
+    }
 }
 
 /// A request or reply with the id that pairs them.
@@ -281,15 +315,25 @@ mod tests {
         assert_eq!(len, bytes.len() - 4);
         let back: Frame<DummyRequest> = decode_frame(&bytes[4..]).unwrap();
         assert_eq!(back, request());
-        let reply = Frame {
-            id: 7,
-            body: DummyReply::Sizes(vec![5, -704]),
-        };
-        let bytes = encode_frame(&reply).unwrap();
-        assert_eq!(
-            decode_frame::<Frame<DummyReply>>(&bytes[4..]).unwrap(),
-            reply
-        );
+        let replies = [
+            DummyReply::Sizes(vec![5, -704]),
+            DummyReply::Replicas(vec![
+                Ok(vec![ReplicaDesc {
+                    size: 5,
+                    offset: 4096,
+                    endpoint: "h:1".into(),
+                }]),
+                Err(-704),
+            ]),
+        ];
+        for body in replies {
+            let reply = Frame { id: 7, body };
+            let bytes = encode_frame(&reply).unwrap();
+            assert_eq!(
+                decode_frame::<Frame<DummyReply>>(&bytes[4..]).unwrap(),
+                reply
+            );
+        }
         assert_eq!(dummy_socket_name(50052), "hkvm-node-50052");
     }
 

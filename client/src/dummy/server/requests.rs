@@ -1,7 +1,7 @@
 //! Serving a dummy's requests through the real client's store, reading and
 //! writing values straight in the regions the dummy shares.
 
-use hkvm_events::rpc::dummy::{DummyReply, DummyRequest, Span};
+use hkvm_events::rpc::dummy::{DummyReply, DummyRequest, ReplicaDesc, Span};
 
 use super::Regions;
 use crate::kv::PutOptions;
@@ -186,6 +186,24 @@ pub(super) async fn handle(store: &Store, regions: &Regions, request: DummyReque
                         .collect(),
                 ),
                 Err(error) => DummyReply::Sizes(vec![i64::from(error.code().value()); keys.len()]),
+            }
+        }
+        DummyRequest::Replicas { keys } => {
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            match store.locate(&refs).await {
+                Ok(located) => DummyReply::Replicas(
+                    located
+                        .into_iter()
+                        .map(|l| {
+                            l.map(|l| ReplicaDesc::of(&l.list))
+                                .map_err(|e| e.code().value())
+                        })
+                        .collect(),
+                ),
+                Err(error) => DummyReply::Refused {
+                    code: error.code().value(),
+                    reason: error.to_string(),
+                },
             }
         }
         DummyRequest::Exist { keys } => match store.exist(&keys).await {
