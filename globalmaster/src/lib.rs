@@ -29,6 +29,7 @@ use hkvm_events::rpc::global::GlobalStatusReply;
 use hkvm_events::subject::Bucket;
 use hkvm_log::positions::Positions;
 use hkvm_projector::Projection;
+use hkvm_submaster::admin::{MooncakeAdmin, Scope};
 use hkvm_telemetry::TelemetryError;
 
 pub use config::GlobalMasterConfig;
@@ -84,12 +85,38 @@ impl GlobalMaster {
         sources.start_initial().await?;
         sources.spawn_background().await?;
         let direct = direct::start(&shared, &client).await?;
-        let rpc = rpc::serve(Arc::clone(&shared), client).await?;
+        let rpc = rpc::serve(Arc::clone(&shared), client.clone()).await?;
         sources.keep(rpc);
+        // The Mooncake master's read-only routes beside `/metrics`, over every
+        // sub-cluster the registry (or the configuration) names.
+        let admin = {
+            let listed = Arc::clone(&shared);
+            let serving = Arc::clone(&shared);
+            MooncakeAdmin::new(
+                client.clone(),
+                shared.config.cluster.clone(),
+                Scope::Registered(Arc::new(move || {
+                    let mut subclusters: Vec<_> = listed.registry().keys().cloned().collect();
+                    for subcluster in &listed.config.static_sources {
+                        if !subclusters.contains(subcluster) {
+                            subclusters.push(subcluster.clone());
+                        }
+                    }
+                    subclusters
+                })),
+                Arc::new(move || {
+                    if serving.is_replaying() {
+                        "recovering"
+                    } else {
+                        "leader"
+                    }
+                }),
+            )
+        };
         let metrics_server = shared
             .metrics
             .registry()
-            .serve(metrics_addr)
+            .serve_with_routes(metrics_addr, Some(Arc::new(admin)))
             .await
             .map_err(|TelemetryError::Bind { addr, source }| {
                 GlobalMasterError::caused(

@@ -90,44 +90,68 @@ def http_get(url: str):
         return error.code, error.read().decode()
 
 
-@pytest.fixture(scope="module")
-def mooncake_admin(cluster):
-    """The base URL of the Mooncake master's admin routes on a sub-master of sc-0:
-    a third, standby instance (`hkvm submaster --metrics`), whose routes answer
-    from the leader; stopped at the end of the module."""
+def _serving_admin_routes(command, ready: str):
+    """Starts `command` (an `hkvm` service given `--metrics 127.0.0.1:<port>` here)
+    and waits until its `/health` answers with `ready` in the body: (process, base
+    URL)."""
     import urllib.error
 
     port = free_port()
     process = subprocess.Popen(
-        [
-            str(_hkvm_binary()), "submaster", "--nats", cluster, "--cluster", CLUSTER,
-            "--subcluster", "sc-0", "--id", f"sm-admin-{uuid.uuid4().hex[:8]}",
-            "--metrics", f"127.0.0.1:{port}",
-        ],
+        [str(_hkvm_binary()), *command, "--metrics", f"127.0.0.1:{port}"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
-    while True:  # readiness: /health answers and the leader answered it
+    while True:
         if process.poll() is not None:
-            pytest.fail("hkvm submaster exited")
+            pytest.fail(f"hkvm {command[0]} exited")
         try:
             status, body = http_get(f"{base}/health")
-            if status == 200 and '"service_ready":true' in body:
-                break
+            if status == 200 and ready in body:
+                return process, base
         except (OSError, urllib.error.URLError):
             pass
         if time.monotonic() > deadline:
             process.kill()
-            pytest.fail("the sub-master's admin routes did not answer")
+            pytest.fail(f"the admin routes of hkvm {command[0]} did not answer")
         time.sleep(0.1)
-    yield base
+
+
+def _stop(process) -> None:
     process.terminate()
     try:
         process.wait(timeout=20)
     except subprocess.TimeoutExpired:
         process.kill()
+
+
+@pytest.fixture(scope="module")
+def mooncake_admin(cluster):
+    """The base URL of the Mooncake master's admin routes on a sub-master of sc-0:
+    a third, standby instance (`hkvm submaster --metrics`), whose routes answer
+    from the leader; stopped at the end of the module."""
+    process, base = _serving_admin_routes(
+        ["submaster", "--nats", cluster, "--cluster", CLUSTER, "--subcluster", "sc-0",
+         "--id", f"sm-admin-{uuid.uuid4().hex[:8]}"],
+        '"service_ready":true',
+    )
+    yield base
+    _stop(process)
+
+
+@pytest.fixture(scope="module")
+def global_admin(cluster):
+    """The base URL of the same routes over the whole cluster, on a global-master
+    replica of its own (`hkvm globalmaster --metrics`), once it serves."""
+    process, base = _serving_admin_routes(
+        ["globalmaster", "--nats", cluster, "--cluster", CLUSTER,
+         "--replica", f"gm-admin-{uuid.uuid4().hex[:8]}"],
+        '"role":"leader"',
+    )
+    yield base
+    _stop(process)
 
 
 def address(url: str, subcluster: str) -> str:

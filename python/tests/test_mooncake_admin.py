@@ -93,3 +93,34 @@ def test_health_and_metrics(mooncake_admin):
     status, body = http_get(f"{mooncake_admin}/metrics")
     assert status == 200 and "hkvm_submaster_" in body
     assert http_get(f"{mooncake_admin}/no_such_route")[0] == 404
+
+
+def test_the_global_master_answers_for_every_subcluster(cluster, global_admin):
+    """The same routes on a global master's metrics port cover the whole cluster:
+    segments of every sub-cluster, keys wherever they are."""
+    stores = {sc: open_store(cluster, sc) for sc in ("sc-0", "sc-1")}
+    keys = {sc: f"global-admin/{sc}/{uuid.uuid4().hex}" for sc in stores}
+    try:
+        for sc, store in stores.items():
+            assert store.put(keys[sc], sc.encode() * 1000) == 0
+        segments = http_get(f"{global_admin}/get_all_segments")[1].splitlines()
+        for store in stores.values():
+            assert store.get_hostname() in segments
+        for sc in stores:
+            status, body = http_get(f"{global_admin}/query_key?key={quote(keys[sc])}")
+            assert status == 200, body
+            (replica,) = json.loads(body)["data"]
+            assert replica["size_"] == len(sc) * 1000
+            assert replica["transport_endpoint_"] in segments
+        absent = f"absent-{uuid.uuid4().hex}"
+        status, body = http_get(f"{global_admin}/batch_query_keys?keys={quote(keys['sc-0'])},{quote(keys['sc-1'])},{absent}")
+        data = json.loads(body)["data"]
+        assert data[keys["sc-0"]]["ok"] and data[keys["sc-1"]]["ok"] and not data[absent]["ok"]
+        detail = json.loads(http_get(f"{global_admin}/get_segments_detail")[1])
+        assert detail["total_segments"] >= 2
+        health = json.loads(http_get(f"{global_admin}/health")[1])
+        assert health["service_ready"] is True and health["role"] == "leader"
+        assert "hkvm_global_" in http_get(f"{global_admin}/metrics")[1]
+    finally:
+        for store in stores.values():
+            store.close()

@@ -22,11 +22,15 @@
 //!
 //! Every answer comes from the sub-cluster's leader, asked over NATS as any
 //! client asks it (a standby's routes answer too); a look at a key takes no read
-//! lease. Without a leader the data routes answer 503.
+//! lease. Without a leader the data routes answer 503. The global master serves
+//! the same routes over the whole cluster ([`Scope::Registered`]): it asks every
+//! registered sub-cluster's leader and merges their answers.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::Client;
+use futures::future::join_all;
 use hkvm_events::rpc::submaster::{
     GetReplicaList, GetReplicaListReply, ItemError, ItemResult, Op, ReplicaList, SegmentStatus,
     Status, StatusReply,
@@ -41,6 +45,28 @@ use serde_json::{json, Value};
 
 use crate::metrics::SubmasterMetrics;
 
+/// The sub-clusters a set of routes answers for.
+#[derive(Clone)]
+pub enum Scope {
+    /// One sub-cluster (a sub-master's own).
+    One(SubclusterId),
+    /// Those the function names when asked (the global master's registry).
+    Registered(Arc<dyn Fn() -> Vec<SubclusterId> + Send + Sync>),
+}
+
+impl Scope {
+    fn subclusters(&self) -> Vec<SubclusterId> {
+        match self {
+            Self::One(subcluster) => vec![subcluster.clone()],
+            Self::Registered(list) => list(),
+        }
+    }
+}
+
+/// What `/health` says of the instance serving the routes: its role (e.g.
+/// `leader`, `standby`, `recovering`).
+pub type RoleOf = Arc<dyn Fn() -> &'static str + Send + Sync>;
+
 /// How long a route waits for the leader.
 const ASK_TIMEOUT: Duration = Duration::from_secs(3);
 /// Most keys one `/batch_query_keys` looks up.
@@ -48,38 +74,50 @@ const MAX_QUERY_KEYS: usize = 4096;
 const JSON: &str = "application/json; charset=utf-8";
 const TEXT: &str = "text/plain; version=0.0.4";
 
-/// The routes of one sub-master instance.
-pub(crate) struct MooncakeAdmin {
+/// The Mooncake master's read-only routes over a [`Scope`] of sub-clusters.
+pub struct MooncakeAdmin {
     client: Client,
     cluster: ClusterId,
-    subcluster: SubclusterId,
-    metrics: SubmasterMetrics,
+    scope: Scope,
+    role: RoleOf,
 }
 
 impl MooncakeAdmin {
     /// Routes answering from the leader of `subcluster`, reporting this
-    /// instance's role from `metrics`.
-    pub(crate) fn new(
+    /// sub-master instance's role from `metrics`.
+    pub(crate) fn for_submaster(
         client: Client,
         cluster: ClusterId,
         subcluster: SubclusterId,
         metrics: SubmasterMetrics,
     ) -> Self {
+        let role: RoleOf = Arc::new(move || match metrics.role.get() {
+            2 => "leader",
+            1 => "recovering",
+            _ => "standby",
+        });
+        Self::new(client, cluster, Scope::One(subcluster), role)
+    }
+
+    /// Routes answering from the leaders of the sub-clusters in `scope`, saying
+    /// `role()` of the serving instance.
+    pub fn new(client: Client, cluster: ClusterId, scope: Scope, role: RoleOf) -> Self {
         Self {
             client,
             cluster,
-            subcluster,
-            metrics,
+            scope,
+            role,
         }
     }
 
-    /// Asks the leader `op` with `request`; `None` (logged) when no leader answered.
+    /// Asks the leader of `subcluster` `op` with `request`.
     async fn ask<Req: Serialize, Rep: DeserializeOwned>(
         &self,
+        subcluster: &SubclusterId,
         op: Op,
         request: &Req,
     ) -> Result<Rep, String> {
-        let subject = submaster_rpc_subject(&self.cluster, &self.subcluster, op.name());
+        let subject = submaster_rpc_subject(&self.cluster, subcluster, op.name());
         let body = rpc::encode(request).map_err(|e| e.to_string())?;
         let reply = tokio::time::timeout(ASK_TIMEOUT, self.client.request(subject, body.into()))
             .await
@@ -91,41 +129,95 @@ impl MooncakeAdmin {
         }
     }
 
-    async fn status(&self) -> Result<StatusReply, String> {
-        self.ask(Op::Status, &Status { segments: true }).await
-    }
-
-    async fn replicas(&self, keys: Vec<String>) -> Result<GetReplicaListReply, String> {
-        self.ask(Op::GetReplicaList, &GetReplicaList { keys, lease: false })
-            .await
-    }
-
-    fn role(&self) -> &'static str {
-        match self.metrics.role.get() {
-            2 => "leader",
-            1 => "recovering",
-            _ => "standby",
+    /// The status of every sub-cluster in scope that answered (with its segment
+    /// list); an error only when none did.
+    async fn statuses(&self) -> Result<Vec<StatusReply>, String> {
+        let subclusters = self.scope.subclusters();
+        let asked = subclusters
+            .iter()
+            .map(|subcluster| self.ask(subcluster, Op::Status, &Status { segments: true }));
+        let mut answered = Vec::with_capacity(subclusters.len());
+        let mut last_error = "no sub-cluster is registered".to_owned();
+        for (subcluster, result) in subclusters.iter().zip(join_all(asked).await) {
+            match result {
+                Ok(status) => answered.push(status),
+                Err(error) => {
+                    tracing::debug!(%subcluster, %error, "a sub-master did not answer an admin route");
+                    last_error = format!("{subcluster}: {error}");
+                }
+            }
         }
+        if answered.is_empty() {
+            return Err(last_error);
+        }
+        Ok(answered)
+    }
+
+    /// Every mounted segment of the sub-clusters that answered.
+    async fn segments(&self) -> Result<Vec<SegmentStatus>, String> {
+        Ok(self
+            .statuses()
+            .await?
+            .into_iter()
+            .flat_map(|status| status.segment_list)
+            .collect())
+    }
+
+    /// Per key its replicas: a key found in any sub-cluster in scope is found;
+    /// an error only when no sub-cluster answered.
+    async fn replicas(&self, keys: Vec<String>) -> Result<GetReplicaListReply, String> {
+        let subclusters = self.scope.subclusters();
+        let request = GetReplicaList { keys, lease: false };
+        let asked = subclusters.iter().map(|subcluster| {
+            self.ask::<_, GetReplicaListReply>(subcluster, Op::GetReplicaList, &request)
+        });
+        let mut merged: Option<GetReplicaListReply> = None;
+        let mut last_error = "no sub-cluster is registered".to_owned();
+        for result in join_all(asked).await {
+            match result {
+                Ok(reply) if reply.len() == request.keys.len() => match &mut merged {
+                    None => merged = Some(reply),
+                    Some(merged) => {
+                        for (kept, other) in merged.iter_mut().zip(reply) {
+                            if matches!(kept, ItemResult::Err(_))
+                                && matches!(other, ItemResult::Ok(_))
+                            {
+                                *kept = other;
+                            }
+                        }
+                    }
+                },
+                Ok(_) => last_error = "a sub-master answered another number of keys".to_owned(),
+                Err(error) => last_error = error,
+            }
+        }
+        merged.ok_or(last_error)
     }
 
     async fn health(&self) -> HttpAnswer {
-        let status = self.status().await.ok();
+        let statuses = self.statuses().await.ok();
+        // One sub-cluster: its leader's id and epoch, as Mooncake gives its own.
+        let leader = match (&self.scope, &statuses) {
+            (Scope::One(_), Some(statuses)) => statuses.first(),
+            _ => None,
+        };
+        let role = (self.role)();
         let body = json!({
             "status": "ok",
-            "role": self.role(),
-            "ha_state": if self.metrics.role.get() == 2 { "serving" } else { self.role() },
-            "service_ready": status.is_some(),
-            "leader_address": status.as_ref().map(|s| s.producer.clone()),
-            "view_version": status.as_ref().map(|s| s.epoch),
+            "role": role,
+            "ha_state": if role == "leader" { "serving" } else { role },
+            "service_ready": statuses.is_some(),
+            "leader_address": leader.map(|s| s.producer.clone()),
+            "view_version": leader.map(|s| s.epoch),
         });
         HttpAnswer::ok(JSON, body.to_string())
     }
 
     async fn all_segments(&self) -> HttpAnswer {
-        match self.status().await {
-            Ok(status) => {
+        match self.segments().await {
+            Ok(segments) => {
                 let mut names: Vec<&str> = Vec::new();
-                for segment in &status.segment_list {
+                for segment in &segments {
                     if !names.contains(&segment.endpoint.as_str()) {
                         names.push(&segment.endpoint);
                     }
@@ -137,12 +229,11 @@ impl MooncakeAdmin {
     }
 
     async fn query_segment(&self, segment: &str) -> HttpAnswer {
-        let status = match self.status().await {
-            Ok(status) => status,
+        let segments = match self.segments().await {
+            Ok(segments) => segments,
             Err(error) => return unavailable(&error),
         };
-        let named: Vec<&SegmentStatus> = status
-            .segment_list
+        let named: Vec<&SegmentStatus> = segments
             .iter()
             .filter(|s| s.endpoint == segment || s.id.as_str() == segment)
             .collect();
@@ -158,12 +249,11 @@ impl MooncakeAdmin {
     }
 
     async fn segments_detail(&self) -> HttpAnswer {
-        let status = match self.status().await {
-            Ok(status) => status,
+        let segments = match self.segments().await {
+            Ok(segments) => segments,
             Err(error) => return unavailable(&error),
         };
-        let segments: Vec<Value> = status
-            .segment_list
+        let segments: Vec<Value> = segments
             .iter()
             .map(|s| {
                 json!({

@@ -302,7 +302,7 @@ async fn run_observed(
 ) -> Result<(), SubmasterError> {
     // Mooncake's read-only admin routes ride on the metrics port, as on a
     // Mooncake master's.
-    let admin = crate::admin::MooncakeAdmin::new(
+    let admin = crate::admin::MooncakeAdmin::for_submaster(
         client.clone(),
         config.cluster.clone(),
         config.subcluster.clone(),
