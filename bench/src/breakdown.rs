@@ -331,7 +331,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
         &stages,
         printer,
     );
-    store.remove_all(Some("^bd-"), true).await?;
+    store.remove_all(Some("^bd-"), None, true).await?;
     store.close().await;
     master.shutdown().await?;
     Ok(())

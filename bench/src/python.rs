@@ -111,7 +111,7 @@ async fn rust_rates(
         rate(duration, 1, u64::MAX, get("l", written, large.len())).await?,
     ));
     // Room for the next phase's values: the segment holds only so many.
-    store.remove_all(Some("^rs-l-"), true).await?;
+    store.remove_all(Some("^rs-l-"), None, true).await?;
     // The zero-copy pair: put straight from a buffer, read straight into one.
     let put_from = rate(duration, 1, LARGE_VALUES, put("f", large)).await?;
     results.push(("put_from_1m", put_from));
@@ -141,7 +141,7 @@ async fn rust_rates(
     })
     .await?;
     results.push(("batch_is_exist_1000", exist));
-    store.remove_all(Some("^rs-"), true).await?;
+    store.remove_all(Some("^rs-"), None, true).await?;
     store.close().await;
     Ok(results)
 }

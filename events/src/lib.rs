@@ -18,6 +18,7 @@ pub mod registry;
 pub mod rpc;
 pub mod snapshot;
 pub mod subject;
+pub mod tenant;
 pub mod transport;
 
 pub use codec::{decode_message, encode_message, DecodedMessage, Header, MessageBuilder};

@@ -18,7 +18,7 @@ import ctypes
 import logging
 import threading
 import weakref
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 from . import _native
 from .address import AddressError, load_config_file, resolve
@@ -52,6 +52,27 @@ __all__ = [
 log = logging.getLogger("hkvm.store")
 
 _DEFAULT_SEGMENT = 16 * 1024 * 1024
+# Tenants (as hkvm_events::tenant stores them): a key k of tenant t other than
+# the default is stored as "\x1e" + t + "\x1f" + k.
+_DEFAULT_TENANT = "default"
+_TENANT_MARK = "\x1e"
+_TENANT_END = "\x1f"
+_MAX_TENANT_LEN = 128
+
+
+def _tenant_refused(tenant: str) -> Optional[str]:
+    """Why ``tenant`` cannot name a tenant (Mooncake's rules), or None."""
+    if len(tenant.encode()) > _MAX_TENANT_LEN:
+        return f"longer than {_MAX_TENANT_LEN} bytes"
+    if tenant.startswith("_"):
+        return "a leading '_' is reserved"
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in tenant):
+        return "control characters are not allowed"
+    return None
+
+
+def _key_prefix(tenant: str) -> str:
+    return "" if tenant == _DEFAULT_TENANT else f"{_TENANT_MARK}{tenant}{_TENANT_END}"
 _DEFAULT_LOCAL_BUFFER = 16 * 1024 * 1024
 
 
@@ -81,6 +102,9 @@ class MooncakeDistributedStore:
         self._lock = threading.Lock()
         # Memory alloc_from_mem_pool handed out (a full store's private buffers).
         self._owned: Dict[int, Any] = {}
+        # The tenant its keys belong to, and what its keys are stored under.
+        self._tenant = _DEFAULT_TENANT
+        self._prefix = ""
         _native.init_logging()
         _LIVE_STORES.add(self)
 
@@ -129,16 +153,7 @@ class MooncakeDistributedStore:
                 "master_server_addr", config.get("master_server_address", master_server_addr)
             )
         config.update({key: extras.pop(key) for key in ("hkvm_cluster", "hkvm_subcluster") if key in extras})
-        tenant = extras.pop("tenant_id", config.get("tenant_id"))
-        if tenant is not None and str(tenant).strip() not in ("", "default"):
-            # Sharing one key space between tenants would leak one's KV cache to
-            # another: refuse until tenants are isolated.
-            log.error(
-                "setup: tenant_id %r: HKVM does not isolate tenants yet; refusing rather than "
-                "sharing keys with every other tenant (leave tenant_id unset or 'default')",
-                tenant,
-            )
-            return ErrorCode.INVALID_PARAMS
+        tenant = extras.pop("tenant_id", None)
         if extras:
             log.debug("ignoring setup options HKVM does not use: %s", sorted(extras))
         try:
@@ -158,6 +173,14 @@ class MooncakeDistributedStore:
             address = resolve(master_server_addr, config)
         except AddressError as error:
             log.error("setup: %s", error)
+            return ErrorCode.INVALID_PARAMS
+        # The keyword, else the dict's or the configuration file's key; blank is
+        # the default tenant, as on Mooncake.
+        tenant = config.get("tenant_id") if tenant is None else tenant
+        tenant = str(tenant if tenant is not None else "").strip() or _DEFAULT_TENANT
+        refused = _tenant_refused(tenant)
+        if refused:
+            log.error("setup: tenant_id %r: %s", tenant, refused)
             return ErrorCode.INVALID_PARAMS
         if not local_hostname:
             log.error("setup needs local_hostname")
@@ -191,6 +214,8 @@ class MooncakeDistributedStore:
                 code, message = error.args
                 log.error("setup failed: %s", message)
                 return int(code)
+            self._tenant = tenant
+            self._prefix = _key_prefix(tenant)
         self._owned = {}
         return ErrorCode.OK
 
@@ -218,6 +243,7 @@ class MooncakeDistributedStore:
                 code, message = error.args
                 log.error("setup_dummy failed: %s", message)
                 return int(code)
+            self._tenant, self._prefix = _DEFAULT_TENANT, ""
         self._owned = {}
         return ErrorCode.OK
 
@@ -277,6 +303,28 @@ class MooncakeDistributedStore:
         native = self._native
         return native.hostname() if native is not None else ""
 
+    # -- tenants -------------------------------------------------------------------
+
+    def _stored(self, keys: Iterable[str]) -> List[str]:
+        """The keys as stored: scoped to this store's tenant."""
+        prefix = self._prefix
+        return [prefix + key for key in keys] if prefix else list(keys)
+
+    def _writing(self, keys: List[str], write: Callable[[Optional[List[int]], List[str]], List[int]]) -> List[int]:
+        """Per key the code of ``write(chosen, stored)``, which writes the keys at
+        the indexes ``chosen`` (None: all) under their stored names. A key of the
+        default tenant that starts with the tenant mark would land in another
+        tenant's key space: it is refused (-600)."""
+        if self._prefix or not any(isinstance(k, str) and k.startswith(_TENANT_MARK) for k in keys):
+            return write(None, self._stored(keys))
+        log.error("keys starting with \\x1e are reserved for tenants' keys: refused")
+        chosen = [i for i, key in enumerate(keys) if not (isinstance(key, str) and key.startswith(_TENANT_MARK))]
+        codes = [ErrorCode.INVALID_PARAMS] * len(keys)
+        if chosen:
+            for index, code in zip(chosen, write(chosen, [keys[i] for i in chosen])):
+                codes[index] = code
+        return codes
+
     # -- copying data path --------------------------------------------------------
 
     @staticmethod
@@ -309,7 +357,12 @@ class MooncakeDistributedStore:
         except TypeError:
             return [ErrorCode.INVALID_PARAMS] * len(keys)
         replicas, preferred, pin = self._placement(config)
-        return native.put(keys, parts, (replicas, preferred, pin), True)
+        return self._writing(
+            keys,
+            lambda chosen, stored: native.put(
+                stored, parts if chosen is None else [parts[i] for i in chosen], (replicas, preferred, pin), True
+            ),
+        )
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, or ``b""`` when it is missing or unreadable."""
@@ -320,7 +373,7 @@ class MooncakeDistributedStore:
         native = self._native
         if native is None:
             return [b""] * len(keys)
-        return [v if isinstance(v, bytes) else b"" for v in native.get(list(keys))]
+        return [v if isinstance(v, bytes) else b"" for v in native.get(self._stored(keys))]
 
     def get_buffer(self, key: str) -> Optional[BufferHandle]:
         """The value of ``key`` in a :class:`BufferHandle`, or ``None``."""
@@ -331,7 +384,7 @@ class MooncakeDistributedStore:
         native = self._native
         if native is None:
             return [None] * len(keys)
-        return native.get_buffer(list(keys), BufferHandle)
+        return native.get_buffer(self._stored(keys), BufferHandle)
 
     # -- existence, size, removal -------------------------------------------------
 
@@ -344,14 +397,14 @@ class MooncakeDistributedStore:
         native = self._native
         if native is None:
             return [-1] * len(keys)
-        return native.exist(list(keys))
+        return native.exist(self._stored(keys))
 
     def get_size(self, key: str) -> int:
         """The size of ``key``'s value, or a negative code (-704 when missing)."""
         native = self._native
         if native is None:
             return ErrorCode.INVALID_PARAMS
-        return native.size([key])[0]
+        return native.size(self._stored([key]))[0]
 
     def get_replica_desc(self, key: str) -> List[ReplicaDescriptor]:
         """The replicas of ``key`` (an empty list when it is missing or the
@@ -369,7 +422,7 @@ class MooncakeDistributedStore:
         if native is None:
             return [None] * len(keys)
         out: List[Optional[List[ReplicaDescriptor]]] = []
-        for key, found in zip(keys, native.replicas([str(k) for k in keys])):
+        for key, found in zip(keys, native.replicas(self._stored([str(k) for k in keys]))):
             if isinstance(found, int):
                 if found != ErrorCode.OBJECT_NOT_FOUND:
                     log.warning("get_replica_desc(%r): code %d", key, found)
@@ -391,14 +444,14 @@ class MooncakeDistributedStore:
         native = self._native
         if native is None:
             return [ErrorCode.INVALID_PARAMS] * len(keys)
-        return native.remove(list(keys), bool(force))
+        return native.remove(self._stored(keys), bool(force))
 
     def remove_all(self, force: bool = False) -> int:
         """Removes every object of the pool; how many, or a negative code."""
         native = self._native
         if native is None:
             return ErrorCode.INVALID_PARAMS
-        return native.remove_all(None, bool(force))
+        return native.remove_all(None, self._tenant, bool(force))
 
     def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
         """Removes every object whose key matches ``regex_pattern`` (searched
@@ -406,7 +459,7 @@ class MooncakeDistributedStore:
         native = self._native
         if native is None:
             return ErrorCode.INVALID_PARAMS
-        return native.remove_all(str(regex_pattern), bool(force))
+        return native.remove_all(str(regex_pattern), self._tenant, bool(force))
 
     # -- zero-copy data path ------------------------------------------------------
 
@@ -509,11 +562,18 @@ class MooncakeDistributedStore:
             return [ErrorCode.INVALID_PARAMS] * len(keys)
         replicas, preferred, pin = self._placement(config)
         try:
-            return native.put_from(
-                list(keys), _int_lists(ptrs), _int_lists(sizes), (replicas, preferred, pin)
-            )
+            ptrs, sizes = _int_lists(ptrs), _int_lists(sizes)
         except (TypeError, ValueError, OverflowError):
             return [ErrorCode.INVALID_PARAMS] * len(keys)
+
+        def write(chosen: Optional[List[int]], stored: List[str]) -> List[int]:
+            if chosen is None:
+                return native.put_from(stored, ptrs, sizes, (replicas, preferred, pin))
+            return native.put_from(
+                stored, [ptrs[i] for i in chosen], [sizes[i] for i in chosen], (replicas, preferred, pin)
+            )
+
+        return self._writing(list(keys), write)
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
         """Reads ``key``'s value into registered memory of ``size`` bytes at
@@ -594,7 +654,7 @@ class MooncakeDistributedStore:
             if native is None:
                 return [[refused(d) for d in dsts] for dsts in all_dst_offsets]
             try:
-                copied_all = native.get_into_ranges(keys, ranges)
+                copied_all = native.get_into_ranges(self._stored(keys), ranges)
             except OverflowError:  # a pointer or size beyond 64 bits
                 copied_all = [[invalid] * len(r) for r in ranges]
             for (i, j), copied in zip(where, copied_all):
@@ -606,7 +666,7 @@ class MooncakeDistributedStore:
         if native is None:
             return [ErrorCode.INVALID_PARAMS] * len(keys)
         try:
-            return native.get_into(list(keys), _int_lists(ptrs), _int_lists(sizes))
+            return native.get_into(self._stored(keys), _int_lists(ptrs), _int_lists(sizes))
         except (TypeError, ValueError, OverflowError):
             return [ErrorCode.INVALID_PARAMS] * len(keys)
 

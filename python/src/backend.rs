@@ -153,9 +153,15 @@ pub trait Backend: Send + Sync {
     /// or a negative code.
     fn remove(&self, wait: Wait<'_, '_>, keys: Vec<String>, force: bool) -> Batch<i32>;
 
-    /// Removes every object (or those whose key matches `pattern`): how many, or
-    /// a negative code.
-    fn remove_all(&self, wait: Wait<'_, '_>, pattern: Option<String>, force: bool) -> i64;
+    /// Removes every object (or those whose key matches `pattern`; with a
+    /// `tenant`, only that tenant's): how many, or a negative code.
+    fn remove_all(
+        &self,
+        wait: Wait<'_, '_>,
+        pattern: Option<String>,
+        tenant: Option<String>,
+        force: bool,
+    ) -> i64;
 
     /// Prepares `[ptr, ptr + size)`, just registered, for zero-copy calls; the
     /// caller keeps it valid until it unregisters it. On `Err(code)` the caller

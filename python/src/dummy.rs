@@ -399,8 +399,19 @@ impl Backend for Dummy {
         )
     }
 
-    fn remove_all(&self, wait: Wait<'_, '_>, pattern: Option<String>, force: bool) -> i64 {
-        match self.call(wait, &DummyRequest::RemoveAll { pattern, force }) {
+    fn remove_all(
+        &self,
+        wait: Wait<'_, '_>,
+        pattern: Option<String>,
+        tenant: Option<String>,
+        force: bool,
+    ) -> i64 {
+        let request = DummyRequest::RemoveAll {
+            pattern,
+            force,
+            tenant,
+        };
+        match self.call(wait, &request) {
             Ok(DummyReply::Count(count)) => count,
             Ok(_) => i64::from(INTERNAL),
             Err(code) => i64::from(code),

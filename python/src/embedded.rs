@@ -231,8 +231,17 @@ impl Backend for Embedded {
         }
     }
 
-    fn remove_all(&self, wait: Wait<'_, '_>, pattern: Option<String>, force: bool) -> i64 {
-        match wait.on(self.store.remove_all(pattern.as_deref(), force)) {
+    fn remove_all(
+        &self,
+        wait: Wait<'_, '_>,
+        pattern: Option<String>,
+        tenant: Option<String>,
+        force: bool,
+    ) -> i64 {
+        match wait.on(self
+            .store
+            .remove_all(pattern.as_deref(), tenant.as_deref(), force))
+        {
             Ok(removed) => i64::try_from(removed).unwrap_or(i64::MAX),
             Err(error) => i64::from(code_of(&error)),
         }

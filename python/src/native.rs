@@ -444,12 +444,19 @@ impl NativeStore {
             .unwrap_or_else(|code| vec![code; count])
     }
 
-    /// Removes every object (or those whose key matches `pattern`) in the cluster:
+    /// Removes every object (or those whose key matches `pattern`) in the cluster;
+    /// with a `tenant`, only that tenant's keys, matched as the tenant names them:
     /// how many, or a negative code.
-    #[pyo3(signature = (pattern, force))]
-    fn remove_all(&self, py: Python<'_>, pattern: Option<String>, force: bool) -> i64 {
+    #[pyo3(signature = (pattern, tenant, force))]
+    fn remove_all(
+        &self,
+        py: Python<'_>,
+        pattern: Option<String>,
+        tenant: Option<String>,
+        force: bool,
+    ) -> i64 {
         self.backend
-            .remove_all(self.wait(py, Call::Other), pattern, force)
+            .remove_all(self.wait(py, Call::Other), pattern, tenant, force)
     }
 
     /// Registers `[ptr, ptr + size)` for zero-copy calls: 0, or -600 for a null,

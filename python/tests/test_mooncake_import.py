@@ -528,14 +528,53 @@ def test_the_calls_of_sglangs_own_mooncake_backend(cluster):
         store.close()
 
 
-def test_a_tenant_is_refused_rather_than_shared(cluster):
-    """Mooncake isolates tenants' keys; HKVM does not yet, so a non-default
-    tenant_id fails setup (-600) instead of sharing every key with other tenants."""
+def test_tenants_see_and_remove_only_their_own_keys(cluster):
+    """Mooncake's `tenant_id` (setup keyword, or the dict's and configuration
+    file's key): each tenant has its own key space in one pool. The same key
+    under two tenants holds two values; no tenant sees, removes or clears
+    another's; an invalid name fails setup with -600."""
+    import uuid
+
     from mooncake.store import MooncakeDistributedStore
 
-    store = MooncakeDistributedStore()
     at = address(cluster, "sc-0")
-    assert store.setup("localhost", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", at, tenant_id="team-a") == -600
-    assert store.setup({"local_hostname": "localhost", "master_server_address": at, "tenant_id": "team-a"}) == -600
-    assert store.setup("localhost", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", at, tenant_id="default") == 0
-    store.close()
+    run = uuid.uuid4().hex[:8]
+    stores = {}
+    for tenant in (f"a-{run}", f"b-{run}", "default"):
+        store = MooncakeDistributedStore()
+        if tenant == f"b-{run}":
+            code = store.setup({"local_hostname": "localhost", "master_server_address": at, "tenant_id": tenant})
+        else:
+            code = store.setup("localhost", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", at, tenant_id=tenant)
+        assert code == 0, tenant
+        stores[tenant] = store
+    a, b, default = stores[f"a-{run}"], stores[f"b-{run}"], stores["default"]
+    key = f"tenant-page-{run}"
+    try:
+        assert a.put(key, b"of a") == 0
+        assert b.put(key, b"of b") == 0
+        assert default.is_exist(key) == 0
+        assert a.get(key) == b"of a" and b.get(key) == b"of b"
+        assert default.put(key, b"of default") == 0
+        assert a.batch_is_exist([key, f"{key}-x"]) == [1, 0]
+        assert default.get_size(key) == len(b"of default")
+        assert default.put("\x1eforged\x1fkey", b"x") == -600, "a key in another tenant's space"
+        # Removal and clearing stay inside the tenant.
+        assert a.remove(key, force=True) == 0  # read above: leased without force
+        assert b.get(key) == b"of b" and default.get(key) == b"of default"
+        assert a.put(f"{key}-2", b"2") == 0 and a.put(f"{key}-3", b"3") == 0
+        # Forced: a new leader counts every object leased for a grace period.
+        assert a.remove_by_regex(f"^{key}-[23]$", force=True) == 2
+        assert b.put(f"{key}-4", b"4") == 0
+        assert default.remove_all(force=True) >= 1
+        assert b.get(key) == b"of b" and b.get(f"{key}-4") == b"4"
+        assert b.remove_all(force=True) == 2
+        assert b.is_exist(key) == 0
+    finally:
+        for store in stores.values():
+            store.close()
+    bad = MooncakeDistributedStore()
+    for invalid in ("_admin", "a\x00b"):
+        assert bad.setup("localhost", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", at, tenant_id=invalid) == -600
+    assert bad.setup("localhost", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", at, tenant_id=" ") == 0, "blank is default"
+    bad.close()

@@ -162,19 +162,31 @@ impl Store {
     }
 
     /// Removes every object of the cluster, or every object whose key matches
-    /// `pattern`, in every registered sub-cluster. Returns how many were removed.
+    /// `pattern`, in every registered sub-cluster; with a `tenant`, only that
+    /// tenant's (see [`hkvm_events::tenant`]; `"default"`: the keys of no other
+    /// tenant). Returns how many were removed.
     ///
     /// # Errors
-    /// An invalid pattern, this sub-cluster's sub-master unreachable, or the store
-    /// closed. Other sub-clusters that fail are skipped with a warning.
-    pub async fn remove_all(&self, pattern: Option<&str>, force: bool) -> Result<u64, StoreError> {
+    /// An invalid pattern or tenant, this sub-cluster's sub-master unreachable,
+    /// or the store closed. Other sub-clusters that fail are skipped with a
+    /// warning.
+    pub async fn remove_all(
+        &self,
+        pattern: Option<&str>,
+        tenant: Option<&str>,
+        force: bool,
+    ) -> Result<u64, StoreError> {
         self.check_open()?;
         let subclusters = self.subclusters().await;
         let removals = subclusters.iter().map(|subcluster| async move {
             let client = self.submaster(subcluster);
-            let reply = match pattern {
-                Some(pattern) => client.remove_matching(pattern, force).await,
-                None => client.remove_all(force).await,
+            let reply = match (pattern, tenant) {
+                (None, None) => client.remove_all(force).await,
+                (pattern, tenant) => {
+                    client
+                        .remove_matching(pattern.unwrap_or(""), tenant, force)
+                        .await
+                }
             };
             (subcluster, reply)
         });

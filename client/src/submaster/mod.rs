@@ -482,7 +482,9 @@ impl SubmasterClient {
         self.call(Op::RemoveAll, &RemoveAll { force }).await
     }
 
-    /// Removes every object whose key matches `pattern` (a regular expression).
+    /// Removes every object whose key matches `pattern` (a regular expression);
+    /// with a `tenant`, only that tenant's keys, matched as the tenant names them
+    /// (see [`hkvm_events::tenant`]).
     ///
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`]; an invalid pattern is refused
@@ -490,6 +492,7 @@ impl SubmasterClient {
     pub async fn remove_matching(
         &self,
         pattern: &str,
+        tenant: Option<&str>,
         force: bool,
     ) -> Result<RemoveAllReply, ClientError> {
         self.call(
@@ -497,6 +500,7 @@ impl SubmasterClient {
             &RemoveMatching {
                 pattern: pattern.to_owned(),
                 force,
+                tenant: tenant.map(str::to_owned),
             },
         )
         .await

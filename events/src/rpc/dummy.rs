@@ -165,6 +165,9 @@ pub enum DummyRequest {
         pattern: Option<String>,
         /// Even when leased.
         force: bool,
+        /// Only this tenant's keys (see [`crate::tenant`]); none: every key.
+        #[serde(default)]
+        tenant: Option<String>,
     },
     /// Whether the real client's sub-master answers.
     Health,

@@ -459,6 +459,11 @@ pub struct RemoveMatching {
     /// Remove even leased objects.
     #[serde(default)]
     pub force: bool,
+    /// Only the keys of this tenant ([`crate::tenant`]), the pattern matched
+    /// against the key the tenant calls them by; `"default"`: only keys of no
+    /// other tenant. None: every key, as written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
 }
 
 /// Longest pattern of a [`RemoveMatching`].

@@ -7,6 +7,7 @@ use hkvm_events::rpc::submaster::{
     RemoveMatching, ReplicaList, ReplicaLocation, MAX_AVOIDED_NODES, MAX_KEY_PATTERN_LEN,
 };
 use hkvm_events::rpc::RpcError;
+use hkvm_events::tenant::{self, check_tenant};
 use hkvm_events::{KvEvent, NodeId, PutCommitted, PutFlags, Removed, SegmentId};
 
 use super::{chunked, Outcome, Policy, Reply};
@@ -346,6 +347,12 @@ pub(super) fn remove_matching(
         .size_limit(1 << 20)
         .build()
         .map_err(|e| RpcError::invalid(format!("key pattern: {e}")))?;
+    if let Some(tenant) = &matching.tenant {
+        check_tenant(tenant).map_err(|e| RpcError::invalid(format!("tenant {tenant:?}: {e}")))?;
+        return Ok(removing(state, matching.force, now_ms, |key| {
+            tenant::key_of(tenant, key).is_some_and(|key| pattern.is_match(key))
+        }));
+    }
     Ok(removing(state, matching.force, now_ms, |key| {
         pattern.is_match(key)
     }))

@@ -323,6 +323,7 @@ fn remove_all_with_a_pattern_removes_only_matching_keys() {
         Request::RemoveMatching(RemoveMatching {
             pattern: pattern.to_owned(),
             force: false,
+            tenant: None,
         })
     };
     assert!(matches!(
@@ -345,6 +346,51 @@ fn remove_all_with_a_pattern_removes_only_matching_keys() {
         1,
         "refused patterns remove nothing"
     );
+    h.assert_standby_agrees();
+}
+
+#[test]
+fn a_tenants_removal_reaches_its_own_keys_only() {
+    use hkvm_events::tenant::key_prefix;
+    let mut h = three_nodes();
+    let (a, b) = (key_prefix("a"), key_prefix("b"));
+    for key in [
+        "page-1".to_owned(),
+        "page-2".to_owned(),
+        format!("{a}page-1"),
+        format!("{a}page-2"),
+        format!("{a}other"),
+        format!("{b}page-1"),
+    ] {
+        h.put(&key, 100, 1);
+    }
+    let removing = |pattern: &str, tenant: &str| {
+        Request::RemoveMatching(RemoveMatching {
+            pattern: pattern.to_owned(),
+            force: false,
+            tenant: Some(tenant.to_owned()),
+        })
+    };
+    // The pattern sees the key as the tenant names it: `^page` anchors there.
+    assert!(matches!(
+        h.run(removing("^page-", "a")),
+        Ok(Reply::RemoveAll(r)) if r.removed == 2
+    ));
+    assert!(h.leader.object(&format!("{a}other")).is_some());
+    assert!(h.leader.object(&format!("{b}page-1")).is_some());
+    assert!(h.leader.object("page-1").is_some());
+    // The default tenant's remove_all leaves every other tenant's keys.
+    assert!(matches!(
+        h.run(removing("", "default")),
+        Ok(Reply::RemoveAll(r)) if r.removed == 2
+    ));
+    assert_eq!(h.leader.object_count(), 2);
+    let refused = h.run(removing("", "_reserved")).unwrap_err();
+    assert_eq!(refused.code, RpcErrorCode::InvalidRequest);
+    assert!(matches!(
+        h.run(removing("", "b")),
+        Ok(Reply::RemoveAll(r)) if r.removed == 1
+    ));
     h.assert_standby_agrees();
 }
 

@@ -219,8 +219,15 @@ pub(super) async fn handle(store: &Store, regions: &Regions, request: DummyReque
             ),
             Err(error) => DummyReply::Codes(vec![error.code().value(); keys.len()]),
         },
-        DummyRequest::RemoveAll { pattern, force } => {
-            match store.remove_all(pattern.as_deref(), force).await {
+        DummyRequest::RemoveAll {
+            pattern,
+            force,
+            tenant,
+        } => {
+            match store
+                .remove_all(pattern.as_deref(), tenant.as_deref(), force)
+                .await
+            {
                 Ok(removed) => DummyReply::Count(i64::try_from(removed).unwrap_or(i64::MAX)),
                 Err(error) => DummyReply::Count(i64::from(error.code().value())),
             }
