@@ -8,7 +8,10 @@ an engine passes into that one, or says exactly what is missing:
 - ``nats://h:4222`` without a path, ``host:port``, ``host1:port,host2:port``: the
   NATS servers; the cluster and sub-cluster come from the configuration
   (``hkvm_cluster`` / ``hkvm_subcluster`` keys) or the environment
-  (``HKVM_CLUSTER`` / ``HKVM_SUBCLUSTER``);
+  (``HKVM_CLUSTER`` / ``HKVM_SUBCLUSTER``); in place of a sub-cluster, labels
+  (``hkvm_labels`` key: a dict or ``"k=v,k=v"``; ``HKVM_LABELS``) let the registry
+  choose one that carries them all, the same for every process of a node
+  (``nats://…/<cluster>/*?k=v&k=v``, which may also be given as is);
 - ``mooncakestore://host:port`` (LMCache's URL form): as ``host:port``.
 
 Nothing is defaulted: a sub-cluster nobody named would split a pool into the
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 from typing import Any, Dict, Mapping, Optional
+from urllib.parse import urlencode
 
 __all__ = [
     "AddressError",
@@ -101,6 +105,10 @@ def resolve(
             raise AddressError(f"master address {text!r}: servers are separated by commas")
     cluster = _name(config, environ, "hkvm_cluster", "HKVM_CLUSTER")
     subcluster = _name(config, environ, "hkvm_subcluster", "HKVM_SUBCLUSTER")
+    labels = _labels(config, environ)
+    if subcluster is None and labels is not None and cluster is not None:
+        # The registry chooses (in the extension, at setup).
+        return f"{scheme or 'nats'}://{','.join(hosts)}/{cluster}/*" + (f"?{urlencode(labels)}" if labels else "")
     missing = [
         what
         for what, value in (("cluster (HKVM_CLUSTER)", cluster), ("sub-cluster (HKVM_SUBCLUSTER)", subcluster))
@@ -109,11 +117,34 @@ def resolve(
     if missing:
         raise AddressError(
             f"master address {text!r} names NATS servers but not the HKVM {' or the '.join(missing)} "
-            "to join: set the environment variable, the hkvm_cluster / hkvm_subcluster setup keys, "
+            "to join: set the environment variable, the hkvm_cluster / hkvm_subcluster setup keys "
+            "(or hkvm_labels / HKVM_LABELS to have the registry choose a sub-cluster), "
             "or pass nats://host:port/<cluster>/<subcluster>"
         )
     scheme = scheme or "nats"
     return f"{scheme}://{','.join(hosts)}/{cluster}/{subcluster}"
+
+
+def _labels(config: Mapping[str, Any], environ: Mapping[str, str]) -> Optional[Dict[str, str]]:
+    """The labels that choose a sub-cluster (``hkvm_labels``, else
+    ``HKVM_LABELS``), or None when neither is set; an empty value asks for any
+    live sub-cluster."""
+    value = config.get("hkvm_labels")
+    if value is None:
+        value = environ.get("HKVM_LABELS")
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): str(v) for k, v in value.items()}
+    labels: Dict[str, str] = {}
+    for pair in str(value).split(","):
+        if not pair.strip():
+            continue
+        key, sep, val = pair.partition("=")
+        if not sep or not key.strip():
+            raise AddressError(f"labels {value!r}: expected k=v pairs separated by commas")
+        labels[key.strip()] = val.strip()
+    return labels
 
 
 def load_config_file(path: Optional[str] = None) -> Dict[str, Any]:

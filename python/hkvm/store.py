@@ -152,7 +152,7 @@ class MooncakeDistributedStore:
             master_server_addr = config.get(
                 "master_server_addr", config.get("master_server_address", master_server_addr)
             )
-        config.update({key: extras.pop(key) for key in ("hkvm_cluster", "hkvm_subcluster") if key in extras})
+        config.update({key: extras.pop(key) for key in ("hkvm_cluster", "hkvm_subcluster", "hkvm_labels") if key in extras})
         tenant = extras.pop("tenant_id", None)
         if extras:
             log.debug("ignoring setup options HKVM does not use: %s", sorted(extras))

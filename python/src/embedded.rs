@@ -3,6 +3,7 @@
 //! Zero-copy calls move values straight between the caller's registered memory
 //! and the transport.
 
+use hkvm_client::store::choose::LabeledAddress;
 use hkvm_client::store::{
     segment_for, BufferRegistry, Store, StoreAddress, StoreConfig, StoreError,
 };
@@ -17,16 +18,15 @@ use crate::zero_copy::Part;
 /// The configuration of a store from `setup`'s arguments.
 ///
 /// # Errors
-/// A master address that does not parse, or an unknown protocol.
+/// An unknown protocol.
 pub fn config(
     local_hostname: String,
-    master_server_addr: &str,
+    address: StoreAddress,
     global_segment_size: u64,
     local_buffer_size: u64,
     protocol: &str,
     rdma_devices: &str,
 ) -> Result<StoreConfig, StoreError> {
-    let address: StoreAddress = master_server_addr.parse().map_err(StoreError::Address)?;
     let protocol = Protocol::parse(protocol, rdma_devices)
         .map_err(|e| StoreError::InvalidParams(e.to_string()))?;
     let mut config = StoreConfig::new(address, local_hostname);
@@ -34,6 +34,32 @@ pub fn config(
     config.local_buffer_size = local_buffer_size;
     config.protocol = protocol;
     Ok(config)
+}
+
+/// The sub-cluster address `master_server_addr` names, or (for
+/// `nats://…/<cluster>/*?k=v`) the one its labels choose for the node on
+/// `local_hostname`'s host.
+///
+/// # Errors
+/// An address that parses in neither form, or a choice that cannot be made.
+pub async fn address(
+    master_server_addr: &str,
+    local_hostname: &str,
+) -> Result<StoreAddress, StoreError> {
+    let named = master_server_addr.parse::<StoreAddress>();
+    let Err(not_named) = named else {
+        return named.map_err(StoreError::Address);
+    };
+    match master_server_addr.parse::<LabeledAddress>() {
+        Ok(labeled) => {
+            let host = match local_hostname.rsplit_once(':') {
+                Some((host, port)) if port.parse::<u16>().is_ok() => host,
+                _ => local_hostname,
+            };
+            labeled.resolve(host).await
+        }
+        Err(_) => Err(StoreError::Address(not_named)),
+    }
 }
 
 /// A set-up store in this process.

@@ -108,16 +108,19 @@ impl NativeStore {
         protocol: &str,
         rdma_devices: &str,
     ) -> PyResult<Self> {
+        let runtime = runtime(2, "hkvm-store")?;
+        let address = Wait::new(py, &runtime)
+            .on(embedded::address(master_server_addr, &local_hostname))
+            .map_err(|e| setup_failed(&e))?;
         let config = embedded::config(
             local_hostname,
-            master_server_addr,
+            address,
             global_segment_size,
             local_buffer_size,
             protocol,
             rdma_devices,
         )
         .map_err(|e| setup_failed(&e))?;
-        let runtime = runtime(2, "hkvm-store")?;
         let store = Wait::new(py, &runtime)
             .on(Embedded::open(config))
             .map_err(|e| setup_failed(&e))?;

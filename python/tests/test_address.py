@@ -51,6 +51,22 @@ def test_no_pool_is_ever_guessed():
     assert "HKVM_CLUSTER" not in str(caught.value).split("not the HKVM")[1].split("to join")[0]
 
 
+def test_labels_in_place_of_a_subcluster_let_the_registry_choose():
+    env = {"HKVM_CLUSTER": "prod", "HKVM_LABELS": "pool=prefill, zone=a"}
+    assert resolve("h1:4222", environ=env) == "nats://h1:4222/prod/*?pool=prefill&zone=a"
+    assert resolve("h1:4222", {"hkvm_labels": {"pool": "decode"}}, environ={"HKVM_CLUSTER": "prod"}) == (
+        "nats://h1:4222/prod/*?pool=decode"
+    )
+    # Empty: any live sub-cluster; a named sub-cluster wins over labels.
+    assert resolve("h1:4222", environ={"HKVM_CLUSTER": "prod", "HKVM_LABELS": ""}) == "nats://h1:4222/prod/*"
+    assert resolve("h1:4222", environ={**env, "HKVM_SUBCLUSTER": "sc-3"}) == "nats://h1:4222/prod/sc-3"
+    with pytest.raises(AddressError, match="k=v pairs"):
+        resolve("h1:4222", environ={"HKVM_CLUSTER": "prod", "HKVM_LABELS": "prefill"})
+    with pytest.raises(AddressError, match=r"cluster \(HKVM_CLUSTER\)"):
+        resolve("h1:4222", environ={"HKVM_LABELS": "pool=prefill"})
+    assert resolve("nats://h1:4222/prod/*?pool=a", environ={}) == "nats://h1:4222/prod/*?pool=a"
+
+
 @pytest.mark.parametrize(
     "address, reason",
     [

@@ -417,3 +417,24 @@ def test_replica_descriptors_say_where_each_replica_is(cluster, key):
         assert list(found) == [key] and found[key][0].get_memory_descriptor().buffer_descriptor.size == 3000
     finally:
         store.close()
+
+
+def test_labels_choose_the_subcluster_every_process_of_a_node_joins(cluster, key, caplog):
+    """`hkvm local` labels sc-0 `pool=pool-0` and sc-1 `pool=pool-1`: a store
+    naming labels in place of a sub-cluster joins the one that carries them; one
+    no sub-cluster carries fails setup saying which are registered."""
+    chosen = MooncakeDistributedStore()
+    assert chosen.setup("localhost", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", f"{cluster}/pytest/*?pool=pool-1") == 0
+    named = open_store(cluster, "sc-1", segment=0)
+    try:
+        assert chosen.put(key, b"in sc-1") == 0
+        assert named.get(key) == b"in sc-1"
+    finally:
+        chosen.close()
+        named.close()
+    nowhere = MooncakeDistributedStore()
+    config = {"local_hostname": "localhost", "master_server_address": cluster.split("://")[1],
+              "hkvm_cluster": "pytest", "hkvm_labels": "pool=absent"}
+    assert nowhere.setup(config) == ErrorCode.INVALID_PARAMS
+    assert "no live sub-cluster of pytest has the labels {pool=absent}" in caplog.text
+    assert "sc-0 {pool=pool-0}" in caplog.text

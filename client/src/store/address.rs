@@ -1,6 +1,7 @@
 //! The address a Mooncake program gives as its master, in HKVM's form:
 //! `nats://h1:4222,h2:4222/<cluster>/<subcluster>` (credentials as `user:pass@` in
-//! any server, as the CLI accepts them).
+//! any server, as the CLI accepts them); `/<cluster>/*?k=v&k=v` names labels
+//! instead of a sub-cluster (see [`super::choose`]).
 
 use std::fmt;
 use std::str::FromStr;
@@ -28,10 +29,21 @@ pub struct AddressError {
     pub reason: String,
 }
 
-impl FromStr for StoreAddress {
-    type Err = AddressError;
+/// The parts every address form shares: `scheme://hosts/<cluster>/<last>[?query]`.
+pub(super) struct Parts<'t> {
+    /// Comma-separated NATS URLs, each with its scheme.
+    pub(super) servers: String,
+    /// The cluster.
+    pub(super) cluster: ClusterId,
+    /// The path's second segment (a sub-cluster, or `*`).
+    pub(super) last: &'t str,
+    /// What follows `?`, if anything.
+    pub(super) query: Option<&'t str>,
+}
 
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
+impl<'t> Parts<'t> {
+    /// Splits `text`, or says what is wrong.
+    pub(super) fn of(text: &'t str) -> Result<Self, AddressError> {
         let bad = |reason: &str| AddressError {
             address: text.to_owned(),
             reason: reason.to_owned(),
@@ -40,17 +52,19 @@ impl FromStr for StoreAddress {
         if !matches!(scheme, "nats" | "tls" | "ws" | "wss") {
             return Err(bad("the scheme is not nats, tls, ws or wss"));
         }
+        let (rest, query) = match rest.split_once('?') {
+            Some((rest, query)) => (rest, Some(query)),
+            None => (rest, None),
+        };
         let (hosts, path) = rest
             .split_once('/')
             .ok_or_else(|| bad("no /<cluster>/<subcluster> path"))?;
         let mut segments = path.trim_end_matches('/').split('/');
-        let (Some(cluster), Some(subcluster), None) =
-            (segments.next(), segments.next(), segments.next())
+        let (Some(cluster), Some(last), None) = (segments.next(), segments.next(), segments.next())
         else {
             return Err(bad("the path must be /<cluster>/<subcluster>"));
         };
         let cluster = ClusterId::new(cluster).map_err(|e| bad(&e.to_string()))?;
-        let subcluster = SubclusterId::new(subcluster).map_err(|e| bad(&e.to_string()))?;
         let servers: Vec<String> = hosts
             .split(',')
             .map(str::trim)
@@ -69,6 +83,31 @@ impl FromStr for StoreAddress {
         Ok(Self {
             servers: servers.join(","),
             cluster,
+            last,
+            query,
+        })
+    }
+}
+
+impl FromStr for StoreAddress {
+    type Err = AddressError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let parts = Parts::of(text)?;
+        let bad = |reason: String| AddressError {
+            address: text.to_owned(),
+            reason,
+        };
+        if parts.query.is_some() {
+            return Err(bad(
+                "labels (`?k=v`) choose a sub-cluster only in place of one (`/<cluster>/*?k=v`)"
+                    .into(),
+            ));
+        }
+        let subcluster = SubclusterId::new(parts.last).map_err(|e| bad(e.to_string()))?;
+        Ok(Self {
+            servers: parts.servers,
+            cluster: parts.cluster,
             subcluster,
         })
     }
@@ -124,6 +163,8 @@ mod tests {
             "nats://h:4222/a/b/c",
             "nats:///a/b",
             "nats://h:4222/bad.cluster/sc-0",
+            "nats://h:4222/prod/sc-0?pool=a",
+            "nats://h:4222/prod/*",
         ] {
             assert!(bad.parse::<StoreAddress>().is_err(), "{bad} parsed");
         }

@@ -7,6 +7,7 @@
 
 mod address;
 mod buffers;
+pub mod choose;
 mod cluster_wide;
 mod code;
 mod host_range;
@@ -118,6 +119,9 @@ pub enum StoreError {
     /// The store was closed.
     #[error("the store is closed")]
     Closed,
+    /// The registry could not be read to choose a sub-cluster.
+    #[error("reading the registry of sub-masters: {0}")]
+    Registry(String),
 }
 
 impl StoreError {
@@ -125,7 +129,7 @@ impl StoreError {
     pub fn code(&self) -> ErrorCode {
         match self {
             Self::Address(_) | Self::InvalidParams(_) | Self::Closed => ErrorCode::InvalidParams,
-            Self::Connect(_) | Self::Unreachable { .. } => ErrorCode::RpcFail,
+            Self::Connect(_) | Self::Unreachable { .. } | Self::Registry(_) => ErrorCode::RpcFail,
             Self::Node(NodeError::Mount(error)) | Self::Client(error) => {
                 ErrorCode::of_client(error)
             }
