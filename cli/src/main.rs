@@ -16,6 +16,7 @@ mod submaster;
 mod target;
 
 use clap::{Parser, Subcommand};
+use hkvm_telemetry::logging::Verbosity;
 
 /// HKVM: hierarchical KV-cache metadata management over NATS JetStream.
 #[derive(Debug, Parser)]
@@ -24,6 +25,10 @@ struct Cli {
     /// Log format on stderr.
     #[arg(long, global = true, value_enum, default_value_t = hkvm_telemetry::logging::LogFormat::Text, env = "HKVM_LOG_FORMAT")]
     log_format: hkvm_telemetry::logging::LogFormat,
+    /// Log more: commands log only warnings and services what they do; each -v
+    /// adds a level (up to debug). `RUST_LOG`, when set, decides instead.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
     #[command(subcommand)]
     command: Command,
 }
@@ -68,6 +73,30 @@ enum Command {
     Loadgen(forward::Forwarded),
 }
 
+impl Command {
+    /// What it logs unless asked for more: a service what it does, a one-shot
+    /// command only warnings (its output is the result).
+    fn verbosity(&self) -> Verbosity {
+        match self {
+            Self::Local(_)
+            | Self::Submaster(_)
+            | Self::Node(_)
+            | Self::Globalmaster(_)
+            | Self::Interdc(_)
+            | Self::Bench(_)
+            | Self::Loadgen(_) => Verbosity::Info,
+            Self::Replay(_)
+            | Self::Exist(_)
+            | Self::Rm(_)
+            | Self::Stat(_)
+            | Self::Put(_)
+            | Self::Get(_)
+            | Self::Locate(_)
+            | Self::Status(_) => Verbosity::Quiet,
+        }
+    }
+}
+
 /// mimalloc: a sub-master's restore and fold allocate and free millions of
 /// small keys and replica lists, where glibc's malloc spent a quarter of a
 /// restore consolidating free chunks.
@@ -91,7 +120,8 @@ fn main() -> anyhow::Result<()> {
         }
         command => command,
     };
-    hkvm_telemetry::logging::init(cli.log_format);
+    let verbosity = Verbosity::raised(command.verbosity(), cli.verbose);
+    hkvm_telemetry::logging::init_at(cli.log_format, verbosity);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;

@@ -9,12 +9,17 @@ use std::time::Duration;
 
 use hkvm_events::rpc::submaster::{MountSegment, Ping, Remount, UnmountSegment};
 use hkvm_events::{NodeId, RdmaEndpoint, SegmentId};
+use hkvm_telemetry::repeats::Repeats;
 use hkvm_transfer::{RegionId, Segment, ServerHandle, TcpConfig, TcpTransport, Transport};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::error::ClientError;
 use crate::submaster::SubmasterClient;
+
+/// A failure that repeats while it lasts (a ping to an absent sub-master) is
+/// logged at most once per this period, with how many times it happened.
+const REPEATS_LOGGED_EVERY: Duration = Duration::from_secs(30);
 use crate::transports::Protocol;
 
 /// How a node runs.
@@ -242,6 +247,7 @@ impl NodeHandle {
             let (client, config, endpoint) = (client.clone(), config.clone(), endpoint.clone());
             let advert = advert.clone();
             tokio::spawn(async move {
+                let ping_failures = Repeats::every(REPEATS_LOGGED_EVERY);
                 let mut tick = tokio::time::interval(config.ping_interval);
                 loop {
                     tokio::select! {
@@ -265,7 +271,11 @@ impl NodeHandle {
                             }
                         }
                         Ok(_) => {}
-                        Err(error) => tracing::warn!(%error, "ping failed"),
+                        Err(error) => {
+                            if let Some(times) = ping_failures.occur() {
+                                tracing::warn!(%error, times, "ping failed (once per {}s at most, with how many times)", REPEATS_LOGGED_EVERY.as_secs());
+                            }
+                        }
                     }
                 }
             })

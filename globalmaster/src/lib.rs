@@ -27,9 +27,9 @@ use std::sync::Arc;
 use async_nats::jetstream;
 use hkvm_events::rpc::global::GlobalStatusReply;
 use hkvm_events::subject::Bucket;
+use hkvm_log::mooncake_admin::{MooncakeAdmin, Scope};
 use hkvm_log::positions::Positions;
 use hkvm_projector::Projection;
-use hkvm_submaster::admin::{MooncakeAdmin, Scope};
 use hkvm_telemetry::TelemetryError;
 
 pub use config::GlobalMasterConfig;

@@ -5,12 +5,9 @@
 //! - [`command`]: validating requests and deciding their events;
 //! - [`allocator`], [`placement`]: where replicas go;
 //! - [`liveness`]: node pings, answered outside the request loop;
-//! - [`admin`]: the Mooncake master's read-only HTTP routes on the metrics port
-//!   (the global master serves them cluster-wide);
 //! - the driver modules do the I/O: serving RPCs, appending through group commit,
 //!   snapshots, the leader lease and the hot standby.
 
-pub mod admin;
 pub mod allocator;
 pub mod command;
 pub mod config;

@@ -6,6 +6,7 @@
 mod error;
 pub mod logging;
 pub mod metrics;
+pub mod repeats;
 mod server;
 
 pub use error::TelemetryError;

@@ -11,6 +11,7 @@ mod renewer;
 mod rpc;
 mod snapshotter;
 
+use hkvm_log::mooncake_admin::{MooncakeAdmin, RoleOf, Scope};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
@@ -302,11 +303,19 @@ async fn run_observed(
 ) -> Result<(), SubmasterError> {
     // Mooncake's read-only admin routes ride on the metrics port, as on a
     // Mooncake master's.
-    let admin = crate::admin::MooncakeAdmin::for_submaster(
+    let role: RoleOf = {
+        let metrics = metrics.clone();
+        std::sync::Arc::new(move || match metrics.role.get() {
+            2 => "leader",
+            1 => "recovering",
+            _ => "standby",
+        })
+    };
+    let admin = MooncakeAdmin::new(
         client.clone(),
         config.cluster.clone(),
-        config.subcluster.clone(),
-        metrics.clone(),
+        Scope::One(config.subcluster.clone()),
+        role,
     );
     let _metrics_server = metrics
         .registry()

@@ -1,5 +1,5 @@
-//! The Mooncake master's read-only HTTP routes, served beside `/metrics` on the
-//! sub-master's metrics port, so that engines and operators that poll a Mooncake
+//! The Mooncake master's read-only HTTP routes, served beside `/metrics` on a
+//! sub-master's metrics port (and over the whole cluster on a global master's), so that engines and operators that poll a Mooncake
 //! master find the same answers here: SGLang's `check_server` waits for a
 //! non-empty `/get_all_segments` at `master_metrics_port` (9003 by default).
 //!
@@ -43,8 +43,6 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::metrics::SubmasterMetrics;
-
 /// The sub-clusters a set of routes answers for.
 #[derive(Clone)]
 pub enum Scope {
@@ -83,22 +81,6 @@ pub struct MooncakeAdmin {
 }
 
 impl MooncakeAdmin {
-    /// Routes answering from the leader of `subcluster`, reporting this
-    /// sub-master instance's role from `metrics`.
-    pub(crate) fn for_submaster(
-        client: Client,
-        cluster: ClusterId,
-        subcluster: SubclusterId,
-        metrics: SubmasterMetrics,
-    ) -> Self {
-        let role: RoleOf = Arc::new(move || match metrics.role.get() {
-            2 => "leader",
-            1 => "recovering",
-            _ => "standby",
-        });
-        Self::new(client, cluster, Scope::One(subcluster), role)
-    }
-
     /// Routes answering from the leaders of the sub-clusters in `scope`, saying
     /// `role()` of the serving instance.
     pub fn new(client: Client, cluster: ClusterId, scope: Scope, role: RoleOf) -> Self {
