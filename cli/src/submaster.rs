@@ -76,6 +76,45 @@ struct FileConfig {
     request_queue: Option<usize>,
     direct: Option<String>,
     direct_advertise: Option<String>,
+    /// Bytes each named tenant may hold: `"team-a" = "10GiB"` (or a count).
+    tenant_quotas: Option<BTreeMap<String, Quota>>,
+}
+
+/// A tenant's quota as written: a byte count, or a size with a unit.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Quota {
+    Bytes(u64),
+    Text(String),
+}
+
+impl Quota {
+    /// Bytes: a number with an optional unit `B`, `K`/`KB`/`KiB`, `M…`, `G…`,
+    /// `T…`, in powers of 1024 (as Mooncake's quota policy reads them).
+    fn bytes(&self) -> anyhow::Result<u64> {
+        let text = match self {
+            Self::Bytes(bytes) => return Ok(*bytes),
+            Self::Text(text) => text.trim(),
+        };
+        let split = text
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(text.len());
+        let (number, unit) = text.split_at(split);
+        let number: u64 = number
+            .parse()
+            .with_context(|| format!("quota {text:?}: no number"))?;
+        let shift = match unit.trim().to_ascii_uppercase().as_str() {
+            "" | "B" => 0,
+            "K" | "KB" | "KIB" => 10,
+            "M" | "MB" | "MIB" => 20,
+            "G" | "GB" | "GIB" => 30,
+            "T" | "TB" | "TIB" => 40,
+            other => anyhow::bail!("quota {text:?}: unknown unit {other:?}"),
+        };
+        number
+            .checked_mul(1u64 << shift)
+            .with_context(|| format!("quota {text:?} is too large"))
+    }
 }
 
 /// Builds the sub-master configuration from flags, file and defaults.
@@ -142,6 +181,15 @@ pub fn config(args: &SubmasterArgs) -> anyhow::Result<SubmasterConfig> {
     };
     config.direct.listen = args.direct.or(from_file).unwrap_or(config.direct.listen);
     config.direct.advertise = args.direct_advertise.clone().or(file.direct_advertise);
+    if let Some(quotas) = &file.tenant_quotas {
+        let mut bytes = BTreeMap::new();
+        for (tenant, quota) in quotas {
+            hkvm_events::tenant::check_tenant(tenant)
+                .with_context(|| format!("tenant_quotas: tenant {tenant:?}"))?;
+            bytes.insert(tenant.clone(), quota.bytes()?);
+        }
+        config.policy.tenant_quotas = std::sync::Arc::new(bytes);
+    }
     Ok(config)
 }
 
@@ -159,4 +207,29 @@ pub async fn run(args: SubmasterArgs) -> anyhow::Result<()> {
     });
     crate::on_workers(hkvm_submaster::run(client, config, stopped)).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quotas_read_as_counts_or_sizes_with_units() {
+        let parsed: FileConfig = toml::from_str(
+            r#"
+            [tenant_quotas]
+            "team-a" = "10GiB"
+            "team-b" = 4096
+            "team-c" = "3 MB"
+            "#,
+        )
+        .unwrap();
+        let quotas = parsed.tenant_quotas.unwrap();
+        assert_eq!(quotas["team-a"].bytes().unwrap(), 10 << 30);
+        assert_eq!(quotas["team-b"].bytes().unwrap(), 4096);
+        assert_eq!(quotas["team-c"].bytes().unwrap(), 3 << 20);
+        assert!(Quota::Text("5 parsecs".into()).bytes().is_err());
+        assert!(Quota::Text("GB".into()).bytes().is_err());
+        assert!(Quota::Text("99999999999T".into()).bytes().is_err());
+    }
 }

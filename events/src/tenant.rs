@@ -74,6 +74,12 @@ pub fn key_of<'k>(tenant: &str, stored: &'k str) -> Option<&'k str> {
         .strip_prefix(TENANT_END)
 }
 
+/// The tenant a stored key belongs to: `None` for the default tenant.
+pub fn tenant_of(stored: &str) -> Option<&str> {
+    let scoped = stored.strip_prefix(TENANT_MARK)?;
+    scoped.split_once(TENANT_END).map(|(tenant, _)| tenant)
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
@@ -117,6 +123,9 @@ mod tests {
                 prop_assert_eq!(key_of(&b, &stored), None);
             }
             prop_assert_eq!(key_of(DEFAULT_TENANT, &stored), None);
+            prop_assert_eq!(tenant_of(&stored), Some(a.as_str()));
+            // Generated keys hold no control character: the default tenant's.
+            prop_assert_eq!(tenant_of(&key), None);
         }
     }
 }

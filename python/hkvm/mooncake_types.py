@@ -33,6 +33,7 @@ class ErrorCode:
     RPC_FAIL = -900
     RPC_TIMEOUT = -901
     UNAVAILABLE_IN_CURRENT_MODE = -1011
+    TENANT_QUOTA_EXCEEDED = -1700
 
 
 class SoftPinAction(enum.IntEnum):

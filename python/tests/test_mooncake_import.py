@@ -578,3 +578,40 @@ def test_tenants_see_and_remove_only_their_own_keys(cluster):
         assert bad.setup("localhost", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", at, tenant_id=invalid) == -600
     assert bad.setup("localhost", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", at, tenant_id=" ") == 0, "blank is default"
     bad.close()
+
+
+def test_a_tenant_past_its_quota_gets_mooncakes_code(cluster, tmp_path):
+    """A sub-master's `tenant_quotas` (its --config file) caps the bytes of a
+    tenant's objects: a put past it returns -1700 (Mooncake's
+    TENANT_QUOTA_EXCEEDED), other tenants put on, and a removal makes room."""
+    import uuid
+
+    from conftest import _serving_admin_routes, _stop
+    from mooncake.store import MooncakeDistributedStore
+
+    config = tmp_path / "quota.toml"
+    config.write_text('[tenant_quotas]\n"q" = "10KiB"\n')
+    process, _ = _serving_admin_routes(
+        ["submaster", "--nats", cluster, "--cluster", CLUSTER, "--subcluster", "sc-quota",
+         "--id", f"sm-quota-{uuid.uuid4().hex[:8]}", "--config", str(config)],
+        '"service_ready":true',
+    )
+    stores = []
+    try:
+        at = address(cluster, "sc-quota")
+        for tenant in ("q", "other"):
+            store = MooncakeDistributedStore()
+            assert store.setup("localhost", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", at, tenant_id=tenant) == 0
+            stores.append(store)
+        limited, other = stores
+        value = b"v" * 4096
+        assert limited.put("page-1", value) == 0
+        assert limited.put("page-2", value) == 0
+        assert limited.put("page-3", value) == -1700
+        assert other.put("page-3", value) == 0
+        assert limited.remove("page-1", force=True) == 0
+        assert limited.put("page-3", value) == 0
+    finally:
+        for store in stores:
+            store.close()
+        _stop(process)

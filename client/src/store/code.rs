@@ -40,6 +40,8 @@ pub enum ErrorCode {
     RpcTimeout = -901,
     /// The operation is not available in this mode (a dummy client, say).
     UnavailableInCurrentMode = -1011,
+    /// The put would take its tenant past its quota.
+    TenantQuotaExceeded = -1700,
 }
 
 impl ErrorCode {
@@ -57,6 +59,7 @@ impl ErrorCode {
             ItemError::Leased => Self::ObjectHasLease,
             ItemError::NoPendingPut | ItemError::NoLease => Self::InvalidWrite,
             ItemError::Invalid(_) => Self::InvalidParams,
+            ItemError::QuotaExceeded { .. } => Self::TenantQuotaExceeded,
         }
     }
 

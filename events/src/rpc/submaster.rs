@@ -142,6 +142,15 @@ pub enum ItemError {
     /// put through `put_start` / `put_end` instead.
     #[error("no such space lease")]
     NoLease,
+    /// The put would take the key's tenant past its quota (see
+    /// [`crate::tenant`]).
+    #[error("the tenant holds {held} bytes of its quota of {quota}")]
+    QuotaExceeded {
+        /// The tenant's quota, bytes.
+        quota: u64,
+        /// What its objects hold now, bytes.
+        held: u64,
+    },
 }
 
 /// One item's outcome in a batch reply.

@@ -12,6 +12,7 @@ use hkvm_events::rpc::RpcError;
 use hkvm_events::{KvEvent, PutCommitted, PutFlags};
 
 use super::objects::{locations, reserve, Placing};
+use super::quota::QuotaCheck;
 use super::{Outcome, Policy, Reply};
 use crate::state::{CarveError, PendingPut, SpaceLease, State};
 
@@ -116,6 +117,7 @@ pub(super) fn commit_all(
     let mut events = Vec::new();
     let mut results: PutCommitReply = Vec::with_capacity(items.len());
     let mut seen = std::collections::HashSet::new();
+    let mut quota = QuotaCheck::new(&policy.tenant_quotas);
     for item in items {
         if !seen.insert(item.key.clone()) {
             results.push(ItemResult::Err(ItemError::Invalid(
@@ -123,7 +125,8 @@ pub(super) fn commit_all(
             )));
             continue;
         }
-        let result = commit_one(state, item, now_ms, policy).map(|event| events.extend(event));
+        let result =
+            commit_one(state, item, now_ms, policy, &mut quota).map(|event| events.extend(event));
         results.push(result.into());
     }
     (events, results)
@@ -134,6 +137,7 @@ fn commit_one(
     item: PutCommitItem,
     now_ms: u64,
     policy: &Policy,
+    quota: &mut QuotaCheck<'_>,
 ) -> Result<Option<KvEvent>, ItemError> {
     if item.put_id != 0
         && state
@@ -156,6 +160,7 @@ fn commit_one(
     if state.object(&item.key).is_some() || state.pending.contains_key(&item.key) {
         return Err(ItemError::AlreadyExists);
     }
+    quota.admit(state, &item.key, item.size)?;
     let lease = state
         .leases
         .get_mut(item.lease)

@@ -7,6 +7,7 @@ mod leases;
 mod maintenance;
 mod mixed;
 mod objects;
+pub mod quota;
 mod segments;
 
 use hkvm_events::rpc::submaster::{
@@ -23,9 +24,10 @@ pub use maintenance::maintain;
 
 use crate::placement::PlacementStrategy;
 use crate::state::State;
+use quota::TenantQuotas;
 
 /// The rules commands follow.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Policy {
     /// Read lease granted by `get_replica_list`.
     pub lease_ttl_ms: u64,
@@ -49,6 +51,8 @@ pub struct Policy {
     pub max_batch: usize,
     /// Key and size bounds.
     pub limits: Limits,
+    /// Bytes each named tenant may hold (see [`quota`]).
+    pub tenant_quotas: TenantQuotas,
 }
 
 impl Default for Policy {
@@ -65,6 +69,7 @@ impl Default for Policy {
             max_replicas: 8,
             max_batch: hkvm_events::rpc::submaster::MAX_BATCH_ITEMS,
             limits: Limits::default(),
+            tenant_quotas: TenantQuotas::default(),
         }
     }
 }

@@ -10,6 +10,7 @@ use hkvm_events::rpc::RpcError;
 use hkvm_events::tenant::{self, check_tenant};
 use hkvm_events::{KvEvent, NodeId, PutCommitted, PutFlags, Removed, SegmentId};
 
+use super::quota::QuotaCheck;
 use super::{chunked, Outcome, Policy, Reply};
 use crate::placement;
 use crate::state::{PendingPut, Replica, State};
@@ -35,6 +36,7 @@ fn start_one(
     item: PutStartItem,
     now_ms: u64,
     policy: &Policy,
+    quota: &mut QuotaCheck<'_>,
 ) -> Result<Vec<ReplicaLocation>, ItemError> {
     policy
         .limits
@@ -63,6 +65,7 @@ fn start_one(
     if state.object(&item.key).is_some() {
         return Err(ItemError::AlreadyExists);
     }
+    quota.admit(state, &item.key, item.size)?;
     if item.avoid_nodes.len() > MAX_AVOIDED_NODES {
         return Err(ItemError::Invalid(format!(
             "{} nodes to avoid; at most {MAX_AVOIDED_NODES}",
@@ -162,9 +165,10 @@ pub(super) fn start_all(
     now_ms: u64,
     policy: &Policy,
 ) -> PutStartReply {
+    let mut quota = QuotaCheck::new(&policy.tenant_quotas);
     items
         .into_iter()
-        .map(|item| ItemResult::from(start_one(state, item, now_ms, policy)))
+        .map(|item| ItemResult::from(start_one(state, item, now_ms, policy, &mut quota)))
         .collect()
 }
 

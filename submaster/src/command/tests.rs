@@ -395,6 +395,65 @@ fn a_tenants_removal_reaches_its_own_keys_only() {
 }
 
 #[test]
+fn a_tenant_past_its_quota_is_refused_and_no_other_tenant_is() {
+    use hkvm_events::tenant::key_prefix;
+    let mut h = three_nodes();
+    h.policy.tenant_quotas = std::sync::Arc::new([("a".to_owned(), 250)].into());
+    let (a, b) = (key_prefix("a"), key_prefix("b"));
+    h.put(&format!("{a}1"), 100, 2);
+    h.put(&format!("{a}2"), 100, 1);
+    assert_eq!(
+        h.leader.tenant_bytes("a"),
+        200,
+        "each object once, whatever its replicas"
+    );
+    assert_eq!(
+        h.put_start(&format!("{a}3"), 100, 1),
+        ItemResult::Err(ItemError::QuotaExceeded {
+            quota: 250,
+            held: 200
+        })
+    );
+    // Other tenants and the default one have no quota here.
+    h.put(&format!("{b}1"), 500, 1);
+    h.put("plain", 500, 1);
+    // Puts of one request count together.
+    h.run(Request::Remove(Remove {
+        keys: vec![format!("{a}1"), format!("{a}2")],
+        force: true,
+    }))
+    .unwrap();
+    assert_eq!(h.leader.tenant_bytes("a"), 0);
+    let items = (0..3)
+        .map(|i| PutStartItem {
+            key: format!("{a}batch-{i}"),
+            size: 100,
+            replicas: 1,
+            preferred_segment: None,
+            hard_pin: false,
+            put_id: 0,
+            avoid_nodes: Vec::new(),
+        })
+        .collect();
+    let Ok(Reply::PutStart(results)) = h.run(Request::PutStart(PutStart { items })) else {
+        panic!()
+    };
+    assert!(matches!(results[0], ItemResult::Ok(_)) && matches!(results[1], ItemResult::Ok(_)));
+    assert_eq!(
+        results[2],
+        ItemResult::Err(ItemError::QuotaExceeded {
+            quota: 250,
+            held: 200
+        })
+    );
+    assert_eq!(
+        h.standby.tenant_bytes("b"),
+        500,
+        "a standby counts the same"
+    );
+}
+
+#[test]
 fn eviction_is_oldest_first_and_spares_pinned_and_leased() {
     let mut h = Harness::new();
     h.mount("n1", "s1", 64 * 1024);

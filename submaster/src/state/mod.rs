@@ -359,6 +359,12 @@ impl State {
         self.objects.iter()
     }
 
+    /// Bytes of the complete objects of `tenant` (each counted once, whatever
+    /// its replicas); 0 for the default tenant, which is not counted.
+    pub fn tenant_bytes(&self, tenant: &str) -> u64 {
+        self.objects.tenant_bytes(tenant)
+    }
+
     /// Number of complete objects.
     pub fn object_count(&self) -> usize {
         self.objects.len()

@@ -8,10 +8,12 @@
 //! entries grow a chunk at a time, so the slack is at most one chunk for the
 //! whole table. A vacated entry is reused by the next insert.
 
+use std::collections::HashMap;
 use std::hash::BuildHasher as _;
 use std::sync::Arc;
 
 use hashbrown::HashTable;
+use hkvm_events::tenant;
 
 use super::Object;
 use crate::keyhash::KeyHashBuilder;
@@ -34,6 +36,9 @@ pub struct ObjectTable {
     /// Vacated positions, reused first.
     vacant: Vec<u32>,
     hasher: KeyHashBuilder,
+    /// Bytes of the objects of each tenant but the default
+    /// ([`hkvm_events::tenant`]), kept with every insert and removal.
+    tenant_bytes: HashMap<Box<str>, u64>,
 }
 
 impl ObjectTable {
@@ -101,13 +106,19 @@ impl ObjectTable {
             self.hasher.hash_one(&*key),
             "hashed by another hasher"
         );
+        self.charge(&key, object.size, 0);
         let chunks = &self.chunks;
         if let Some(&position) = self
             .index
             .find(hash, |&position| key_at(chunks, position) == &*key)
         {
+            let charged = Arc::clone(&key);
             let slot = entry_mut(&mut self.chunks, position);
-            return slot.replace((key, object)).map(|(_, old)| old);
+            let old = slot.replace((key, object)).map(|(_, old)| old);
+            if let Some(old) = &old {
+                self.charge(&charged, 0, old.size);
+            }
+            return old;
         }
         let position = self.place(key, object);
         let Self {
@@ -132,9 +143,28 @@ impl ObjectTable {
             .ok()?;
         let (position, _) = found.remove();
         self.vacant.push(position);
-        entry_mut(&mut self.chunks, position)
-            .take()
-            .map(|(_, object)| object)
+        let removed = entry_mut(&mut self.chunks, position).take();
+        removed.map(|(key, object)| {
+            self.charge(&key, 0, object.size);
+            object
+        })
+    }
+
+    /// Bytes of the objects of `tenant` (0 for the default tenant: not kept).
+    pub fn tenant_bytes(&self, tenant: &str) -> u64 {
+        self.tenant_bytes.get(tenant).copied().unwrap_or(0)
+    }
+
+    /// Adds `added` and takes `taken` bytes from the tenant of `key`, if any.
+    fn charge(&mut self, key: &str, added: u64, taken: u64) {
+        let Some(tenant) = tenant::tenant_of(key) else {
+            return;
+        };
+        let bytes = self.tenant_bytes.entry(tenant.into()).or_insert(0);
+        *bytes = bytes.saturating_add(added).saturating_sub(taken);
+        if *bytes == 0 {
+            self.tenant_bytes.remove(tenant);
+        }
     }
 
     /// Keeps the objects for which `keep` returns true (it may change them).
@@ -145,15 +175,23 @@ impl ObjectTable {
             vacant,
             ..
         } = self;
+        let mut dropped: Vec<(Arc<str>, u64)> = Vec::new();
         index.retain(|&mut position| {
             let slot = entry_mut(chunks, position);
             let kept = slot.as_mut().is_some_and(|(key, object)| keep(key, object));
             if !kept {
-                *slot = None;
+                if let Some((key, object)) = slot.take() {
+                    if key.starts_with(tenant::TENANT_MARK) {
+                        dropped.push((key, object.size));
+                    }
+                }
                 vacant.push(position);
             }
             kept
         });
+        for (key, size) in dropped {
+            self.charge(&key, 0, size);
+        }
     }
 
     /// Every key and object, in no particular order.

@@ -329,3 +329,27 @@ fn a_lease_takes_no_range_on_an_avoided_node() {
     }));
     assert!(refused.is_err(), "{refused:?}");
 }
+
+#[test]
+fn a_commit_into_a_lease_counts_against_its_tenants_quota() {
+    let mut h = three_nodes();
+    h.policy.tenant_quotas = std::sync::Arc::new([("a".to_owned(), 5000)].into());
+    let lease = h.granted(LEASE, 1);
+    let a = hkvm_events::tenant::key_prefix("a");
+    let results = h.commit_into(vec![
+        item(&format!("{a}1"), lease.id, 0, 4096, 1),
+        item(&format!("{a}2"), lease.id, 4096, 4096, 2),
+        item("plain", lease.id, 8192, 4096, 3),
+    ]);
+    assert_eq!(results[0], ItemResult::Ok(()));
+    assert_eq!(
+        results[1],
+        ItemResult::Err(ItemError::QuotaExceeded {
+            quota: 5000,
+            held: 4096
+        })
+    );
+    assert_eq!(results[2], ItemResult::Ok(()));
+    assert_eq!(h.leader.tenant_bytes("a"), 4096);
+    assert_eq!(h.standby.tenant_bytes("a"), 4096);
+}
