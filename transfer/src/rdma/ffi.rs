@@ -3,15 +3,16 @@
 //! queue, RC queue pair), each destroyed exactly once on drop, children holding an
 //! `Arc` of their parent so that destruction runs in the order verbs requires.
 
+use super::access::Access;
 use std::ffi::CStr;
 use std::sync::Arc;
 
 use rdma_sys::{
-    ___ibv_query_port, ibv_access_flags, ibv_alloc_pd, ibv_close_device, ibv_context, ibv_cq,
-    ibv_create_cq, ibv_create_qp, ibv_dealloc_pd, ibv_dereg_mr, ibv_destroy_cq, ibv_destroy_qp,
-    ibv_device, ibv_free_device_list, ibv_get_device_list, ibv_get_device_name, ibv_modify_qp,
-    ibv_mr, ibv_open_device, ibv_pd, ibv_poll_cq, ibv_port_attr, ibv_post_send, ibv_qp,
-    ibv_qp_attr, ibv_qp_init_attr, ibv_qp_type, ibv_query_gid, ibv_reg_mr, ibv_send_wr, ibv_wc,
+    ___ibv_query_port, ibv_alloc_pd, ibv_close_device, ibv_context, ibv_cq, ibv_create_cq,
+    ibv_create_qp, ibv_dealloc_pd, ibv_dereg_mr, ibv_destroy_cq, ibv_destroy_qp, ibv_device,
+    ibv_free_device_list, ibv_get_device_list, ibv_get_device_name, ibv_modify_qp, ibv_mr,
+    ibv_open_device, ibv_pd, ibv_poll_cq, ibv_port_attr, ibv_post_send, ibv_qp, ibv_qp_attr,
+    ibv_qp_init_attr, ibv_qp_type, ibv_query_gid, ibv_reg_mr, ibv_send_wr, ibv_wc,
 };
 
 use super::completion::Completion;
@@ -201,7 +202,8 @@ pub(crate) struct Mr {
 verbs_handle!(Mr);
 
 impl Mr {
-    /// Registers `len` bytes at `addr` for local writes and remote reads and writes.
+    /// Registers `len` bytes at `addr` with `access` (remote reads and writes
+    /// only for served memory).
     ///
     /// # Safety
     /// `addr..addr + len` must stay mapped for as long as the registration lives
@@ -210,13 +212,13 @@ impl Mr {
         pd: &Arc<Pd>,
         addr: *mut u8,
         len: usize,
+        access: Access,
     ) -> Result<Self, TransferError> {
-        let access = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
-            | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
-            | ibv_access_flags::IBV_ACCESS_REMOTE_READ;
+        // The flags are a few low bits: they fit an `int`.
+        let flags = access.verbs_flags() as i32;
         // SAFETY: the protection domain is live; the range is mapped (caller's
         // contract).
-        let mr = unsafe { ibv_reg_mr(pd.pd, addr.cast(), len, access.0 as i32) };
+        let mr = unsafe { ibv_reg_mr(pd.pd, addr.cast(), len, flags) };
         if mr.is_null() {
             return Err(call_error("ibv_reg_mr", errno()));
         }
@@ -261,10 +263,10 @@ impl MemoryKeys for Mr {
 impl Registrar for Arc<Pd> {
     type Registration = Mr;
 
-    unsafe fn register(&self, memory: &Arc<Segment>) -> Result<Mr, TransferError> {
+    unsafe fn register(&self, memory: &Arc<Segment>, access: Access) -> Result<Mr, TransferError> {
         // SAFETY: the caller keeps the mapping alive for as long as the `Mr`
         // (`Registrar::register`'s contract).
-        unsafe { Mr::register(self, memory.base_ptr(), memory.len() as usize) }
+        unsafe { Mr::register(self, memory.base_ptr(), memory.len() as usize, access) }
     }
 }
 

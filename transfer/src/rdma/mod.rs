@@ -2,12 +2,14 @@
 //! out-of-band exchange of queue pair info over TCP ([`exchange`]), the planning of
 //! batches into work requests ([`batch`]), the routing of completions to the batch
 //! that posted them ([`completion`]), registered memory and the pool of staging
-//! buffers ([`staging`]), registered caller memory ([`local`]) and the mapping of
-//! verbs failures to errors ([`status`]). The verbs themselves (`rdma-sys`) are
+//! buffers ([`staging`]), registered caller memory ([`local`]), the access each
+//! registration and queue pair grants ([`access`]) and the mapping of verbs
+//! failures to errors ([`status`]). The verbs themselves (`rdma-sys`) are
 //! behind the `rdma` feature: [`RdmaTransport`] then opens a device, registers segments and runs
 //! one-sided READ/WRITE on RC queue pairs. Without the feature, [`devices`] says so
 //! with a `NoDevice` error. See docs/transfer.md for what has run on hardware.
 
+pub mod access;
 pub mod batch;
 pub mod completion;
 pub mod exchange;

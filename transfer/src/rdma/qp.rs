@@ -3,7 +3,9 @@
 //! packet sequence number).
 
 use rand::Rng as _;
-use rdma_sys::{ibv_access_flags, ibv_qp_attr, ibv_qp_attr_mask as mask, ibv_qp_state};
+use rdma_sys::{ibv_qp_attr, ibv_qp_attr_mask as mask, ibv_qp_state};
+
+use super::access::Access;
 
 use super::exchange::{QpInfo, RemoteRegion, MAX_24BIT};
 use super::ffi::{Context, Qp};
@@ -56,21 +58,20 @@ fn zeroed_attr() -> ibv_qp_attr {
     unsafe { std::mem::zeroed() }
 }
 
-/// RESET → INIT → RTR → RTS, connected to `remote`.
+/// RESET → INIT → RTR → RTS, connected to `remote`; `access` says whether the
+/// peer may read and write this end's served memory through it.
 pub(crate) fn connect(
     qp: &Qp,
     port: &PortInfo,
     local: &QpInfo,
     remote: &QpInfo,
+    access: Access,
 ) -> Result<(), TransferError> {
     let mut attr = zeroed_attr();
     attr.qp_state = ibv_qp_state::IBV_QPS_INIT;
     attr.pkey_index = 0;
     attr.port_num = port.port;
-    attr.qp_access_flags = (ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
-        | ibv_access_flags::IBV_ACCESS_REMOTE_READ
-        | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE)
-        .0;
+    attr.qp_access_flags = access.verbs_flags();
     qp.modify(
         &mut attr,
         (mask::IBV_QP_STATE

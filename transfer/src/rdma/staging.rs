@@ -19,6 +19,7 @@
 //! The registration itself is behind [`Registrar`] (the protection domain with the
 //! `rdma` feature; a fake in tests), so all of this is tested without a device.
 
+use super::access::Access;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -41,7 +42,7 @@ pub trait Registrar: Send + Sync + 'static {
     /// A live registration.
     type Registration: MemoryKeys + Send + Sync + 'static;
 
-    /// Registers the whole of `memory`.
+    /// Registers the whole of `memory` with `access`.
     ///
     /// # Safety
     /// The mapping of `memory` must outlive the returned registration: the caller
@@ -50,7 +51,11 @@ pub trait Registrar: Send + Sync + 'static {
     ///
     /// # Errors
     /// The device's refusal.
-    unsafe fn register(&self, memory: &Arc<Segment>) -> Result<Self::Registration, TransferError>;
+    unsafe fn register(
+        &self,
+        memory: &Arc<Segment>,
+        access: Access,
+    ) -> Result<Self::Registration, TransferError>;
 }
 
 /// Memory together with its registration; the registration always ends first.
@@ -61,17 +66,21 @@ pub struct Registered<M> {
 }
 
 impl<M> Registered<M> {
-    /// Registers `memory` with `registrar`.
+    /// Registers `memory` with `registrar`, granting `access`.
     ///
     /// # Errors
     /// The registrar's.
-    pub fn new<R>(registrar: &R, memory: Arc<Segment>) -> Result<Self, TransferError>
+    pub fn new<R>(
+        registrar: &R,
+        memory: Arc<Segment>,
+        access: Access,
+    ) -> Result<Self, TransferError>
     where
         R: Registrar<Registration = M>,
     {
         // SAFETY: the registration is stored next to an `Arc` of the memory, and
         // both `Drop` and `into_memory` end the registration before that `Arc` goes.
-        let registration = unsafe { registrar.register(&memory)? };
+        let registration = unsafe { registrar.register(&memory, access)? };
         Ok(Self {
             registration: Some(registration),
             memory,
@@ -249,7 +258,10 @@ impl<R: Registrar> StagingPool<R> {
                     RegionId::new(format!("staging-{number}"))?,
                     self.shared.buffer_bytes,
                 )
-                .and_then(|memory| Registered::new(&self.shared.registrar, memory))?;
+                // Staging buffers are this process's own: no peer reaches them.
+                .and_then(|memory| {
+                    Registered::new(&self.shared.registrar, memory, Access::Local)
+                })?;
                 self.shared.created.fetch_add(1, Ordering::Relaxed);
                 buffer
             }
@@ -338,7 +350,7 @@ mod tests {
 
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     enum Event {
-        Registered { key: u32, len: u64 },
+        Registered { key: u32, len: u64, access: Access },
         Deregistered { key: u32, memory_mapped: bool },
     }
 
@@ -391,7 +403,11 @@ mod tests {
     impl Registrar for Fake {
         type Registration = FakeMr;
 
-        unsafe fn register(&self, memory: &Arc<Segment>) -> Result<FakeMr, TransferError> {
+        unsafe fn register(
+            &self,
+            memory: &Arc<Segment>,
+            access: Access,
+        ) -> Result<FakeMr, TransferError> {
             if self.fail.load(Ordering::Relaxed) {
                 return Err(TransferError::Rdma {
                     call: "ibv_reg_mr",
@@ -402,6 +418,7 @@ mod tests {
             self.log.lock().unwrap().push(Event::Registered {
                 key,
                 len: memory.len(),
+                access,
             });
             Ok(FakeMr {
                 key,
@@ -423,7 +440,7 @@ mod tests {
         let fake = Fake::default();
         let mem = memory(4096);
         let weak = Arc::downgrade(&mem);
-        let registered = Registered::new(&fake, mem).unwrap();
+        let registered = Registered::new(&fake, mem, Access::Served).unwrap();
         assert_eq!(registered.lkey(), 1);
         assert_eq!(registered.rkey(), 0x8000_0001);
         assert_eq!(registered.memory().len(), 4096);
@@ -432,7 +449,11 @@ mod tests {
         assert_eq!(
             fake.events(),
             [
-                Event::Registered { key: 1, len: 4096 },
+                Event::Registered {
+                    key: 1,
+                    len: 4096,
+                    access: Access::Served
+                },
                 Event::Deregistered {
                     key: 1,
                     memory_mapped: true
@@ -445,7 +466,7 @@ mod tests {
     #[test]
     fn handing_the_memory_back_deregisters_it_first() {
         let fake = Fake::default();
-        let registered = Registered::new(&fake, memory(64)).unwrap();
+        let registered = Registered::new(&fake, memory(64), Access::Served).unwrap();
         let mem = registered.into_memory();
         assert_eq!(
             fake.events().last(),
@@ -482,6 +503,14 @@ mod tests {
         assert_eq!(fake.count(true), 1);
         assert_eq!(fake.count(false), 0);
         again.release();
+        // Staging memory is this process's own: registered for local writes only.
+        assert!(fake.events().iter().all(|event| !matches!(
+            event,
+            Event::Registered {
+                access: Access::Served,
+                ..
+            }
+        )));
     }
 
     #[tokio::test(start_paused = true)]

@@ -9,6 +9,7 @@
 //! routed to the batch that posted them by the batch tag in their `wr_id`. How a
 //! batch runs is in [`rounds`].
 
+use super::access::Access;
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -286,7 +287,8 @@ impl RdmaTransport {
         )?;
         let local = local_info(&qp, &self.inner.port, self.advertised());
         let remote = exchange(&mut stream, &local, self.inner.config.exchange_timeout).await?;
-        connect(&qp, &self.inner.port, &local, &remote)?;
+        // The accepting end serves its segments to the peer.
+        connect(&qp, &self.inner.port, &local, &remote, Access::Served)?;
         // Hold the queue pair until the peer hangs up.
         let mut sink = [0u8; 64];
         while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
@@ -313,7 +315,8 @@ impl RdmaTransport {
         )?;
         let local = local_info(&qp, &self.inner.port, Vec::new());
         let remote = exchange(&mut stream, &local, self.inner.config.exchange_timeout).await?;
-        connect(&qp, &self.inner.port, &local, &remote)?;
+        // The initiating end only reads and writes the peer's memory.
+        connect(&qp, &self.inner.port, &local, &remote, Access::Local)?;
         let peer = Arc::new(Peer {
             qp,
             remote,
@@ -353,7 +356,7 @@ impl Transport for RdmaTransport {
             return Err(duplicate());
         }
         // Registered outside the lock: pinning a large segment takes a while.
-        let registered = Registered::new(&self.inner.pd, segment)?;
+        let registered = Registered::new(&self.inner.pd, segment, Access::Served)?;
         match lock(&self.inner.registrations).entry(id.clone()) {
             // Registered concurrently: this registration ends, then its `Arc` goes.
             Entry::Occupied(_) => Err(duplicate()),
@@ -388,7 +391,7 @@ impl Transport for RdmaTransport {
         // SAFETY: the caller keeps `[ptr, ptr + len)` mapped until
         // `unregister_local` (this method's contract); the registration lives in
         // `local` until then, and in the batches using it until they end.
-        let mr = unsafe { Mr::register(&self.inner.pd, ptr, len)? };
+        let mr = unsafe { Mr::register(&self.inner.pd, ptr, len, Access::Local)? };
         self.inner.local.insert(ptr as usize, len, mr)
     }
 
