@@ -108,6 +108,7 @@ async fn replicate(
                 seed: 11,
             },
             max_concurrent: 64,
+            peers: vec!["127.0.0.0/8".parse()?],
         },
     )
     .await?;

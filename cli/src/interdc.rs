@@ -110,6 +110,11 @@ struct GatewayArgs {
     /// Sends in flight at once.
     #[arg(long, default_value_t = 64)]
     max_concurrent: usize,
+    /// A network (CIDR, or one address) of the inter-DC masters this gateway
+    /// may send values to; repeat for several. A fetch whose reply address lies
+    /// in none is refused.
+    #[arg(long = "peer", required = true)]
+    peers: Vec<ipnet::IpNet>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -157,6 +162,7 @@ async fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
             bind_ip: args.wan_bind,
             impairment: args.impair.impairment(),
             max_concurrent: args.max_concurrent,
+            peers: args.peers.clone(),
         },
     )
     .await?;

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt as _;
+use ipnet::IpNet;
 use hkvm_client::KvError;
 use hkvm_events::rpc::interdc::{FetchReply, FetchRequest, SentReport, WanShape, GATEWAY_QUEUE};
 use hkvm_events::subject::interdc_fetch_subject;
@@ -80,6 +81,10 @@ pub struct GatewayConfig {
     pub impairment: Impairment,
     /// Sends in flight at once.
     pub max_concurrent: usize,
+    /// The networks a requester's reply address must lie in: the gateway
+    /// sends a value to no other address (a request naming another is refused
+    /// before anything is read).
+    pub peers: Vec<IpNet>,
 }
 
 /// A running gateway. Dropping it stops it.
@@ -154,6 +159,10 @@ impl GatewayState {
             Ok(id) => id,
             Err(error) => return FetchReply::BadRequest(error.to_string()),
         };
+        let peer = match self.allowed_peer(&request.reply_addr).await {
+            Ok(peer) => peer,
+            Err(refusal) => return refusal,
+        };
         let Ok(_permit) = self.permits.acquire().await else {
             return FetchReply::Failed("gateway stopping".into());
         };
@@ -167,20 +176,35 @@ impl GatewayState {
         if checksum != request.checksum {
             return FetchReply::Changed { checksum };
         }
-        match self.send(&request, &fetched.value).await {
+        match self.send(&request, peer, &fetched.value).await {
             Ok(report) => FetchReply::Sent(sent_report(&report)),
             Err(error) => FetchReply::Failed(error.to_string()),
         }
     }
 
-    async fn send(&self, request: &FetchRequest, value: &[u8]) -> Result<SendReport, InterDcError> {
-        let peer = tokio::net::lookup_host(&request.reply_addr)
+    /// Where to send for `reply_addr`, when it resolves into one of the
+    /// configured peer networks; otherwise the reply refusing the request.
+    async fn allowed_peer(&self, reply_addr: &str) -> Result<SocketAddr, FetchReply> {
+        let peer = tokio::net::lookup_host(reply_addr)
             .await
-            .map_err(|e| InterDcError::wan_caused(format!("resolving {}", request.reply_addr), e))?
+            .map_err(|e| FetchReply::Failed(format!("resolving {reply_addr}: {e}")))?
             .next()
-            .ok_or_else(|| {
-                InterDcError::wan(format!("{} resolves to nothing", request.reply_addr))
-            })?;
+            .ok_or_else(|| FetchReply::Failed(format!("{reply_addr} resolves to nothing")))?;
+        if !is_allowed(&self.config.peers, peer.ip()) {
+            tracing::warn!(%peer, "inter-DC fetch refused: its reply address is in no configured peer network");
+            return Err(FetchReply::BadRequest(format!(
+                "reply address {peer} is not a registered peer of this gateway"
+            )));
+        }
+        Ok(peer)
+    }
+
+    async fn send(
+        &self,
+        request: &FetchRequest,
+        peer: SocketAddr,
+        value: &[u8],
+    ) -> Result<SendReport, InterDcError> {
         let socket = UdpSocket::bind(SocketAddr::new(self.config.bind_ip, 0))
             .await
             .map_err(|e| InterDcError::wan_caused("binding a UDP socket", e))?;
@@ -193,6 +217,16 @@ impl GatewayState {
             .await
             .map_err(|e| InterDcError::wan_caused("sending", e))
     }
+}
+
+/// Whether `ip` lies in one of `peers` (an IPv4 address mapped into IPv6
+/// counts as itself).
+fn is_allowed(peers: &[IpNet], ip: IpAddr) -> bool {
+    let ip = match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    };
+    peers.iter().any(|net| net.contains(&ip))
 }
 
 /// Where the master's receiving sockets live.
@@ -340,6 +374,23 @@ mod tests {
             shard_bytes: 1024,
             feedback_timeout_ms: 170,
         }
+    }
+
+    #[test]
+    fn only_addresses_in_a_peer_network_are_sent_to() {
+        let peers: Vec<IpNet> = ["10.1.0.0/16", "192.0.2.7/32", "2001:db8::/32"]
+            .iter()
+            .map(|net| net.parse().unwrap())
+            .collect();
+        let allowed = |ip: &str| is_allowed(&peers, ip.parse().unwrap());
+        assert!(allowed("10.1.200.3"));
+        assert!(allowed("192.0.2.7"));
+        assert!(allowed("::ffff:10.1.0.9"), "a mapped IPv4 address is itself");
+        assert!(allowed("2001:db8::1"));
+        assert!(!allowed("10.2.0.1"));
+        assert!(!allowed("192.0.2.8"));
+        assert!(!allowed("127.0.0.1"));
+        assert!(!is_allowed(&[], "10.1.0.1".parse().unwrap()), "no peers: nobody");
     }
 
     #[test]

@@ -122,6 +122,8 @@ async fn missing_blocks_cross_a_lossy_link_and_a_killed_master_resumes() {
             "gateway",
             "--source",
             &src,
+            "--peer",
+            "127.0.0.0/8",
             "--wan-delay-ms",
             "25",
             "--wan-loss",
@@ -261,6 +263,7 @@ async fn a_block_evicted_at_the_source_mid_copy_is_a_clean_skip() {
             bind_ip: "127.0.0.1".parse().unwrap(),
             impairment: Impairment::none(),
             max_concurrent: 4,
+            peers: vec!["127.0.0.0/8".parse().unwrap()],
         },
     )
     .await
@@ -379,6 +382,7 @@ async fn a_source_stream_purged_up_to_a_snapshot_is_seeded_from_it() {
             bind_ip: "127.0.0.1".parse().unwrap(),
             impairment: Impairment::none(),
             max_concurrent: 8,
+            peers: vec!["127.0.0.0/8".parse().unwrap()],
         },
     )
     .await

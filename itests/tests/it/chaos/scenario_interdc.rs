@@ -170,6 +170,13 @@ async fn interdc_copies_over_a_lossy_wan_and_resumes_after_kill() {
             "gateway".to_owned(),
             "--source".to_owned(),
             format!("{}:{CLUSTER}", source.client_url()),
+            // The masters' containers: Docker's private address pools.
+            "--peer".to_owned(),
+            "172.16.0.0/12".to_owned(),
+            "--peer".to_owned(),
+            "192.168.0.0/16".to_owned(),
+            "--peer".to_owned(),
+            "10.0.0.0/8".to_owned(),
             "--wan-delay-ms".to_owned(),
             "25".to_owned(),
             "--wan-loss".to_owned(),
