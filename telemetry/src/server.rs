@@ -190,20 +190,23 @@ mod tests {
             .await
             .unwrap();
         let addr = server.addr();
-        let get = |path: &'static str| async move {
-            let mut stream = TcpStream::connect(addr).await.unwrap();
-            stream
-                .write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
-                .await
-                .unwrap();
-            let mut answer = String::new();
-            stream.read_to_string(&mut answer).await.unwrap();
-            answer
-        };
+        let get = |path: &'static str| http_get(addr, path);
         let metrics = get("/metrics").await;
         assert!(metrics.starts_with("HTTP/1.1 200"), "{metrics}");
         assert!(metrics.contains("hkvm_test_things_total 3"), "{metrics}");
         assert!(get("/other").await.starts_with("HTTP/1.1 404"));
+    }
+
+    /// The whole answer of `GET path` to the server at `addr`.
+    async fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        stream
+            .write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).await.unwrap();
+        answer
     }
 
     /// Answers `/echo` with its query, and nothing else.
@@ -231,16 +234,7 @@ mod tests {
         .await
         .unwrap();
         let addr = server.addr();
-        let get = |path: &'static str| async move {
-            let mut stream = TcpStream::connect(addr).await.unwrap();
-            stream
-                .write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
-                .await
-                .unwrap();
-            let mut answer = String::new();
-            stream.read_to_string(&mut answer).await.unwrap();
-            answer
-        };
+        let get = |path: &'static str| http_get(addr, path);
         let echoed = get("/echo?key=a%2Fb").await;
         assert!(echoed.starts_with("HTTP/1.1 200 OK\r\n"), "{echoed}");
         assert!(echoed.ends_with("\r\n\r\nkey=a%2Fb"), "{echoed}");

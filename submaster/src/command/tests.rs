@@ -128,6 +128,19 @@ impl Harness {
     }
 }
 
+/// A put_start item of `size` bytes and `replicas` replicas, without options.
+fn start_item(key: &str, size: u64, replicas: u32) -> PutStartItem {
+    PutStartItem {
+        key: key.into(),
+        size,
+        replicas,
+        preferred_segment: None,
+        hard_pin: false,
+        put_id: 0,
+        avoid_nodes: Vec::new(),
+    }
+}
+
 fn three_nodes() -> Harness {
     let mut h = Harness::new();
     h.mount("n1", "s1", 1 << 20);
@@ -200,15 +213,7 @@ fn put_errors_are_per_item() {
         )]))
     );
     let too_many = (0..5000)
-        .map(|i| PutStartItem {
-            key: format!("k{i}"),
-            size: 1,
-            replicas: 1,
-            preferred_segment: None,
-            hard_pin: false,
-            put_id: 0,
-            avoid_nodes: Vec::new(),
-        })
+        .map(|i| start_item(&format!("k{i}"), 1, 1))
         .collect();
     assert!(h
         .run(Request::PutStart(PutStart { items: too_many }))
@@ -425,15 +430,7 @@ fn a_tenant_past_its_quota_is_refused_and_no_other_tenant_is() {
     .unwrap();
     assert_eq!(h.leader.tenant_bytes("a"), 0);
     let items = (0..3)
-        .map(|i| PutStartItem {
-            key: format!("{a}batch-{i}"),
-            size: 100,
-            replicas: 1,
-            preferred_segment: None,
-            hard_pin: false,
-            put_id: 0,
-            avoid_nodes: Vec::new(),
-        })
+        .map(|i| start_item(&format!("{a}batch-{i}"), 100, 1))
         .collect();
     let Ok(Reply::PutStart(results)) = h.run(Request::PutStart(PutStart { items })) else {
         panic!()
@@ -639,15 +636,7 @@ fn a_mixed_request_decides_reads_then_reservations_then_commits() {
     let mut h = three_nodes();
     h.put("old", 10, 1);
     assert!(matches!(h.put_start("pending", 20, 1), ItemResult::Ok(_)));
-    let start = |key: &str| PutStartItem {
-        key: key.into(),
-        size: 30,
-        replicas: 1,
-        preferred_segment: None,
-        hard_pin: false,
-        put_id: 0,
-        avoid_nodes: Vec::new(),
-    };
+    let start = |key: &str| start_item(key, 30, 1);
     let end = |key: &str| PutEndItem {
         key: key.into(),
         checksum: 9,
