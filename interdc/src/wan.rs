@@ -12,7 +12,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt as _;
-use ipnet::IpNet;
 use hkvm_client::KvError;
 use hkvm_events::rpc::interdc::{FetchReply, FetchRequest, SentReport, WanShape, GATEWAY_QUEUE};
 use hkvm_events::subject::interdc_fetch_subject;
@@ -21,6 +20,7 @@ use hkvm_transfer::wan::{
     udp_endpoint, FecConfig, Impairment, ReceiveReport, SendReport, WanConfig, WanReceiver,
     WanSender,
 };
+use ipnet::IpNet;
 use tokio::net::UdpSocket;
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
@@ -385,12 +385,18 @@ mod tests {
         let allowed = |ip: &str| is_allowed(&peers, ip.parse().unwrap());
         assert!(allowed("10.1.200.3"));
         assert!(allowed("192.0.2.7"));
-        assert!(allowed("::ffff:10.1.0.9"), "a mapped IPv4 address is itself");
+        assert!(
+            allowed("::ffff:10.1.0.9"),
+            "a mapped IPv4 address is itself"
+        );
         assert!(allowed("2001:db8::1"));
         assert!(!allowed("10.2.0.1"));
         assert!(!allowed("192.0.2.8"));
         assert!(!allowed("127.0.0.1"));
-        assert!(!is_allowed(&[], "10.1.0.1".parse().unwrap()), "no peers: nobody");
+        assert!(
+            !is_allowed(&[], "10.1.0.1".parse().unwrap()),
+            "no peers: nobody"
+        );
     }
 
     #[test]

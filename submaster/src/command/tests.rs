@@ -81,15 +81,7 @@ impl Harness {
         size: u64,
         replicas: u32,
     ) -> ItemResult<Vec<hkvm_events::rpc::submaster::ReplicaLocation>> {
-        let item = PutStartItem {
-            key: key.into(),
-            size,
-            replicas,
-            preferred_segment: None,
-            hard_pin: false,
-            put_id: 0,
-            avoid_nodes: Vec::new(),
-        };
+        let item = start_item(key, size, replicas);
         match self.run(Request::PutStart(PutStart { items: vec![item] })) {
             Ok(Reply::PutStart(mut results)) => results.remove(0),
             other => panic!("{other:?}"),
