@@ -22,6 +22,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Unio
 
 from . import _native
 from .address import AddressError, load_config_file, resolve
+from .ranges import RangePlan
+from .tenants import DEFAULT_TENANT, TENANT_MARK, key_prefix, tenant_refused
 from .mooncake_types import (  # noqa: F401 - re-exported, and _parse_size for hkvm.sglang
     BufferHandle,
     Descriptor,
@@ -52,27 +54,6 @@ __all__ = [
 log = logging.getLogger("hkvm.store")
 
 _DEFAULT_SEGMENT = 16 * 1024 * 1024
-# Tenants (as hkvm_events::tenant stores them): a key k of tenant t other than
-# the default is stored as "\x1e" + t + "\x1f" + k.
-_DEFAULT_TENANT = "default"
-_TENANT_MARK = "\x1e"
-_TENANT_END = "\x1f"
-_MAX_TENANT_LEN = 128
-
-
-def _tenant_refused(tenant: str) -> Optional[str]:
-    """Why ``tenant`` cannot name a tenant (Mooncake's rules), or None."""
-    if len(tenant.encode()) > _MAX_TENANT_LEN:
-        return f"longer than {_MAX_TENANT_LEN} bytes"
-    if tenant.startswith("_"):
-        return "a leading '_' is reserved"
-    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in tenant):
-        return "control characters are not allowed"
-    return None
-
-
-def _key_prefix(tenant: str) -> str:
-    return "" if tenant == _DEFAULT_TENANT else f"{_TENANT_MARK}{tenant}{_TENANT_END}"
 _DEFAULT_LOCAL_BUFFER = 16 * 1024 * 1024
 
 
@@ -103,7 +84,7 @@ class MooncakeDistributedStore:
         # Memory alloc_from_mem_pool handed out (a full store's private buffers).
         self._owned: Dict[int, Any] = {}
         # The tenant its keys belong to, and what its keys are stored under.
-        self._tenant = _DEFAULT_TENANT
+        self._tenant = DEFAULT_TENANT
         self._prefix = ""
         _native.init_logging()
         _LIVE_STORES.add(self)
@@ -177,8 +158,8 @@ class MooncakeDistributedStore:
         # The keyword, else the dict's or the configuration file's key; blank is
         # the default tenant, as on Mooncake.
         tenant = config.get("tenant_id") if tenant is None else tenant
-        tenant = str(tenant if tenant is not None else "").strip() or _DEFAULT_TENANT
-        refused = _tenant_refused(tenant)
+        tenant = str(tenant if tenant is not None else "").strip() or DEFAULT_TENANT
+        refused = tenant_refused(tenant)
         if refused:
             log.error("setup: tenant_id %r: %s", tenant, refused)
             return ErrorCode.INVALID_PARAMS
@@ -215,7 +196,7 @@ class MooncakeDistributedStore:
                 log.error("setup failed: %s", message)
                 return int(code)
             self._tenant = tenant
-            self._prefix = _key_prefix(tenant)
+            self._prefix = key_prefix(tenant)
         self._owned = {}
         return ErrorCode.OK
 
@@ -243,7 +224,7 @@ class MooncakeDistributedStore:
                 code, message = error.args
                 log.error("setup_dummy failed: %s", message)
                 return int(code)
-            self._tenant, self._prefix = _DEFAULT_TENANT, ""
+            self._tenant, self._prefix = DEFAULT_TENANT, ""
         self._owned = {}
         return ErrorCode.OK
 
@@ -315,10 +296,10 @@ class MooncakeDistributedStore:
         the indexes ``chosen`` (None: all) under their stored names. A key of the
         default tenant that starts with the tenant mark would land in another
         tenant's key space: it is refused (-600)."""
-        if self._prefix or not any(isinstance(k, str) and k.startswith(_TENANT_MARK) for k in keys):
+        if self._prefix or not any(isinstance(k, str) and k.startswith(TENANT_MARK) for k in keys):
             return write(None, self._stored(keys))
         log.error("keys starting with \\x1e are reserved for tenants' keys: refused")
-        chosen = [i for i, key in enumerate(keys) if not (isinstance(key, str) and key.startswith(_TENANT_MARK))]
+        chosen = [i for i, key in enumerate(keys) if not (isinstance(key, str) and key.startswith(TENANT_MARK))]
         codes = [ErrorCode.INVALID_PARAMS] * len(keys)
         if chosen:
             for index, code in zip(chosen, write(chosen, [keys[i] for i in chosen])):
@@ -615,51 +596,17 @@ class MooncakeDistributedStore:
         the bytes copied or a negative code: -600 for a range beyond the value,
         memory outside every registered buffer or lists of unequal lengths, the
         read's code (-704 missing) otherwise."""
-        invalid = ErrorCode.INVALID_PARAMS
-
-        def refused(dst: Any) -> List[int]:
-            return [invalid] * max(len(dst), 1) if isinstance(dst, (list, tuple)) else [invalid]
-
-        shaped = len(buffer_ptrs) == len(all_keys) == len(all_dst_offsets) == len(all_src_offsets) == len(all_sizes)
-        if not shaped or self._native is None:
-            return [[refused(d) for d in dsts] for dsts in all_dst_offsets]
-        keys: List[str] = []
-        ranges: List[List[tuple]] = []
-        where: List[tuple] = []  # (buffer, key) of each flattened key, or None when refused
-        out: List[List[List[int]]] = []
-        for i, base in enumerate(buffer_ptrs):
-            rows: List[List[int]] = []
-            per = (all_keys[i], all_dst_offsets[i], all_src_offsets[i], all_sizes[i])
-            if not len(per[0]) == len(per[1]) == len(per[2]) == len(per[3]):
-                out.append([refused(d) for d in per[1]])
-                continue
-            for j, (key, dst, src, size) in enumerate(zip(*per)):
-                try:
-                    if not len(dst) == len(src) == len(size):
-                        raise ValueError("ranges of unequal lengths")
-                    numbers = [(int(d), int(o), int(n)) for d, o, n in zip(dst, src, size)]
-                    if int(base) < 0 or any(v < 0 for triple in numbers for v in triple):
-                        raise ValueError("negative pointer, offset or size")
-                    triples = [(int(base) + d, o, n) for d, o, n in numbers]
-                except (TypeError, ValueError, OverflowError):
-                    rows.append(refused(dst))
-                    continue
-                rows.append([])
-                keys.append(str(key))
-                ranges.append(triples)
-                where.append((i, j))
-            out.append(rows)
-        if keys:
-            native = self._native
-            if native is None:
-                return [[refused(d) for d in dsts] for dsts in all_dst_offsets]
+        plan = RangePlan.of(buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets, all_sizes)
+        native = self._native
+        if native is None:
+            return plan.refused_all()
+        if plan.keys:
             try:
-                copied_all = native.get_into_ranges(self._stored(keys), ranges)
+                copied = native.get_into_ranges(self._stored(plan.keys), plan.ranges)
             except OverflowError:  # a pointer or size beyond 64 bits
-                copied_all = [[invalid] * len(r) for r in ranges]
-            for (i, j), copied in zip(where, copied_all):
-                out[i][j] = copied
-        return out
+                copied = [[ErrorCode.INVALID_PARAMS] * len(r) for r in plan.ranges]
+            plan.place(copied)
+        return plan.out
 
     def _get_into(self, keys, ptrs, sizes) -> List[int]:
         native = self._native
