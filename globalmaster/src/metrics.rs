@@ -1,7 +1,7 @@
 //! Prometheus metrics of a global master (served on `/metrics` by the shared
 //! `hkvm-telemetry` endpoint).
 
-use hkvm_telemetry::metrics::{label, Buckets, HistogramFamily, Labels};
+use hkvm_telemetry::metrics::{label, Buckets, FloatGauge, HistogramFamily, Labels};
 use hkvm_telemetry::{MetricsRegistry, Registrar};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -19,6 +19,9 @@ pub struct Metrics {
     pub messages_applied: Family<Labels, Counter>,
     /// Events per source not yet applied.
     pub lag_events: Family<Labels, Gauge>,
+    /// How old a source's newest applied message is while events of it wait
+    /// to be applied, in seconds (0 when caught up): the answers' staleness.
+    pub lag_seconds: Family<Labels, FloatGauge>,
     /// Times a source was re-read from scratch, per source and reason.
     pub resyncs: Family<Labels, Counter>,
     /// Query handling time in seconds, per operation.
@@ -65,6 +68,10 @@ impl Metrics {
                 "Stream messages folded into the projection",
             ),
             lag_events: r.gauges("lag_events", "Events of a source not yet applied"),
+            lag_seconds: r.float_gauges(
+                "lag_seconds",
+                "How old a source's newest applied event is while later ones wait, in seconds (0 when caught up)",
+            ),
             resyncs: r.counters("resyncs", "Sources re-read from scratch"),
             query_seconds: r.histograms("query_seconds", "Query handling time", LATENCY),
             busy: r.counters("busy", "Queries answered Busy"),

@@ -103,18 +103,31 @@ impl Shared {
         self.replaying.load(Ordering::Acquire)
     }
 
-    /// Updates a source's known stream end (and its lag gauge).
+    /// Updates a source's known stream end (and its lag gauges).
     pub fn observe_last_seq(&self, source: usize, subcluster: &SubclusterId, last_seq: u64) {
-        let applied = self.read().source(source).map_or(0, |s| s.applied_seq);
+        let (applied, applied_unix_ms) = self
+            .read()
+            .source(source)
+            .map_or((0, 0), |s| (s.applied_seq, s.applied_unix_ms));
         let mut positions = self.positions();
         let position = positions.entry(source).or_default();
         position.last_seq = position.last_seq.max(last_seq);
         let lag = position.last_seq.saturating_sub(applied);
         drop(positions);
+        let labels = source_label(subcluster.as_str());
         self.metrics
             .lag_events
-            .get_or_create(&source_label(subcluster.as_str()))
+            .get_or_create(&labels)
             .set(gauge_value(lag));
+        let lag_ms = if lag > 0 && applied_unix_ms > 0 {
+            now_unix_ms().saturating_sub(applied_unix_ms)
+        } else {
+            0
+        };
+        self.metrics
+            .lag_seconds
+            .get_or_create(&labels)
+            .set(lag_ms as f64 / 1000.0);
     }
 
     /// Marks a source caught up, and the replica serving once every gating source
@@ -202,5 +215,51 @@ impl Shared {
         self.metrics
             .index_bytes
             .set(gauge_value(index.memory_bytes()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use hkvm_events::key_ops::KeyOps;
+
+    use super::*;
+
+    fn lag_gauges(shared: &Shared, subcluster: &SubclusterId) -> (i64, f64) {
+        let labels = source_label(subcluster.as_str());
+        (
+            shared.metrics.lag_events.get_or_create(&labels).get(),
+            shared.metrics.lag_seconds.get_or_create(&labels).get(),
+        )
+    }
+
+    #[test]
+    fn the_lag_gauges_say_how_far_and_how_long_a_source_is_behind() {
+        let shared = Shared::new(GlobalMasterConfig::default(), Projection::new());
+        let subcluster = SubclusterId::new("sc-0").unwrap_or_else(|e| panic!("{e}"));
+        let source = shared.write().source_index(&subcluster, "stream");
+        let applied_unix_ms = now_unix_ms() - 7_000;
+        shared
+            .write()
+            .apply_key_ops(
+                source,
+                KeyOps {
+                    seq: 1,
+                    unix_ms: applied_unix_ms,
+                    ops: Vec::new(),
+                    events: 0,
+                    skipped: 0,
+                },
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+
+        // Caught up: no lag at all, however old the newest event is.
+        shared.observe_last_seq(source, &subcluster, 1);
+        assert_eq!(lag_gauges(&shared, &subcluster), (0, 0.0));
+
+        // Three events wait: the lag in seconds is the newest applied one's age.
+        shared.observe_last_seq(source, &subcluster, 4);
+        let (events, seconds) = lag_gauges(&shared, &subcluster);
+        assert_eq!(events, 3);
+        assert!((7.0..60.0).contains(&seconds), "{seconds}");
     }
 }

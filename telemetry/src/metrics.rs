@@ -6,6 +6,7 @@
 
 use std::hash::Hash;
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -16,6 +17,9 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Metric, Registry};
 
 use crate::{MetricsServer, TelemetryError};
+
+/// A gauge holding a fractional value (seconds, ratios).
+pub type FloatGauge = Gauge<f64, AtomicU64>;
 
 /// A label set whose names and values are only known at run time.
 pub type Labels = Vec<(String, String)>;
@@ -114,6 +118,14 @@ impl Registrar {
 
     /// Registered gauges, one per label set.
     pub fn gauges<L>(&mut self, name: &str, help: &str) -> Family<L, Gauge>
+    where
+        L: EncodeLabelSet + Clone + Hash + Eq + Send + Sync + std::fmt::Debug + 'static,
+    {
+        self.register(name, help, Family::default())
+    }
+
+    /// Registered fractional gauges, one per label set.
+    pub fn float_gauges<L>(&mut self, name: &str, help: &str) -> Family<L, FloatGauge>
     where
         L: EncodeLabelSet + Clone + Hash + Eq + Send + Sync + std::fmt::Debug + 'static,
     {

@@ -27,6 +27,7 @@ mod globalmaster_queries;
 mod globalmaster_recovery;
 mod history;
 mod library;
+mod monitoring;
 mod object_retention;
 mod rdma;
 mod snapshot_restore;
