@@ -21,9 +21,11 @@ use super::report::{BenchResult, Printer};
 use super::stages::{print_write_stages, StageReading};
 use super::BenchNats;
 
+mod durability;
 mod end_to_end;
 mod leased;
 
+use durability::durability_profiles;
 use end_to_end::end_to_end;
 use leased::run_leased_clients;
 
@@ -263,6 +265,36 @@ pub(crate) async fn raw_fenced_publish(
     Ok(latencies)
 }
 
+/// Mounts the bench's four nodes' segments, and keeps the nodes alive by
+/// pinging once a second, as real nodes do, until the returned task is aborted.
+async fn mount_bench_nodes(
+    client: &SubmasterClient,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    for node in 0..4 {
+        client
+            .mount_segment(MountSegment {
+                node: NodeId::new(format!("node-{node}"))?,
+                segment: SegmentId::new(format!("node-{node}-seg"))?,
+                size: 1 << 44,
+                endpoint: format!("127.0.0.1:{}", 7000 + node),
+                rdma: None,
+            })
+            .await
+            .context("mounting bench segments")?;
+    }
+    let client = client.clone();
+    Ok(tokio::spawn(async move {
+        loop {
+            for node in 0..4 {
+                if let Ok(node) = NodeId::new(format!("node-{node}")) {
+                    let _ = client.ping(Ping { node }).await;
+                }
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }))
+}
+
 /// Runs the workload.
 ///
 /// # Errors
@@ -282,32 +314,7 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     );
     let master = SubmasterHandle::spawn(nats.connect().await?, config);
     let client = SubmasterClient::new(nats.connect().await?, cluster, subcluster);
-    for node in 0..4 {
-        client
-            .mount_segment(MountSegment {
-                node: NodeId::new(format!("node-{node}"))?,
-                segment: SegmentId::new(format!("node-{node}-seg"))?,
-                size: 1 << 44,
-                endpoint: format!("127.0.0.1:{}", 7000 + node),
-                rdma: None,
-            })
-            .await
-            .context("mounting bench segments")?;
-    }
-    // The bench's nodes stay alive by pinging, as real nodes do.
-    let pinger = {
-        let client = client.clone();
-        tokio::spawn(async move {
-            loop {
-                for node in 0..4 {
-                    if let Ok(node) = NodeId::new(format!("node-{node}")) {
-                        let _ = client.ping(Ping { node }).await;
-                    }
-                }
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        })
-    };
+    let pinger = mount_bench_nodes(&client).await?;
     eprintln!("bench put: {} s per case", duration.as_secs_f64());
 
     let js = jetstream::new(nats.connect().await?);
@@ -473,5 +480,6 @@ pub async fn run(nats: &BenchNats, quick: bool, printer: &mut Printer) -> anyhow
     let _ = js.delete_stream("BENCH_RAW_PUT").await;
     pinger.abort();
     master.shutdown().await?;
-    end_to_end(nats, duration, metadata_16, printer).await
+    end_to_end(nats, duration, metadata_16, printer).await?;
+    durability_profiles(duration, printer).await
 }

@@ -12,7 +12,7 @@ use anyhow::Context as _;
 use hkvm_client::{KvClient, NodeConfig, NodeHandle, SubmasterClient};
 use hkvm_events::{ClusterId, NodeId, ProducerId, SubclusterId};
 use hkvm_globalmaster::{GlobalMaster, GlobalMasterConfig};
-use hkvm_natsd::{port_is_free, ClientPort, NatsServer, ServerOptions, ToolsDir};
+use hkvm_natsd::{port_is_free, ClientPort, Durability, NatsServer, ServerOptions, ToolsDir};
 use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
 use hkvm_transfer::TcpTransport;
 
@@ -40,6 +40,11 @@ pub struct LocalArgs {
     /// Stop by itself after this long (e.g. `30s`); runs until Ctrl-C when absent.
     #[arg(long, value_parser = humantime::parse_duration)]
     pub run_for: Option<Duration>,
+    /// The power-loss-safe profile: nats-server fsyncs every JetStream write
+    /// before acknowledging it (`sync_interval: always`). Without it, an OS
+    /// crash or power loss can take back up to 2 minutes of acknowledged puts.
+    #[arg(long)]
+    pub durable: bool,
 }
 
 /// Every two seconds: put a block into one sub-cluster and read it back through
@@ -81,11 +86,16 @@ pub async fn run(args: LocalArgs) -> anyhow::Result<()> {
         name: format!("hkvm-{}", args.cluster),
         client_port: ClientPort::Preferred(args.port),
         tools_dir: ToolsDir::AboveExecutable,
+        durability: if args.durable {
+            Durability::Durable
+        } else {
+            Durability::Default
+        },
         ..ServerOptions::default()
     })
     .await
     .context("starting the embedded nats-server")?;
-    tracing::info!(url = %nats.url(), store = %nats.store_dir().display(), "nats-server with JetStream is up");
+    tracing::info!(url = %nats.url(), store = %nats.store_dir().display(), durable = args.durable, "nats-server with JetStream is up");
 
     let mut services = Vec::new();
     let mut metrics = Vec::new();
@@ -177,6 +187,14 @@ pub async fn run(args: LocalArgs) -> anyhow::Result<()> {
             );
         }
     }
+    println!(
+        "  durability:    {}",
+        if args.durable {
+            "durable: every JetStream write is fsynced before a put is acknowledged (survives power loss)"
+        } else {
+            "default: JetStream fsyncs every 2 minutes; an OS crash or power loss can lose up to 2 minutes of acknowledged puts (--durable for the power-loss-safe profile)"
+        }
+    );
     println!(
         "  sub-masters:   {} sub-clusters (sc-0..), each a leader + a hot standby",
         args.subclusters

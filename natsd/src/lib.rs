@@ -14,5 +14,5 @@ mod server;
 
 pub use binary::{find_nats_server, ToolsDir, NATS_SERVER_ENV};
 pub use error::NatsdError;
-pub use options::{ClientPort, Routes, ServerOptions};
+pub use options::{ClientPort, Durability, Routes, ServerOptions};
 pub use server::{free_port, port_is_free, NatsServer};

@@ -13,6 +13,8 @@ pub struct ServerOptions {
     pub name: String,
     /// Enable JetStream (file storage in the server's temp dir).
     pub jetstream: bool,
+    /// When JetStream's stored messages reach the disk.
+    pub durability: Durability,
     /// Raw config text appended to the generated config (accounts, users, limits).
     pub extra_config: String,
     /// How long to wait for `/healthz` to answer 200.
@@ -30,11 +32,37 @@ impl Default for ServerOptions {
         Self {
             name: "hkvm-nats".to_owned(),
             jetstream: true,
+            durability: Durability::default(),
             extra_config: String::new(),
             ready_timeout: Duration::from_secs(30),
             client_port: ClientPort::Ephemeral,
             routes: None,
             tools_dir: ToolsDir::default(),
+        }
+    }
+}
+
+/// When JetStream makes what it stored safe from power loss.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Durability {
+    /// nats-server's default: messages are written to the store's files at
+    /// once and fsynced every 2 minutes. An acknowledged write survives a crash
+    /// of any process, but an OS crash or a power loss of the node (of every
+    /// node at once, for replicated streams) can take back up to 2 minutes of
+    /// acknowledged writes.
+    #[default]
+    Default,
+    /// `sync_interval: always`: JetStream fsyncs every write before it
+    /// acknowledges it, so an acknowledged write survives power loss.
+    Durable,
+}
+
+impl Durability {
+    /// The `jetstream` block's line for this profile, if it needs one.
+    pub fn jetstream_setting(self) -> Option<&'static str> {
+        match self {
+            Self::Default => None,
+            Self::Durable => Some("sync_interval: always"),
         }
     }
 }
@@ -76,11 +104,12 @@ pub(crate) fn render(
     let _ = writeln!(config, "listen: \"127.0.0.1:{client_port}\"");
     let _ = writeln!(config, "http: \"127.0.0.1:{monitor_port}\"");
     if options.jetstream {
-        let _ = writeln!(
-            config,
-            "jetstream {{\n  store_dir: \"{}\"\n}}",
-            store_dir.display()
-        );
+        let _ = writeln!(config, "jetstream {{");
+        let _ = writeln!(config, "  store_dir: \"{}\"", store_dir.display());
+        if let Some(setting) = options.durability.jetstream_setting() {
+            let _ = writeln!(config, "  {setting}");
+        }
+        let _ = writeln!(config, "}}");
     }
     if let Some(routes) = &options.routes {
         let peers: Vec<String> = routes
@@ -117,6 +146,22 @@ mod tests {
         assert!(config.contains("http: \"127.0.0.1:8222\""));
         assert!(config.contains("store_dir: \"/tmp/x/jetstream\""));
         assert!(!config.contains("cluster"));
+        assert!(!config.contains("sync_interval"));
+    }
+
+    #[test]
+    fn the_durable_profile_fsyncs_every_write() {
+        let options = ServerOptions {
+            durability: Durability::Durable,
+            ..ServerOptions::default()
+        };
+        let config = render(&options, 4222, 8222, Path::new("/tmp/x/jetstream"));
+        let jetstream = config
+            .split("jetstream {")
+            .nth(1)
+            .and_then(|rest| rest.split('}').next())
+            .unwrap_or_default();
+        assert!(jetstream.contains("sync_interval: always"), "{config}");
     }
 
     #[test]
