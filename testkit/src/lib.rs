@@ -10,4 +10,6 @@ mod error;
 
 pub use cluster::NatsCluster;
 pub use error::TestkitError;
-pub use hkvm_natsd::{find_nats_server, Durability, NatsServer, ServerOptions, NATS_SERVER_ENV};
+pub use hkvm_natsd::{
+    find_nats_server, Durability, NatsServer, ServerOptions, ToolsDir, NATS_SERVER_ENV,
+};
