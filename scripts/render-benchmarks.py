@@ -39,7 +39,12 @@ HOW_TO_READ = {
     "time (a 16 MiB lease holds 64 of these 256 KiB objects). The end-to-end rows time "
     "their put and get phases separately (16 clients in lockstep: each puts 32 blocks, "
     "then reads them back; removes are not timed), with space leases and, in a second "
-    "run, without.",
+    "run, without. The last rows are the durability profiles (docs/operations.md): the "
+    "same cases on two fresh nats-servers, each with its own sub-master, run in turn "
+    "case by case: the durable profile (sync_interval: always, every write fsynced "
+    "before it is acknowledged: what survives a power loss) against nats-server's "
+    "default (fsync every 2 minutes); the ratio is the price of power-loss safety, "
+    "which group commit spreads over the puts of one append.",
     "breakdown": "Where one client's 4 KiB get and put spend their microseconds, one "
     "call at a time against a sub-master in the bench's process, each layer's p50 "
     "against the layer below it in the same run. A get of a value the client's own "
