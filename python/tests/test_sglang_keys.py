@@ -75,4 +75,3 @@ def test_side_pool_keys():
     assert mla.side_parts("draft_swa", 1) == ["__draft_swa"]
     assert mla.side_parts(PoolName.INDEXER, 1) == ["__indexer"]
     assert mla.side_parts("deepseek_v4_c128", 1) == ["__deepseek_v4_c128"]
-    assert mla.side_parts("kv", 1) == ["__k"]

@@ -202,7 +202,7 @@ class HKVMStore(_Base):
 
     def _parts(self, name: str) -> List[str]:
         """The object suffixes of one page of pool ``name``."""
-        if name == _KV and name not in self.pools:
+        if name == _KV:
             return self.keys.kv_parts()
         if name not in self._parts_of:
             pool = self._pool(name)

@@ -65,8 +65,6 @@ class PageKeys:
         gives ``buffers`` buffers per page (a Mamba pool: its temporal state, when
         ``has_temporal``, then its conv states)."""
         name = pool_name(name)
-        if name == "kv":
-            return self.kv_parts() if buffers > 1 else [f"_{self.mla}_k"]
         if name == "mamba":
             conv = buffers - 1 if has_temporal else buffers
             parts = (["temporal"] if has_temporal else []) + [f"conv_{j}" for j in range(conv)]
