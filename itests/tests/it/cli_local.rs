@@ -1,45 +1,63 @@
 //! `hkvm local` as a developer runs it: it records the NATS URL it really uses
 //! (an ephemeral port here, as when 4222 is busy), and `hkvm` commands given no
-//! `--nats` find that cluster.
+//! `--nats` find that cluster; its nats-server runs the durability profile asked
+//! for (`--durable`: every JetStream write fsynced, as nats-server's `/varz` says).
 
 use std::time::Duration;
 
+use crate::fixture::http_get;
 use crate::process::{hkvm, run, Process, Stream};
+
+/// Starts `hkvm local` for `cluster` with `extra` arguments; returns it with its
+/// stdout up to "Press Ctrl-C" (everything is up).
+async fn local(cluster: &str, extra: &[&str]) -> (Process, String) {
+    let mut args = vec![
+        "local",
+        "--cluster",
+        cluster,
+        "--port",
+        "0",
+        "--metrics-base-port",
+        "0",
+        "--no-demo",
+        "--node-mib",
+        "64",
+    ];
+    args.extend_from_slice(extra);
+    let local = Process::hkvm("hkvm local", &args, "warn").await;
+    local
+        .wait_for_line(Stream::Stdout, "Press Ctrl-C", Duration::from_secs(120))
+        .await;
+    let stdout = local.stdout();
+    (local, stdout)
+}
+
+/// Whether the nats-server whose monitoring URL `hkvm local` printed fsyncs every
+/// JetStream write.
+fn syncs_always(stdout: &str) -> bool {
+    let port = stdout
+        .split("(monitoring http://127.0.0.1:")
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .and_then(|port| port.parse::<u16>().ok())
+        .unwrap_or_else(|| panic!("no monitoring URL in:\n{stdout}"));
+    let varz = http_get(port, "/varz");
+    assert!(varz.contains("\"jetstream\""), "{varz}");
+    varz.contains("\"sync_always\": true")
+}
 
 #[tokio::test]
 async fn commands_without_nats_find_the_url_hkvm_local_recorded() {
     let cluster = format!("rec{}", std::process::id());
-    let local = Process::hkvm(
-        "hkvm local",
-        &[
-            "local",
-            "--cluster",
-            &cluster,
-            "--port",
-            "0",
-            "--no-demo",
-            "--node-mib",
-            "64",
-        ],
-        "warn",
-    )
-    .await;
-    let recorded = local
-        .wait_for_line(
-            Stream::Stdout,
-            "use it without --nats",
-            Duration::from_secs(120),
-        )
-        .await;
-    local
-        .wait_for_line(Stream::Stdout, "Press Ctrl-C", Duration::from_secs(60))
-        .await;
+    let (_local, stdout) = local(&cluster, &[]).await;
+    assert!(stdout.contains("use it without --nats"), "{stdout}");
+    assert!(!syncs_always(&stdout), "the default profile");
     let mut status = hkvm(["status", "--cluster", &cluster]).await;
     status.env_remove("HKVM_NATS_URL");
     let ran = run(status).await;
     assert!(
         ran.success(),
-        "{recorded}\nstatus without --nats failed:\n{}\n{}",
+        "{stdout}\nstatus without --nats failed:\n{}\n{}",
         ran.stdout,
         ran.stderr
     );
@@ -48,4 +66,12 @@ async fn commands_without_nats_find_the_url_hkvm_local_recorded() {
         "{}",
         ran.stdout
     );
+}
+
+#[tokio::test]
+async fn durable_starts_a_nats_server_that_fsyncs_every_write() {
+    let cluster = format!("dur{}", std::process::id());
+    let (_local, stdout) = local(&cluster, &["--durable"]).await;
+    assert!(stdout.contains("durability:    durable"), "{stdout}");
+    assert!(syncs_always(&stdout), "the durable profile");
 }

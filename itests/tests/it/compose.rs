@@ -5,7 +5,6 @@
 //! ones put and read, and everything torn down. Needs a Docker engine with
 //! `docker-compose` and the images of `scripts/build-images` (`HKVM_DOCKER_TESTS=1`).
 
-use std::io::{Read as _, Write as _};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -13,6 +12,7 @@ use std::time::{Duration, Instant};
 use hkvm_itests::images::{DEFAULT_HKVM_IMAGE, HKVM_IMAGE_ENV};
 
 use crate::docker_gate::docker_or_skip;
+use crate::fixture::http_get;
 
 const COMPOSE_FILE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
@@ -123,11 +123,7 @@ impl Project {
             .next()
             .and_then(|port| port.parse::<u16>().ok())
             .unwrap_or_else(|| panic!("no published monitoring port: {published:?}"));
-        let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connecting");
-        write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").expect("sending");
-        let mut answer = String::new();
-        stream.read_to_string(&mut answer).expect("reading");
-        answer
+        http_get(port, path)
     }
 }
 

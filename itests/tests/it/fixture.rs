@@ -86,6 +86,18 @@ pub async fn wait_count(what: &str, counter: &AtomicUsize, n: usize) {
     .await;
 }
 
+/// The whole answer (status line, headers, body) to `GET path` on
+/// `127.0.0.1:port`, over HTTP/1.0 (the server closes when done).
+pub fn http_get(port: u16, path: &str) -> String {
+    use std::io::{Read as _, Write as _};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port))
+        .unwrap_or_else(|e| panic!("connecting to 127.0.0.1:{port}: {e}"));
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").expect("sending");
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).expect("reading");
+    answer
+}
+
 /// Logs of in-process services to the test's output (`RUST_LOG`, `warn` by
 /// default); once per process.
 pub fn logs() {
