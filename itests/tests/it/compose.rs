@@ -136,15 +136,47 @@ impl Drop for Project {
     }
 }
 
-/// Retries `attempt` until it gives a value or `within` has passed.
-fn eventually<T>(what: &str, within: Duration, mut attempt: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(value) = attempt() {
-            return value;
+impl Project {
+    /// What the project's containers are doing: their states, and each one's
+    /// last log lines (what a failing test prints).
+    fn diagnosis(&self) -> String {
+        let text = |args: &[&str]| {
+            self.compose().args(args).output().map_or_else(
+                |e| e.to_string(),
+                |o| {
+                    format!(
+                        "{}{}",
+                        String::from_utf8_lossy(&o.stdout),
+                        String::from_utf8_lossy(&o.stderr)
+                    )
+                },
+            )
+        };
+        format!(
+            "{}\n{}",
+            text(&["ps"]),
+            text(&["logs", "--no-color", "--tail", "15"])
+        )
+    }
+
+    /// Retries `attempt` until it gives a value or `within` has passed; then
+    /// fails with the containers' state and logs.
+    fn eventually<T>(
+        &self,
+        what: &str,
+        within: Duration,
+        mut attempt: impl FnMut() -> Option<T>,
+    ) -> T {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(value) = attempt() {
+                return value;
+            }
+            if Instant::now() >= deadline {
+                panic!("{what}: not within {within:?}\n{}", self.diagnosis());
+            }
+            std::thread::sleep(Duration::from_millis(500));
         }
-        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
-        std::thread::sleep(Duration::from_millis(500));
     }
 }
 
@@ -172,7 +204,7 @@ fn the_compose_cluster_serves_and_survives_a_nats_node_and_a_leader_killed() {
     project.compose_ok(&["up", "-d"]);
 
     // The profile is the one asked for: every write fsynced.
-    let varz = eventually("nats-0's /varz", READY_WITHIN, || {
+    let varz = project.eventually("nats-0's /varz", READY_WITHIN, || {
         let answer = project.nats_monitor("/varz");
         answer.contains("\"sync_always\"").then_some(answer)
     });
@@ -183,15 +215,18 @@ fn the_compose_cluster_serves_and_survives_a_nats_node_and_a_leader_killed() {
     let mut written: Vec<(&str, String)> = Vec::new();
     for subcluster in ["sc-0", "sc-1"] {
         let key = format!("{subcluster}/first");
-        eventually(
+        project.eventually(
             &format!("a first put into {subcluster}"),
             READY_WITHIN,
             || {
                 // A put whose answer was lost may have landed: a read says so.
                 let value = value_of(&key);
-                (project.put(subcluster, &key, &value).status.success()
-                    || project.get(subcluster, &key) == Some(value))
-                .then_some(())
+                let put = project.put(subcluster, &key, &value);
+                let stored = put.status.success() || project.get(subcluster, &key) == Some(value);
+                if !stored {
+                    eprintln!("put {key}: {}", String::from_utf8_lossy(&put.stderr).trim());
+                }
+                stored.then_some(())
             },
         );
         written.push((subcluster, key));
@@ -218,12 +253,12 @@ fn the_compose_cluster_serves_and_survives_a_nats_node_and_a_leader_killed() {
     // Everything acknowledged is read back, byte for byte, once sc-0's standby
     // leads; and the sub-cluster takes new puts.
     for (subcluster, key) in &written {
-        let value = eventually(&format!("reading {key} back"), READY_WITHIN, || {
+        let value = project.eventually(&format!("reading {key} back"), READY_WITHIN, || {
             project.get(subcluster, key)
         });
         assert_eq!(value, value_of(key), "{key}");
     }
-    eventually(
+    project.eventually(
         "sc-0's registry entry naming its new leader",
         READY_WITHIN,
         || (project.leader_of("sc-0") != leader).then_some(()),
