@@ -34,7 +34,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use hkvm_testkit::NatsServer;
+use hkvm_testkit::{NatsServer, ServerOptions};
 
 /// HKVM benchmarks (every figure against a baseline measured in the same run) and
 /// the load generator of the chaos tests.
@@ -249,16 +249,19 @@ impl BenchNats {
     async fn new(url: Option<String>) -> anyhow::Result<Self> {
         match url {
             Some(url) => Ok(Self { url, _child: None }),
-            None => {
-                let server = NatsServer::start()
-                    .await
-                    .context("starting a nats-server for the benchmark")?;
-                Ok(Self {
-                    url: server.url(),
-                    _child: Some(server),
-                })
-            }
+            None => Self::start_with(ServerOptions::default()).await,
         }
+    }
+
+    /// A benchmark's own nats-server child, started with `options`.
+    async fn start_with(options: ServerOptions) -> anyhow::Result<Self> {
+        let server = NatsServer::start_with(options)
+            .await
+            .context("starting a nats-server for the benchmark")?;
+        Ok(Self {
+            url: server.url(),
+            _child: Some(server),
+        })
     }
 
     /// The nats-server child's process id (none when the server was given).

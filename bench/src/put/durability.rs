@@ -7,20 +7,20 @@
 
 use std::time::Duration;
 
-use anyhow::Context as _;
 use hkvm_client::SubmasterClient;
 use hkvm_events::{ClusterId, ProducerId, SubclusterId};
 use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
-use hkvm_testkit::{Durability, NatsServer, ServerOptions};
+use hkvm_testkit::{Durability, ServerOptions};
 
 use super::leased::run_leased_clients;
 use super::{mount_bench_nodes, run_clients, WORKLOAD};
 use crate::latency::quantile_us;
 use crate::report::{BenchResult, Printer};
+use crate::BenchNats;
 
 /// One profile's nats-server, sub-master and client.
 struct Profile {
-    server: NatsServer,
+    nats: BenchNats,
     master: SubmasterHandle,
     client: SubmasterClient,
     pinger: tokio::task::JoinHandle<()>,
@@ -28,20 +28,12 @@ struct Profile {
 
 impl Profile {
     async fn start(durability: Durability) -> anyhow::Result<Self> {
-        let server = NatsServer::start_with(ServerOptions {
+        let nats = BenchNats::start_with(ServerOptions {
             name: format!("hkvm-bench-{durability:?}").to_lowercase(),
             durability,
             ..ServerOptions::default()
         })
-        .await
-        .context("starting a nats-server for the durability profiles")?;
-        let connect = || async {
-            async_nats::ConnectOptions::new()
-                .request_timeout(Some(Duration::from_secs(30)))
-                .connect(server.url())
-                .await
-                .context("connecting to the profile's nats-server")
-        };
+        .await?;
         let cluster = ClusterId::new("bench")?;
         let subcluster = SubclusterId::new("profile")?;
         let config = SubmasterConfig::new(
@@ -49,11 +41,11 @@ impl Profile {
             subcluster.clone(),
             ProducerId::new("bench-profile")?,
         );
-        let master = SubmasterHandle::spawn(connect().await?, config);
-        let client = SubmasterClient::new(connect().await?, cluster, subcluster);
+        let master = SubmasterHandle::spawn(nats.connect().await?, config);
+        let client = SubmasterClient::new(nats.connect().await?, cluster, subcluster);
         let pinger = mount_bench_nodes(&client).await?;
         Ok(Self {
-            server,
+            nats,
             master,
             client,
             pinger,
@@ -63,7 +55,7 @@ impl Profile {
     async fn stop(self) -> anyhow::Result<()> {
         self.pinger.abort();
         self.master.shutdown().await?;
-        drop(self.server);
+        drop(self.nats);
         Ok(())
     }
 }
