@@ -5,7 +5,8 @@
 //! stream against memcpy; Reed–Solomon encode and
 //! decode GB/s against memcpy; WAN goodput over the in-process lossy link against the
 //! pacing cap, in process and over UDP loopback sockets with an emulated delay and
-//! loss (with the wire bytes per payload byte of two stripe shapes). Everything in
+//! loss (with the wire bytes per payload byte of two stripe shapes); the data
+//! port checking grants against the same port admitting all. Everything in
 //! the same run.
 
 use std::hint::black_box;
@@ -13,11 +14,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
+use hkvm_client::grants::GrantChecker;
+use hkvm_events::grant::{Access, GrantKey, GrantRequest};
+use hkvm_log::registry::now_unix_ms;
 use hkvm_transfer::wan::{
     lossy_link, udp_endpoint, FecConfig, Impairment, LinkConfig, StripeCodec, WanConfig,
     WanReceiver, WanSender,
 };
-use hkvm_transfer::{ReadInto, RegionId, Segment, TcpConfig, TcpTransport, Transport, WriteOp};
+use hkvm_transfer::{
+    AdmitAll, ReadInto, RegionId, Segment, TcpConfig, TcpTransport, Transport, WriteOp,
+};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
 
@@ -61,19 +67,55 @@ impl Shape {
     }
 }
 
+/// The grants a client presents: a write and a read grant over the whole bench
+/// region, as a sub-master signs them (or none, for a port that admits all).
+#[derive(Clone)]
+struct Grants {
+    write: Arc<[u8]>,
+    read: Arc<[u8]>,
+}
+
+impl Grants {
+    fn none() -> Self {
+        Self {
+            write: Arc::from(&[][..]),
+            read: Arc::from(&[][..]),
+        }
+    }
+
+    fn signed(key: &GrantKey, len: u64) -> Self {
+        let grant = |access| -> Arc<[u8]> {
+            let grant = key.sign(GrantRequest {
+                segment: REGION,
+                access,
+                offset: 0,
+                len,
+                expires_unix_ms: now_unix_ms() + 3_600_000,
+            });
+            Arc::from(&grant.to_wire()[..])
+        };
+        Self {
+            write: grant(Access::Write),
+            read: grant(Access::Read),
+        }
+    }
+}
+
 /// Writes (one value per batch, as a put to one replica does), then reads back.
 async fn transport_rates(
     shape: &Shape,
     endpoint: &str,
     client: &Arc<TcpTransport>,
+    grants: &Grants,
 ) -> anyhow::Result<(f64, f64)> {
     let started = Instant::now();
     let mut tasks = Vec::new();
     for stream in 0..shape.streams {
-        let (client, value, endpoint) = (
+        let (client, value, endpoint, grant) = (
             Arc::clone(client),
             Arc::clone(&shape.value),
             endpoint.to_owned(),
+            Arc::clone(&grants.write),
         );
         let offsets: Vec<u64> = (0..shape.per_stream)
             .map(|i| shape.offset(stream, i))
@@ -84,6 +126,7 @@ async fn transport_rates(
                     region: REGION,
                     offset,
                     data: &value,
+                    grant: &grant,
                 };
                 client.write_batch(&endpoint, &[op]).await?;
             }
@@ -98,7 +141,11 @@ async fn transport_rates(
     let started = Instant::now();
     let mut tasks = Vec::new();
     for stream in 0..shape.streams {
-        let (client, endpoint) = (Arc::clone(client), endpoint.to_owned());
+        let (client, endpoint, grant) = (
+            Arc::clone(client),
+            endpoint.to_owned(),
+            Arc::clone(&grants.read),
+        );
         let offsets: Vec<u64> = (0..shape.per_stream)
             .map(|i| shape.offset(stream, i))
             .collect();
@@ -110,6 +157,7 @@ async fn transport_rates(
                     region: REGION,
                     offset,
                     buf: &mut buf,
+                    grant: &grant,
                 }];
                 client.read_batch_into(&endpoint, &mut op).await?;
             }
@@ -237,12 +285,18 @@ async fn tcp(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
     let total: usize = if quick { 4 << 20 } else { 512 << 20 };
     let largest = sizes[2];
     let node = TcpTransport::default();
-    node.register(Segment::allocate(
-        RegionId::new(REGION)?,
-        (8 * 2 * largest) as u64,
-    )?)?;
-    let server = node.bind("127.0.0.1:0").await?;
+    let region_len = (8 * 2 * largest) as u64;
+    node.register(Segment::allocate(RegionId::new(REGION)?, region_len)?)?;
+    // A node's port, checking every operation's grant, and a second port of the
+    // same node admitting all: the grant check's cost is their difference.
+    let key = hkvm_log::grants::generate_key();
+    let grants = Grants::signed(&key, region_len);
+    let server = node
+        .bind("127.0.0.1:0", Arc::new(GrantChecker::with_key(key)))
+        .await?;
     let endpoint = server.local_addr().to_string();
+    let open_server = node.bind("127.0.0.1:0", Arc::new(AdmitAll)).await?;
+    let open_endpoint = open_server.local_addr().to_string();
     let client = Arc::new(TcpTransport::default());
     let unchecked = Arc::new(TcpTransport::new(TcpConfig {
         write_checksums: false,
@@ -265,6 +319,7 @@ async fn tcp(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
             // Best of three, interleaved, because the machine is shared and noisy.
             let (mut plain, mut write, mut read) = (0f64, 0f64, 0f64);
             let (mut write_unchecked, mut read_unchecked) = (0f64, 0f64);
+            let (mut write_open, mut read_open) = (0f64, 0f64);
             let (mut plain_write_trip, mut plain_read_trip) = (0f64, 0f64);
             for _ in 0..3 {
                 plain = plain.max(
@@ -282,9 +337,12 @@ async fn tcp(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
                         .await
                         .context("plain TCP read round trips")?,
                 );
-                let (w, r) = transport_rates(&shape, &endpoint, &client).await?;
+                let (w, r) = transport_rates(&shape, &endpoint, &client, &grants).await?;
                 (write, read) = (write.max(w), read.max(r));
-                let (w, r) = transport_rates(&shape, &endpoint, &unchecked).await?;
+                let (w, r) =
+                    transport_rates(&shape, &open_endpoint, &client, &Grants::none()).await?;
+                (write_open, read_open) = (write_open.max(w), read_open.max(r));
+                let (w, r) = transport_rates(&shape, &endpoint, &unchecked, &grants).await?;
                 (write_unchecked, read_unchecked) = (write_unchecked.max(w), read_unchecked.max(r));
             }
             let memcpy = memcpy_rate(&value, streams * shape.per_stream);
@@ -295,6 +353,7 @@ async fn tcp(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
             );
             let baseline = "plain tokio TCP, same bytes";
             let memcpy_baseline = "memcpy, same bytes";
+            let no_grants = "the same port admitting all (no grant check)";
             let write_trip = "plain tokio TCP, a value then a 1-byte answer each";
             let read_trip = "plain tokio TCP, a 16-byte request then the value each";
             let rows = [
@@ -307,6 +366,8 @@ async fn tcp(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
                 (format!("TCP read {what}"), read, read_trip, plain_read_trip),
                 (format!("TCP write {what}"), write, baseline, plain),
                 (format!("TCP read {what}"), read, baseline, plain),
+                (format!("TCP write {what}"), write, no_grants, write_open),
+                (format!("TCP read {what}"), read, no_grants, read_open),
                 (
                     format!("TCP write {what}, unchecked"),
                     write_unchecked,
@@ -358,6 +419,7 @@ async fn tcp(quick: bool, printer: &mut Printer) -> anyhow::Result<()> {
         }
     }
     server.shutdown().await;
+    open_server.shutdown().await;
     Ok(())
 }
 

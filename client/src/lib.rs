@@ -9,6 +9,7 @@ pub mod direct;
 pub mod dummy;
 pub mod error;
 pub mod global;
+pub mod grants;
 pub mod kv;
 pub mod leader_watch;
 pub mod local_record;

@@ -10,16 +10,22 @@ use std::time::Duration;
 use hkvm_events::rpc::submaster::{MountSegment, Ping, Remount, UnmountSegment};
 use hkvm_events::{NodeId, RdmaEndpoint, SegmentId};
 use hkvm_telemetry::repeats::Repeats;
-use hkvm_transfer::{RegionId, Segment, ServerHandle, TcpConfig, TcpTransport, Transport};
+use hkvm_transfer::{
+    Admission, RegionId, Segment, ServerHandle, TcpConfig, TcpTransport, Transport,
+};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::error::ClientError;
+use crate::grants::GrantFollower;
 use crate::submaster::SubmasterClient;
 
 /// A failure that repeats while it lasts (a ping to an absent sub-master) is
 /// logged at most once per this period, with how many times it happened.
 const REPEATS_LOGGED_EVERY: Duration = Duration::from_secs(30);
+/// How long a starting node waits for its sub-cluster's grant key (its
+/// sub-master creates it when it starts).
+const GRANT_KEY_PATIENCE: Duration = Duration::from_secs(30);
 use crate::transports::Protocol;
 
 /// How a node runs.
@@ -76,6 +82,10 @@ pub enum NodeError {
     /// The sub-master refused the mount or was unreachable.
     #[error("mount: {0}")]
     Mount(#[from] ClientError),
+    /// The sub-cluster's grant key could not be read: without it the data port
+    /// would refuse every transfer.
+    #[error("data-port grant key: {0}")]
+    GrantKey(#[from] hkvm_log::grants::GrantKeyError),
 }
 
 /// A running node; [`NodeHandle::shutdown`] unmounts and stops it.
@@ -85,6 +95,8 @@ pub struct NodeHandle {
     stop: watch::Sender<bool>,
     pinger: JoinHandle<()>,
     server: ServerHandle,
+    /// Keeps the data port's grant key current.
+    _grants: GrantFollower,
     rdma: Option<RdmaServing>,
     client: SubmasterClient,
     config: NodeConfig,
@@ -226,9 +238,17 @@ impl NodeHandle {
             read_checksums: false,
             ..TcpConfig::default()
         });
+        let grants = GrantFollower::start(
+            client.caller().nats().clone(),
+            client.cluster().clone(),
+            client.subcluster().clone(),
+        );
         // The port first: a port chosen a moment ago is taken at once, not after
-        // the segment is populated (seconds for a large one).
-        let server = transport.bind(config.listen).await?;
+        // the segment is populated (seconds for a large one). It serves only what
+        // the sub-master granted.
+        let server = transport
+            .bind(config.listen, grants.checker() as Arc<dyn Admission>)
+            .await?;
         let segment =
             Segment::allocate(RegionId::new(config.segment.as_str())?, config.segment_size)?;
         if config.populate {
@@ -238,6 +258,12 @@ impl NodeHandle {
         let endpoint = advertised_endpoint(config.advertise.as_deref(), server.local_addr());
         let rdma = serve_rdma(&config, &segment, &endpoint).await?;
         let advert = rdma.as_ref().map(|serving| serving.advert.clone());
+        // Mounted only once the data port can check grants: a put placed here at
+        // once must not be refused.
+        let key_id = grants
+            .ready(GRANT_KEY_PATIENCE, client.subcluster())
+            .await?;
+        tracing::debug!(key_id, "data-port grant key read");
         client
             .mount_segment(mount_request(&config, &endpoint, advert.as_ref()))
             .await?;
@@ -286,6 +312,7 @@ impl NodeHandle {
             stop,
             pinger,
             server,
+            _grants: grants,
             rdma,
             client,
             config,

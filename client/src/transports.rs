@@ -412,6 +412,7 @@ mod tests {
             endpoint: format!("{node}:7000"),
             offset: 4096,
             rdma,
+            grant: None,
         }
     }
 

@@ -8,6 +8,7 @@ pub mod checkpoint;
 pub mod codec;
 pub mod error;
 pub mod event;
+pub mod grant;
 pub mod id;
 pub mod key_ops;
 pub mod lease;

@@ -87,17 +87,21 @@ pub enum Bucket {
     Blooms,
     /// KV: where each reader of each stream has got to (the purge point's bound).
     Positions,
+    /// KV: each sub-cluster's data-port grant key (read by its sub-masters and
+    /// nodes only).
+    Grants,
 }
 
 impl Bucket {
     /// Every bucket.
-    pub const ALL: [Bucket; 6] = [
+    pub const ALL: [Bucket; 7] = [
         Bucket::Leader,
         Bucket::Registry,
         Bucket::Snapshots,
         Bucket::Checkpoints,
         Bucket::Blooms,
         Bucket::Positions,
+        Bucket::Grants,
     ];
 
     /// The purpose part of its name.
@@ -109,6 +113,7 @@ impl Bucket {
             Self::Checkpoints => "checkpoints",
             Self::Blooms => "blooms",
             Self::Positions => "positions",
+            Self::Grants => "grants",
         }
     }
 

@@ -1,8 +1,9 @@
 //! The NATS authorization of an HKVM deployment: one user per sub-master that may
 //! write only its own event stream, lease, registry entry and snapshots; one user
 //! for global masters that reads streams and writes only its own checkpoints; one
-//! user for nodes and clients that may only send RPC requests and read the leader
-//! lease (where the leader takes direct requests). `docs/security.md`
+//! user for clients that may only send RPC requests and read the leader lease
+//! (where the leader takes direct requests); one user for nodes with a client's
+//! rights that may also read the data-port grant keys. `docs/security.md`
 //! shows the output of [`nats_conf`] and a test (`tests/it/library.rs`) keeps the two
 //! identical.
 
@@ -27,8 +28,11 @@ pub fn submaster_user(subcluster: &str) -> String {
 
 /// The global masters' user.
 pub const GLOBAL_USER: &str = "global";
-/// The nodes' and clients' user.
+/// The clients' user.
 pub const CLIENT_USER: &str = "client";
+/// The nodes' user (real clients: they serve a segment, so they read the grant
+/// keys their data ports check).
+pub const NODE_USER: &str = "node";
 /// The operators' user (creates nothing at runtime; `hkvm replay`, repairs).
 pub const ADMIN_USER: &str = "admin";
 
@@ -131,6 +135,7 @@ pub fn nats_conf(cluster: &str, subclusters: &[&str]) -> Result<String, IdError>
     let registry = kv_stream(&cluster, Bucket::Registry);
     let snapshots = object_stream(&cluster, Bucket::Snapshots);
     let positions = kv_stream(&cluster, Bucket::Positions);
+    let grants = kv_stream(&cluster, Bucket::Grants);
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -154,8 +159,10 @@ pub fn nats_conf(cluster: &str, subclusters: &[&str]) -> Result<String, IdError>
             format!("$O.{}.>", Bucket::Snapshots.name(&cluster)),
             // Its standby's position; every reader's is read before a purge.
             format!("$KV.{}.{subcluster}.>", Bucket::Positions.name(&cluster)),
+            // Its sub-cluster's grant key, created once.
+            format!("$KV.{}.{subcluster}", Bucket::Grants.name(&cluster)),
         ];
-        for s in [&stream, &leader, &registry, &snapshots, &positions] {
+        for s in [&stream, &leader, &registry, &snapshots, &positions, &grants] {
             publish.extend(stream_api(s));
         }
         let subscribe = vec![
@@ -186,21 +193,22 @@ pub fn nats_conf(cluster: &str, subclusters: &[&str]) -> Result<String, IdError>
     }
     let subscribe = vec!["_INBOX.>".to_owned(), global_rpc_subject(&cluster, ">")];
     user_block(&mut out, GLOBAL_USER, &publish, &subscribe);
-    user_block(
-        &mut out,
-        CLIENT_USER,
-        &[
-            every_subcluster_rpc_subject(&cluster, "*")?,
-            // Reading the leader lease, for the leader's direct endpoint.
-            format!("$JS.API.STREAM.INFO.{leader}"),
-            format!("$JS.API.DIRECT.GET.{leader}"),
-            format!("$JS.API.DIRECT.GET.{leader}.>"),
-        ],
-        &[
-            "_INBOX.>".to_owned(),
-            every_subcluster_leader_subject(&cluster)?,
-        ],
-    );
+    let client_publish = vec![
+        every_subcluster_rpc_subject(&cluster, "*")?,
+        // Reading the leader lease, for the leader's direct endpoint.
+        format!("$JS.API.STREAM.INFO.{leader}"),
+        format!("$JS.API.DIRECT.GET.{leader}"),
+        format!("$JS.API.DIRECT.GET.{leader}.>"),
+    ];
+    let client_subscribe = vec![
+        "_INBOX.>".to_owned(),
+        every_subcluster_leader_subject(&cluster)?,
+    ];
+    user_block(&mut out, CLIENT_USER, &client_publish, &client_subscribe);
+    // A node: a client that also reads (and follows) the grant keys.
+    let mut node_publish = client_publish;
+    node_publish.extend(stream_read_api(&grants));
+    user_block(&mut out, NODE_USER, &node_publish, &client_subscribe);
     out.push_str("    ]\n  }\n}\n");
     Ok(out)
 }

@@ -1,7 +1,7 @@
 //! The JetStream I/O of HKVM's formats (`hkvm-events`): the [`EventLog`] trait with
 //! its in-memory twin and its JetStream implementation, group commit, stream
 //! followers, stream settings, connection epochs, reader positions, the sub-master
-//! registry, pacing, and the snapshot store; and the Mooncake master's HTTP routes,
+//! registry, the data-port grant keys, pacing, and the snapshot store; and the Mooncake master's HTTP routes,
 //! answered by asking sub-masters over NATS ([`mooncake_admin`]). Every byte it
 //! reads or writes is encoded and decoded by `hkvm-events`.
 
@@ -9,6 +9,7 @@ pub mod commit;
 pub mod connection;
 pub mod event_log;
 pub mod follow;
+pub mod grants;
 pub mod mooncake_admin;
 pub mod objects;
 pub mod pace;

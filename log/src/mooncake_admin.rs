@@ -450,6 +450,7 @@ mod tests {
             size: 4096,
             checksum: 1,
             replicas: vec![ReplicaLocation {
+                grant: None,
                 node: NodeId::new("n1").unwrap(),
                 segment: SegmentId::new("host-12345").unwrap(),
                 endpoint: "10.0.0.1:7000".into(),

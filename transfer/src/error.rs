@@ -34,6 +34,9 @@ pub enum ErrorKind {
     Exhausted,
     /// A local I/O failure (allocating a segment, binding a listener).
     Io,
+    /// The data port refused the operation: no grant, or one that does not allow
+    /// it (forged, expired, another range or access).
+    Denied,
 }
 
 /// Why a transfer operation failed.
@@ -117,6 +120,9 @@ pub enum TransferError {
     /// A bad argument.
     #[error("invalid: {0}")]
     Invalid(String),
+    /// The data port's admission refused the operation.
+    #[error("denied: {0}")]
+    Denied(String),
     /// No RDMA device, or no RDMA support in this build.
     #[error("no RDMA device: {0}")]
     NoDevice(String),
@@ -178,6 +184,7 @@ impl TransferError {
             Self::Timeout { .. } => ErrorKind::Timeout,
             Self::Remote { kind, .. } => *kind,
             Self::Invalid(_) => ErrorKind::Invalid,
+            Self::Denied(_) => ErrorKind::Denied,
             Self::NoDevice(_) | Self::NoRdmaDevice { .. } => ErrorKind::NoDevice,
             Self::Rdma { .. } => ErrorKind::Rdma,
             Self::Fec(_) => ErrorKind::Fec,
@@ -236,6 +243,7 @@ impl ErrorKind {
             Self::Fec => 12,
             Self::Exhausted => 13,
             Self::Io => 14,
+            Self::Denied => 15,
         }
     }
 
@@ -255,6 +263,7 @@ impl ErrorKind {
             12 => Self::Fec,
             13 => Self::Exhausted,
             14 => Self::Io,
+            15 => Self::Denied,
             _ => Self::Protocol,
         }
     }
@@ -266,7 +275,7 @@ mod tests {
 
     #[test]
     fn wire_codes_round_trip() {
-        for code in 1..=14u8 {
+        for code in 1..=15u8 {
             assert_eq!(ErrorKind::from_code(code).code(), code);
         }
         assert_eq!(ErrorKind::from_code(0), ErrorKind::Protocol);

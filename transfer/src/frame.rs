@@ -2,11 +2,13 @@
 //! request id, offset, length, xxh3-64 of the payload, region id) and a fixed response
 //! header (status, request id, length, xxh3-64 of the payload), each closed by a
 //! 32-bit check of its own bytes so that a corrupted header is refused *before* it
-//! is acted on (a flipped offset must never redirect a write).
+//! is acted on (a flipped offset must never redirect a write). The grant is opaque
+//! here: the serving side's [`Admission`](crate::admission::Admission) reads it.
 //!
 //! ```text
 //! request:  magic u16 | version u8 | op u8 | id u64 | offset u64 | len u64
-//!           | payload xxh3 u64 | region len u8 | flags u8 | 0 0 | region | check u32
+//!           | payload xxh3 u64 | region len u8 | flags u8 | grant len u8 | 0
+//!           | region | grant | check u32
 //!           then `len` payload bytes for a write
 //! response: magic u16 | version u8 | status u8 | id u64 | len u64
 //!           | payload xxh3 u64 | check u32
@@ -20,12 +22,14 @@ use crate::region::MAX_REGION_ID_LEN;
 
 /// First two bytes of every frame ("HK").
 pub const MAGIC: u16 = 0x4b48;
-/// The protocol version this build speaks.
-pub const VERSION: u8 = 1;
+/// The protocol version this build speaks (2: requests carry a grant).
+pub const VERSION: u8 = 2;
 /// Bytes of a request header before the region id.
 pub const REQUEST_FIXED_LEN: usize = 40;
-/// The longest request header (fixed part, longest region id, check).
-pub const REQUEST_MAX_LEN: usize = REQUEST_FIXED_LEN + MAX_REGION_ID_LEN + 4;
+/// The longest grant a request carries.
+pub const MAX_GRANT_LEN: usize = 64;
+/// The longest request header (fixed part, longest region id and grant, check).
+pub const REQUEST_MAX_LEN: usize = REQUEST_FIXED_LEN + MAX_REGION_ID_LEN + MAX_GRANT_LEN + 4;
 /// Bytes of a response header.
 pub const RESPONSE_LEN: usize = 32;
 /// The longest error message a response carries.
@@ -82,6 +86,9 @@ pub struct Request<'a> {
     /// Whether the payload is checksummed: a checked write carries `checksum`, a
     /// checked read is answered with the xxh3-64 of its data.
     pub checked: bool,
+    /// What allows the operation (empty: nothing), for the serving side's
+    /// admission to judge.
+    pub grant: &'a [u8],
 }
 
 fn check32(bytes: &[u8]) -> u32 {
@@ -118,6 +125,12 @@ impl Request<'_> {
         let region = self.region.as_bytes();
         let region_len = u8::try_from(region.len())
             .map_err(|_| TransferError::Invalid("region id longer than 255 bytes".into()))?;
+        if self.grant.len() > MAX_GRANT_LEN {
+            return Err(TransferError::Invalid(format!(
+                "grant of {} bytes, longer than {MAX_GRANT_LEN}",
+                self.grant.len()
+            )));
+        }
         let start = out.len();
         out.extend_from_slice(&MAGIC.to_le_bytes());
         out.push(VERSION);
@@ -127,8 +140,9 @@ impl Request<'_> {
         out.extend_from_slice(&self.len.to_le_bytes());
         out.extend_from_slice(&self.checksum.to_le_bytes());
         let flags = if self.checked { FLAG_CHECKED } else { 0 };
-        out.extend_from_slice(&[region_len, flags, 0, 0]);
+        out.extend_from_slice(&[region_len, flags, self.grant.len() as u8, 0]);
         out.extend_from_slice(region);
+        out.extend_from_slice(self.grant);
         let check = check32(&out[start..]);
         out.extend_from_slice(&check.to_le_bytes());
         Ok(())
@@ -142,7 +156,13 @@ impl Request<'_> {
 /// [`TransferError::Protocol`] for a wrong magic or version.
 pub fn request_rest_len(fixed: &[u8; REQUEST_FIXED_LEN]) -> Result<usize, TransferError> {
     check_magic(fixed)?;
-    Ok(usize::from(fixed[36]) + 4)
+    if usize::from(fixed[38]) > MAX_GRANT_LEN {
+        return Err(TransferError::Protocol(format!(
+            "grant of {} bytes, longer than {MAX_GRANT_LEN}",
+            fixed[38]
+        )));
+    }
+    Ok(usize::from(fixed[36]) + usize::from(fixed[38]) + 4)
 }
 
 /// Decodes a whole request header (fixed part, region id, check).
@@ -156,7 +176,9 @@ pub fn decode_request(buf: &[u8]) -> Result<Request<'_>, TransferError> {
     }
     check_magic(buf)?;
     let region_len = usize::from(buf[36]);
-    let end = REQUEST_FIXED_LEN + region_len;
+    let grant_len = usize::from(buf[38]);
+    let region_end = REQUEST_FIXED_LEN + region_len;
+    let end = region_end + grant_len;
     if buf.len() != end + 4 {
         return Err(TransferError::Protocol(
             "request header length mismatch".into(),
@@ -168,10 +190,10 @@ pub fn decode_request(buf: &[u8]) -> Result<Request<'_>, TransferError> {
             what: "request header",
         });
     }
-    if buf[37] & !FLAG_CHECKED != 0 || buf[38..40] != [0, 0] {
+    if buf[37] & !FLAG_CHECKED != 0 || buf[39] != 0 || grant_len > MAX_GRANT_LEN {
         return Err(TransferError::Protocol("unknown request flags".into()));
     }
-    let region = std::str::from_utf8(&buf[REQUEST_FIXED_LEN..end])
+    let region = std::str::from_utf8(&buf[REQUEST_FIXED_LEN..region_end])
         .map_err(|_| TransferError::Protocol("region id is not UTF-8".into()))?;
     Ok(Request {
         op: Op::from_code(buf[3])?,
@@ -181,6 +203,7 @@ pub fn decode_request(buf: &[u8]) -> Result<Request<'_>, TransferError> {
         len: u64_at(buf, 20),
         checksum: u64_at(buf, 28),
         checked: buf[37] & FLAG_CHECKED != 0,
+        grant: &buf[region_end..end],
     })
 }
 
@@ -269,6 +292,7 @@ mod tests {
             len: 65536,
             checksum: 0xdead_beef,
             checked: true,
+            grant: b"a grant",
         }
         .encode(&mut out)
         .unwrap();
@@ -292,6 +316,7 @@ mod tests {
         assert_eq!(request.len, 65536);
         assert_eq!(request.checksum, 0xdead_beef);
         assert!(request.checked);
+        assert_eq!(request.grant, b"a grant");
     }
 
     #[test]
@@ -336,6 +361,17 @@ mod tests {
             len: 1,
             checksum: 0,
             checked: false,
+            grant: &[],
+        };
+        assert_eq!(
+            request.encode(&mut out).unwrap_err().kind(),
+            ErrorKind::Invalid
+        );
+        let long_grant = [0u8; MAX_GRANT_LEN + 1];
+        let request = Request {
+            region: "r",
+            grant: &long_grant,
+            ..request
         };
         assert_eq!(
             request.encode(&mut out).unwrap_err().kind(),

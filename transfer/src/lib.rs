@@ -5,8 +5,10 @@
 //!
 //! A node allocates a [`Segment`], registers it with a transport and serves it; a
 //! client writes and reads ranges of a peer's segments in batches by endpoint,
-//! region id and offset.
+//! region id, offset and the grant that allows it; the serving side puts every
+//! operation to its [`Admission`] first.
 
+pub mod admission;
 pub mod error;
 pub mod frame;
 pub mod local;
@@ -16,6 +18,7 @@ pub mod tcp;
 pub mod transport;
 pub mod wan;
 
+pub use admission::{Admission, AdmitAll, Asked};
 pub use error::{ErrorKind, TransferError};
 pub use local::LocalTransport;
 pub use rdma::exchange::RemoteRegion;

@@ -88,11 +88,13 @@ mod tests {
         assert!(!local.holds("other"));
         let ops = [
             WriteOp {
+                grant: &[],
                 region: "seg",
                 offset: 10,
                 data: b"hello",
             },
             WriteOp {
+                grant: &[],
                 region: "seg",
                 offset: 100,
                 data: b"world",
@@ -104,11 +106,13 @@ mod tests {
                 "ignored",
                 &[
                     ReadOp {
+                        grant: &[],
                         region: "seg",
                         offset: 100,
                         len: 5,
                     },
                     ReadOp {
+                        grant: &[],
                         region: "seg",
                         offset: 10,
                         len: 5,
@@ -119,6 +123,7 @@ mod tests {
             .unwrap();
         assert_eq!(read, [&b"world"[..], &b"hello"[..]]);
         let past_end = [WriteOp {
+            grant: &[],
             region: "seg",
             offset: (1 << 16) - 2,
             data: b"abc",
@@ -129,6 +134,7 @@ mod tests {
         ));
         let mut buf = [0u8; 3];
         let mut unknown = [ReadInto {
+            grant: &[],
             region: "other",
             offset: 0,
             buf: &mut buf,

@@ -19,6 +19,8 @@ pub struct WriteOp<'a> {
     pub offset: u64,
     /// The bytes, sent straight from this slice.
     pub data: &'a [u8],
+    /// What allows the write at the peer (a grant's wire form; empty: nothing).
+    pub grant: &'a [u8],
 }
 
 /// One read of a batch: `len` bytes at `offset` of region `region` at the peer.
@@ -30,6 +32,8 @@ pub struct ReadOp<'a> {
     pub offset: u64,
     /// How many bytes.
     pub len: u64,
+    /// What allows the read at the peer (a grant's wire form; empty: nothing).
+    pub grant: &'a [u8],
 }
 
 /// One read of a batch into a caller buffer: `buf.len()` bytes at `offset`.
@@ -41,6 +45,8 @@ pub struct ReadInto<'b> {
     pub offset: u64,
     /// Where the bytes land; its length is the length read.
     pub buf: &'b mut [u8],
+    /// What allows the read at the peer (a grant's wire form; empty: nothing).
+    pub grant: &'b [u8],
 }
 
 /// A way of moving bytes between this process's registered segments and a peer's.
@@ -156,6 +162,7 @@ pub trait Transport: Send + Sync {
                     region: op.region,
                     offset: op.offset,
                     buf: buf.as_mut_slice(),
+                    grant: op.grant,
                 })
                 .collect();
             self.read_batch_into(endpoint, &mut into).await?;

@@ -91,6 +91,7 @@ async fn device_writes_and_reads_round_trip_across_rounds() {
         .iter()
         .zip(&offsets)
         .map(|(value, &offset)| WriteOp {
+            grant: &[],
             region: "seg",
             offset,
             data: value,
@@ -101,6 +102,7 @@ async fn device_writes_and_reads_round_trip_across_rounds() {
         .iter()
         .zip(&offsets)
         .map(|(&len, &offset)| ReadOp {
+            grant: &[],
             region: "seg",
             offset,
             len: len as u64,
@@ -111,6 +113,7 @@ async fn device_writes_and_reads_round_trip_across_rounds() {
         assert_eq!(&got[..], &value[..]);
     }
     let outside = [ReadOp {
+        grant: &[],
         region: "seg",
         offset: (16 << 20) - 1,
         len: 2,
@@ -134,12 +137,14 @@ async fn device_concurrent_batches_each_get_their_own_bytes() {
             let value = pattern(batch, 300_000);
             let offset = batch * (512 << 10);
             let write = [WriteOp {
+                grant: &[],
                 region: "seg",
                 offset,
                 data: &value,
             }];
             client.write_batch(&endpoint, &write).await.unwrap();
             let read = [ReadOp {
+                grant: &[],
                 region: "seg",
                 offset,
                 len: value.len() as u64,
@@ -174,6 +179,7 @@ async fn device_a_failed_batch_fails_alone() {
         .chunks(4096)
         .enumerate()
         .map(|(i, chunk)| WriteOp {
+            grant: &[],
             region: "a",
             offset: i as u64 * 4096,
             data: chunk,
@@ -188,12 +194,14 @@ async fn device_a_failed_batch_fails_alone() {
         "{error}"
     );
     let write_b = [WriteOp {
+        grant: &[],
         region: "b",
         offset: 0,
         data: &value,
     }];
     client.write_batch(&endpoint_b, &write_b).await.unwrap();
     let read_b = [ReadOp {
+        grant: &[],
         region: "b",
         offset: 0,
         len: value.len() as u64,
@@ -221,12 +229,14 @@ async fn device_registered_caller_memory_moves_without_staging() {
     }
     let before = client.staging_stats();
     let write = [WriteOp {
+        grant: &[],
         region: "seg",
         offset: 4096,
         data: &source,
     }];
     client.write_batch(&endpoint, &write).await.unwrap();
     let mut read = [hkvm_transfer::ReadInto {
+        grant: &[],
         region: "seg",
         offset: 4096,
         buf: &mut sink,
@@ -252,6 +262,7 @@ async fn device_a_region_registered_after_connecting_is_reached_through_its_desc
     let client = client(&config, 1);
     let value = pattern(9, 10_000);
     let first = [WriteOp {
+        grant: &[],
         region: "first",
         offset: 0,
         data: &value,
@@ -260,6 +271,7 @@ async fn device_a_region_registered_after_connecting_is_reached_through_its_desc
     let late = Segment::allocate(RegionId::new("late").unwrap(), 1 << 20).unwrap();
     node.register(late).unwrap();
     let late_write = [WriteOp {
+        grant: &[],
         region: "late",
         offset: 100,
         data: &value,
@@ -277,6 +289,7 @@ async fn device_a_region_registered_after_connecting_is_reached_through_its_desc
         .read_batch(
             &endpoint,
             &[ReadOp {
+                grant: &[],
                 region: "late",
                 offset: 100,
                 len: value.len() as u64,

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use hkvm_transfer::frame::{self, Op, Request, Response, RESPONSE_LEN};
 use hkvm_transfer::{
-    ErrorKind, ReadInto, ReadOp, RegionId, Segment, ServerHandle, TcpConfig, TcpTransport,
-    TransferError, Transport, WriteOp,
+    Admission, AdmitAll, Asked, ErrorKind, ReadInto, ReadOp, RegionId, Segment, ServerHandle,
+    TcpConfig, TcpTransport, TransferError, Transport, WriteOp,
 };
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpListener;
@@ -27,6 +27,7 @@ fn pattern(len: usize, seed: u64) -> Vec<u8> {
 
 fn read_op(offset: u64, len: u64) -> ReadOp<'static> {
     ReadOp {
+        grant: &[],
         region: "seg",
         offset,
         len,
@@ -35,6 +36,7 @@ fn read_op(offset: u64, len: u64) -> ReadOp<'static> {
 
 fn write_op(offset: u64, data: &[u8]) -> WriteOp<'_> {
     WriteOp {
+        grant: &[],
         region: "seg",
         offset,
         data,
@@ -47,7 +49,10 @@ async fn node(size: u64, config: TcpConfig) -> (TcpTransport, ServerHandle, Stri
     transport
         .register(Segment::allocate(RegionId::new("seg").unwrap(), size).unwrap())
         .unwrap();
-    let server = transport.bind("127.0.0.1:0").await.unwrap();
+    let server = transport
+        .bind("127.0.0.1:0", Arc::new(AdmitAll))
+        .await
+        .unwrap();
     let endpoint = server.local_addr().to_string();
     (transport, server, endpoint)
 }
@@ -74,6 +79,7 @@ async fn round_trips_are_byte_exact_from_one_byte_to_64_mib() {
             .write_batch(
                 &endpoint,
                 &[WriteOp {
+                    grant: &[],
                     region: "seg",
                     offset,
                     data: &value,
@@ -85,6 +91,7 @@ async fn round_trips_are_byte_exact_from_one_byte_to_64_mib() {
             .read_batch(
                 &endpoint,
                 &[ReadOp {
+                    grant: &[],
                     region: "seg",
                     offset,
                     len: size as u64,
@@ -99,6 +106,7 @@ async fn round_trips_are_byte_exact_from_one_byte_to_64_mib() {
             .read_batch_into(
                 &endpoint,
                 &mut [ReadInto {
+                    grant: &[],
                     region: "seg",
                     offset,
                     buf: &mut into,
@@ -213,6 +221,7 @@ async fn out_of_bounds_and_unknown_regions_are_typed_errors() {
         .read_batch(
             &endpoint,
             &[ReadOp {
+                grant: &[],
                 region: "nope",
                 offset: 0,
                 len: 1,
@@ -431,6 +440,7 @@ async fn the_server_refuses_corrupted_frames() {
     let payload = pattern(1000, 3);
     // A payload that does not match its checksum is refused, the stream stays usable.
     let request = Request {
+        grant: &[],
         op: Op::Write,
         id: 1,
         region: "seg",
@@ -445,6 +455,7 @@ async fn the_server_refuses_corrupted_frames() {
         (1, ErrorKind::Corrupt)
     );
     let request = Request {
+        grant: &[],
         op: Op::Write,
         id: 2,
         region: "seg",
@@ -458,6 +469,7 @@ async fn the_server_refuses_corrupted_frames() {
     // A header with a flipped offset bit is refused before it redirects the write,
     // and the connection is closed.
     let request = Request {
+        grant: &[],
         op: Op::Write,
         id: 3,
         region: "seg",
@@ -509,6 +521,7 @@ async fn payload_checksums_can_be_left_to_the_caller() {
     // An unchecked write is not verified by the node; its header still is.
     let mut socket = tokio::net::TcpStream::connect(&endpoint).await.unwrap();
     let request = Request {
+        grant: &[],
         op: Op::Write,
         id: 4,
         region: "seg",
@@ -539,7 +552,7 @@ async fn a_dead_pooled_connection_is_replaced_once() {
     server.shutdown().await;
     // The same node comes back on the same port; the pooled connection is stale.
     let listener = TcpListener::bind(&endpoint).await.unwrap();
-    let _server = node_a.serve(listener).unwrap();
+    let _server = node_a.serve(listener, Arc::new(AdmitAll)).unwrap();
     let read = client
         .read_batch(&endpoint, &[read_op(0, 5)])
         .await
@@ -562,4 +575,84 @@ async fn unregistered_segments_are_no_longer_served() {
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::UnknownRegion);
     assert!(client.write_batch(&endpoint, &[]).await.is_ok());
+}
+
+/// Admits only operations whose grant reads `ok` and that stay below offset 4096.
+struct OkBelow4k;
+
+impl Admission for OkBelow4k {
+    fn admit(&self, asked: &Asked<'_>) -> Result<(), String> {
+        if asked.grant == b"ok" && asked.offset + asked.len <= 4096 {
+            Ok(())
+        } else {
+            Err(format!(
+                "{:?} of {}+{} not granted",
+                asked.op, asked.offset, asked.len
+            ))
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_admission_decides_before_any_byte_moves_and_the_stream_stays_in_step() {
+    let transport = TcpTransport::new(TcpConfig::default());
+    let segment = Segment::allocate(RegionId::new("seg").unwrap(), 1 << 20).unwrap();
+    transport.register(Arc::clone(&segment)).unwrap();
+    let server = transport
+        .bind("127.0.0.1:0", Arc::new(OkBelow4k))
+        .await
+        .unwrap();
+    let endpoint = server.local_addr().to_string();
+    let client = TcpTransport::default();
+    let refused_write = |offset, grant: &'static [u8]| WriteOp {
+        region: "seg",
+        offset,
+        data: b"intruder",
+        grant,
+    };
+    // Without a grant, with a wrong one, or outside what it allows: refused, and
+    // the region is untouched.
+    for (offset, grant) in [(0, &b""[..]), (0, &b"no"[..]), (8192, &b"ok"[..])] {
+        let error = client
+            .write_batch(&endpoint, &[refused_write(offset, grant)])
+            .await
+            .unwrap_err();
+        assert_eq!(error.kind(), ErrorKind::Denied, "{error}");
+    }
+    let mut region = vec![0u8; 16];
+    segment.read_at(0, &mut region).unwrap();
+    assert_eq!(region, vec![0u8; 16]);
+    segment.read_at(8192, &mut region).unwrap();
+    assert_eq!(region, vec![0u8; 16]);
+    // Admitted operations are then served.
+    client
+        .write_batch(&endpoint, &[refused_write(0, b"ok")])
+        .await
+        .unwrap();
+    let error = client
+        .read_batch(
+            &endpoint,
+            &[ReadOp {
+                region: "seg",
+                offset: 0,
+                len: 8,
+                grant: b"",
+            }],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Denied);
+    let read = client
+        .read_batch(
+            &endpoint,
+            &[ReadOp {
+                region: "seg",
+                offset: 0,
+                len: 8,
+                grant: b"ok",
+            }],
+        )
+        .await
+        .unwrap();
+    assert_eq!(&read[0][..], b"intruder");
 }

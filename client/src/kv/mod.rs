@@ -9,6 +9,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
+use hkvm_events::grant::GRANT_WIRE_LEN;
 use hkvm_events::rpc::submaster::{ItemError, ReplicaList, ReplicaLocation};
 use hkvm_events::{SegmentId, SubclusterId};
 use hkvm_transfer::{TransferError, Transport};
@@ -132,6 +133,22 @@ impl KvError {
             Self::NotFound { .. } => KvErrorKind::NotFound,
             Self::Unresolved { .. } => KvErrorKind::Unresolved,
         }
+    }
+}
+
+/// A location's grant in the form a data-port request carries (empty when the
+/// location has none: its node then refuses the operation).
+pub(crate) struct WireGrant(Option<[u8; GRANT_WIRE_LEN]>);
+
+impl WireGrant {
+    /// The grant of `replica`.
+    pub(crate) fn of(replica: &ReplicaLocation) -> Self {
+        Self(replica.grant.map(|grant| grant.to_wire()))
+    }
+
+    /// Its bytes.
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        self.0.as_ref().map_or(&[], |wire| wire.as_slice())
     }
 }
 

@@ -9,7 +9,7 @@ use hkvm_events::rpc::RpcReply;
 use hkvm_events::{value_checksum, value_checksum_parts, SubclusterId};
 use hkvm_transfer::{ReadInto, ReadOp};
 
-use super::{Fetched, KvClient, KvError, Located};
+use super::{Fetched, KvClient, KvError, Located, WireGrant};
 use crate::error::ClientError;
 use crate::global::GlobalClient;
 
@@ -241,7 +241,8 @@ impl KvClient {
         let mut last = "no replica listed".to_owned();
         for replica in &replicas {
             let read = {
-                let mut ops = carve(parts, list.size, replica);
+                let grant = WireGrant::of(replica);
+                let mut ops = carve(parts, list.size, replica, grant.as_slice());
                 if ops.is_empty() {
                     Ok(())
                 } else {
@@ -289,10 +290,12 @@ impl KvClient {
         }
         let mut last = "no replica listed".to_owned();
         for replica in &replicas {
+            let grant = WireGrant::of(replica);
             let op = [ReadOp {
                 region: replica.segment.as_str(),
                 offset: replica.offset,
                 len: list.size,
+                grant: grant.as_slice(),
             }];
             let route = self.transports.route(replica);
             match route.transport.read_batch(route.endpoint, &op).await {
@@ -332,6 +335,7 @@ fn carve<'b>(
     parts: &'b mut [&mut [u8]],
     size: u64,
     replica: &'b ReplicaLocation,
+    grant: &'b [u8],
 ) -> Vec<ReadInto<'b>> {
     let mut ops = Vec::new();
     let mut remaining = size;
@@ -347,6 +351,7 @@ fn carve<'b>(
                 region: replica.segment.as_str(),
                 offset,
                 buf: head,
+                grant,
             });
         }
         offset += len;

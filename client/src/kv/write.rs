@@ -12,7 +12,7 @@ use hkvm_events::{value_checksum, value_checksum_parts};
 use hkvm_transfer::WriteOp;
 
 use super::space::Carved;
-use super::{KvClient, KvError, PutOptions};
+use super::{KvClient, KvError, PutOptions, WireGrant};
 use crate::error::ClientError;
 
 /// How often a put is started again: when its reservation vanished before its
@@ -497,6 +497,7 @@ impl KvClient {
         replicas: &[ReplicaLocation],
     ) -> Result<(), KvError> {
         let writes = replicas.iter().map(|replica| async move {
+            let grant = WireGrant::of(replica);
             let mut offset = replica.offset;
             let ops: Vec<WriteOp<'_>> = parts
                 .iter()
@@ -506,6 +507,7 @@ impl KvClient {
                         region: replica.segment.as_str(),
                         offset,
                         data: part,
+                        grant: grant.as_slice(),
                     };
                     offset += part.len() as u64;
                     op

@@ -141,6 +141,9 @@ impl StoreError {
                 ErrorCode::InvalidParams
             }
             Self::Node(NodeError::Transfer(_)) => ErrorCode::InternalError,
+            // The sub-master never started, or this credential may not read
+            // the grant key.
+            Self::Node(NodeError::GrantKey(_)) => ErrorCode::RpcFail,
             Self::Kv(error) => ErrorCode::of_kv(error),
         }
     }
@@ -546,7 +549,10 @@ mod tests {
         let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let transport = TcpTransport::default();
         let error = transport
-            .bind(held.local_addr().unwrap())
+            .bind(
+                held.local_addr().unwrap(),
+                Arc::new(hkvm_transfer::AdmitAll),
+            )
             .await
             .expect_err("the port is held");
         assert!(port_taken(&NodeError::Transfer(error)));

@@ -4,6 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::grant::Grant;
 use crate::id::{NodeId, SegmentId};
 use crate::transport::RdmaEndpoint;
 
@@ -200,6 +201,10 @@ pub struct ReplicaLocation {
     /// How to reach the segment over RDMA, when its node serves RDMA.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rdma: Option<RdmaEndpoint>,
+    /// What the node's data port lets the holder do at this location (read a
+    /// replica, write a reservation or a leased range), signed by the sub-master.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grant: Option<Grant>,
 }
 
 /// A node mounts a memory segment (or re-announces it after a leader change).

@@ -20,6 +20,7 @@ mod cluster;
 mod compose;
 mod connection_loss;
 mod containers;
+mod data_port_grants;
 mod deploy_artefacts;
 mod direct_requests;
 mod dummies;

@@ -237,7 +237,7 @@ async fn a_reply_over_the_nats_payload_limit_is_a_clear_error_not_a_timeout() {
     mount(&client, "n2", 64 << 20).await;
     // 2,000 objects with two replicas each: their replica lists take ~150 KiB.
     let keys: Vec<String> = (0..2000).map(|i| format!("object-{i:05}")).collect();
-    for chunk in keys.chunks(250) {
+    for chunk in keys.chunks(125) {
         let items = chunk.iter().map(|key| start_item(key, 64, 2)).collect();
         assert!(client
             .put_start(items)

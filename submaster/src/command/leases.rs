@@ -3,6 +3,7 @@
 //! lease: one round trip and one append per put), `lease_return`, and the end of
 //! leases whose time is up.
 
+use hkvm_events::grant::Access;
 use hkvm_events::rpc::space_lease::ALIGNMENT;
 use hkvm_events::rpc::submaster::{
     ItemError, ItemResult, LeaseReturn, LeaseSpace, PutCommit, PutCommitItem, PutCommitReply,
@@ -11,6 +12,7 @@ use hkvm_events::rpc::submaster::{
 use hkvm_events::rpc::RpcError;
 use hkvm_events::{KvEvent, PutCommitted, PutFlags};
 
+use super::grants::Granting;
 use super::objects::{locations, reserve, Placing};
 use super::quota::QuotaCheck;
 use super::{Outcome, Policy, Reply};
@@ -78,7 +80,12 @@ pub(super) fn lease_space(
         Ok(ranges) => ranges,
         Err(error) => return Ok(Outcome::reply(Reply::LeaseSpace(ItemResult::Err(error)))),
     };
-    let located = locations(state, &ranges);
+    let granting = Granting {
+        access: Access::Write,
+        len,
+        until_ms: now_ms.saturating_add(policy.space_lease_ttl_ms),
+    };
+    let located = locations(state, &ranges, policy, granting);
     let lease = SpaceLease::new(ranges, len, now_ms + policy.space_lease_ttl_ms);
     let len = lease.len;
     let id = state.leases.grant(lease);

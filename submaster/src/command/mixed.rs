@@ -19,7 +19,8 @@ pub(super) fn mixed(state: &mut State, mixed: Mixed, now_ms: u64, policy: &Polic
         put_commit: commit_items,
     } = mixed;
     let exist = objects::exist(state, &exist_keys);
-    let get_replica_list = objects::locate_all(state, &get_keys, now_ms, policy.lease_ttl_ms);
+    let get_replica_list =
+        objects::locate_all(state, &get_keys, now_ms, policy.lease_ttl_ms, policy);
     let put_start = objects::start_all(state, start_items, now_ms, policy);
     let (mut events, put_end) = objects::end_all(state, end_items);
     let (commit_events, put_commit) = leases::commit_all(state, commit_items, now_ms, policy);

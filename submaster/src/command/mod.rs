@@ -3,6 +3,7 @@
 //! only once they are durable. Handlers may change ephemeral state (pending puts,
 //! leases, liveness) directly; durable state changes only through events.
 
+mod grants;
 mod leases;
 mod maintenance;
 mod mixed;
@@ -20,6 +21,7 @@ use hkvm_events::rpc::submaster::{
 use hkvm_events::rpc::RpcError;
 use hkvm_events::{KvEvent, Limits};
 
+pub use grants::GrantSigner;
 pub use maintenance::maintain;
 
 use crate::placement::PlacementStrategy;
@@ -53,6 +55,9 @@ pub struct Policy {
     pub limits: Limits,
     /// Bytes each named tenant may hold (see [`quota`]).
     pub tenant_quotas: TenantQuotas,
+    /// Signs the data-port grants of the locations handed out; none: locations
+    /// carry no grant, and nodes' data ports refuse them.
+    pub grants: Option<GrantSigner>,
 }
 
 impl Default for Policy {
@@ -70,6 +75,7 @@ impl Default for Policy {
             max_batch: hkvm_events::rpc::submaster::MAX_BATCH_ITEMS,
             limits: Limits::default(),
             tenant_quotas: TenantQuotas::default(),
+            grants: None,
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Object commands: put_start / put_end / put_revoke, get_replica_list, remove and
 //! remove_all.
 
+use hkvm_events::grant::Access;
 use hkvm_events::rpc::submaster::{
     GetReplicaList, GetReplicaListReply, ItemError, ItemResult, PutEnd, PutEndItem, PutEndReply,
     PutRevoke, PutStart, PutStartItem, PutStartReply, Remove, RemoveAll, RemoveAllReply,
@@ -10,25 +11,47 @@ use hkvm_events::rpc::RpcError;
 use hkvm_events::tenant::{self, check_tenant};
 use hkvm_events::{KvEvent, NodeId, PutCommitted, PutFlags, Removed, SegmentId};
 
+use super::grants::Granting;
 use super::quota::QuotaCheck;
 use super::{chunked, Outcome, Policy, Reply};
 use crate::placement;
 use crate::state::{PendingPut, Replica, State};
 
-pub(super) fn locations(state: &State, replicas: &[Replica]) -> Vec<ReplicaLocation> {
+/// Where `replicas` are, each with a grant of `granting` when the policy signs
+/// grants.
+pub(super) fn locations(
+    state: &State,
+    replicas: &[Replica],
+    policy: &Policy,
+    granting: Granting,
+) -> Vec<ReplicaLocation> {
     replicas
         .iter()
         .filter_map(|replica| {
             let segment = state.segment(replica.slot)?;
-            Some(ReplicaLocation {
+            let mut location = ReplicaLocation {
                 node: segment.node.clone(),
                 segment: segment.id.clone(),
                 endpoint: segment.endpoint.clone(),
                 rdma: segment.rdma.clone(),
                 offset: replica.offset,
-            })
+                grant: None,
+            };
+            if let Some(signer) = &policy.grants {
+                signer.sign(&mut location, granting);
+            }
+            Some(location)
         })
         .collect()
+}
+
+/// The write grant of a reservation started at `started_ms`: until it times out.
+fn reservation(size: u64, started_ms: u64, policy: &Policy) -> Granting {
+    Granting {
+        access: Access::Write,
+        len: size,
+        until_ms: started_ms.saturating_add(policy.put_timeout_ms),
+    }
 }
 
 fn start_one(
@@ -58,7 +81,8 @@ fn start_one(
         if item.put_id != 0 && pending.put_id == item.put_id {
             // The same put's start sent again (its reply was lost): the same
             // reservation, not a second one.
-            return Ok(locations(state, &pending.replicas));
+            let granting = reservation(pending.size, pending.started_ms, policy);
+            return Ok(locations(state, &pending.replicas, policy, granting));
         }
         return Err(ItemError::AlreadyExists);
     }
@@ -82,7 +106,12 @@ fn start_one(
         },
         policy,
     )?;
-    let reply = locations(state, &replicas);
+    let reply = locations(
+        state,
+        &replicas,
+        policy,
+        reservation(item.size, now_ms, policy),
+    );
     state.pending.insert(
         item.key,
         PendingPut {
@@ -262,7 +291,7 @@ pub(super) fn get_replica_list(
 ) -> Outcome {
     let lease_ms = if get.lease { policy.lease_ttl_ms } else { 0 };
     Outcome::reply(Reply::GetReplicaList(locate_all(
-        state, &get.keys, now_ms, lease_ms,
+        state, &get.keys, now_ms, lease_ms, policy,
     )))
 }
 
@@ -272,8 +301,11 @@ pub(super) fn locate_all(
     keys: &[String],
     now_ms: u64,
     lease_ms: u64,
+    policy: &Policy,
 ) -> GetReplicaListReply {
     let lease_until = now_ms + lease_ms;
+    // A read grant lasts as long as a read lease would, leased or not: after
+    // that the space may hold another object.
     keys.iter()
         .map(|key| {
             let Some(object) = state.object_mut(key) else {
@@ -287,7 +319,16 @@ pub(super) fn locate_all(
             ItemResult::Ok(ReplicaList {
                 size,
                 checksum,
-                replicas: locations(state, &replicas),
+                replicas: locations(
+                    state,
+                    &replicas,
+                    policy,
+                    Granting {
+                        access: Access::Read,
+                        len: size,
+                        until_ms: now_ms.saturating_add(policy.lease_ttl_ms),
+                    },
+                ),
                 lease_ms,
             })
         })

@@ -111,6 +111,8 @@ struct Leadership<'a> {
     committer: GroupCommitter,
     serving: ServingInfo,
     clock: Instant,
+    /// The configured policy with this leadership's grant signer.
+    policy: command::Policy,
     /// Writes submitted so far (each gets the next index).
     write_index: u64,
     /// The highest write index known durable (writes complete in order).
@@ -251,7 +253,7 @@ impl Leadership<'_> {
         let now = self.now_ms();
         let reads = request.reads_objects();
         state.applied_seq = state.applied_seq.max(self.committer.durable_seq());
-        match command::handle(state, request, now, &self.ctx.config.policy, &self.serving) {
+        match command::handle(state, request, now, &self.policy, &self.serving) {
             Err(error) => {
                 self.ctx.metrics.request(
                     requester.op.name(),
@@ -293,7 +295,7 @@ impl Leadership<'_> {
 
     async fn maintain(&mut self, state: &mut State) -> Result<(), CommitError> {
         collect_pings(state, self.live.take_pings());
-        let events = command::maintain(state, self.now_ms(), &self.ctx.config.policy);
+        let events = command::maintain(state, self.now_ms(), &self.policy);
         if events.is_empty() {
             return Ok(());
         }
@@ -475,6 +477,14 @@ pub(crate) async fn lead(
             epoch,
         },
         clock,
+        policy: command::Policy {
+            // The state clock starts at `clock`: its 0 is now in Unix time.
+            grants: Some(command::GrantSigner::new(
+                ctx.grant_key.clone(),
+                registry::now_unix_ms(),
+            )),
+            ..config.policy.clone()
+        },
         write_index: 0,
         durable: Arc::new(watch::channel(0).0),
         failures: failures_tx,

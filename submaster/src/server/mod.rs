@@ -16,10 +16,11 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt as _;
+use hkvm_events::grant::GrantKey;
 use hkvm_events::subject::{event_subject, stream_name};
 use hkvm_events::Limits;
-use hkvm_log::registry;
 use hkvm_log::stream::ensure_stream;
+use hkvm_log::{grants, registry};
 use hkvm_log::{EventLog, JetStreamLog, ReadOptions};
 use hkvm_telemetry::metrics::gauge_value;
 use hkvm_telemetry::{MetricsRegistry, TelemetryError};
@@ -54,6 +55,9 @@ pub(crate) struct Context {
     /// Purges the history a verified snapshot covers (none: history kept).
     purger: Option<Purger>,
     registry: Option<kv::Store>,
+    /// The sub-cluster's data-port grant key, signed into the locations a
+    /// leader hands out.
+    grant_key: GrantKey,
     metrics: SubmasterMetrics,
 }
 
@@ -103,6 +107,10 @@ impl Context {
                 None
             }
         };
+        // Without it every node would refuse every transfer: a start-up failure.
+        let grant_key = grants::ensure_key(&js, &config.cluster, &config.subcluster, replicas)
+            .await
+            .map_err(|error| setup_error("reading or creating the grant key", error))?;
         let positions = match Positions::open(&js, &config.cluster, replicas).await {
             Ok(positions) => Some(positions),
             Err(error) => {
@@ -133,6 +141,7 @@ impl Context {
             positions,
             purger,
             registry,
+            grant_key,
             metrics,
         })
     }

@@ -235,7 +235,7 @@ fn encode_requests(
         ends: Vec::with_capacity(batch.len()),
         checked,
     };
-    let mut push = |op: Op, region: &str, offset: u64, len: u64, checksum: u64| {
+    let mut push = |op: Op, region: &str, offset: u64, len: u64, checksum: u64, grant: &[u8]| {
         if len > max {
             return Err(TransferError::TooLarge {
                 what: "operation",
@@ -252,6 +252,7 @@ fn encode_requests(
             len,
             checksum,
             checked,
+            grant,
         }
         .encode(&mut headers.bytes)?;
         headers.ends.push(headers.bytes.len());
@@ -267,12 +268,20 @@ fn encode_requests(
                     op.offset,
                     op.data.len() as u64,
                     checksum,
+                    op.grant,
                 )?;
             }
         }
         Batch::Read(ops) => {
             for op in ops.iter() {
-                push(Op::Read, op.region, op.offset, op.buf.len() as u64, 0)?;
+                push(
+                    Op::Read,
+                    op.region,
+                    op.offset,
+                    op.buf.len() as u64,
+                    0,
+                    op.grant,
+                )?;
             }
         }
     }

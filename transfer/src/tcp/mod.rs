@@ -16,6 +16,7 @@ use tokio::net::{TcpListener, ToSocketAddrs};
 
 pub use server::ServerHandle;
 
+use crate::admission::Admission;
 use crate::error::TransferError;
 use crate::region::{RegionId, RegionTable, Segment};
 use crate::transport::{ReadInto, Transport, WriteOp};
@@ -83,26 +84,41 @@ impl TcpTransport {
     }
 
     /// Serves the registered segments (including those registered later) on
-    /// `listener` until the handle is dropped.
+    /// `listener` until the handle is dropped, each operation only once
+    /// `admission` admitted it.
     ///
     /// # Errors
     /// [`TransferError::Io`] when the listener has no local address.
-    pub fn serve(&self, listener: TcpListener) -> Result<ServerHandle, TransferError> {
-        server::spawn(listener, self.regions.clone(), self.config.max_op_bytes)
+    pub fn serve(
+        &self,
+        listener: TcpListener,
+        admission: Arc<dyn Admission>,
+    ) -> Result<ServerHandle, TransferError> {
+        server::spawn(
+            listener,
+            self.regions.clone(),
+            self.config.max_op_bytes,
+            admission,
+        )
     }
 
-    /// Binds `addr` (port 0 picks a free port) and serves on it.
+    /// Binds `addr` (port 0 picks a free port) and serves on it as
+    /// [`TcpTransport::serve`] does.
     ///
     /// # Errors
     /// [`TransferError::Io`] when binding fails.
-    pub async fn bind(&self, addr: impl ToSocketAddrs) -> Result<ServerHandle, TransferError> {
+    pub async fn bind(
+        &self,
+        addr: impl ToSocketAddrs,
+        admission: Arc<dyn Admission>,
+    ) -> Result<ServerHandle, TransferError> {
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| TransferError::Io {
                 what: "binding the transfer listener",
                 source,
             })?;
-        self.serve(listener)
+        self.serve(listener, admission)
     }
 }
 

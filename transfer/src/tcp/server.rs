@@ -6,6 +6,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -14,6 +15,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::client::CONNECTION_ERROR_ID;
+use crate::admission::{Admission, Asked};
 use crate::error::{ErrorKind, TransferError};
 use crate::frame::{self, Op, Response, REQUEST_FIXED_LEN, REQUEST_MAX_LEN};
 use crate::region::RegionTable;
@@ -77,6 +79,7 @@ pub(crate) fn spawn(
     listener: TcpListener,
     regions: RegionTable,
     max_op_bytes: u64,
+    admission: Arc<dyn Admission>,
 ) -> Result<ServerHandle, TransferError> {
     ServerHandle::spawn_with(listener, move |listener| async move {
         // Connection tasks live in this set: aborting the accept loop drops the set,
@@ -87,8 +90,9 @@ pub(crate) fn spawn(
                 accepted = listener.accept() => match accepted {
                     Ok((stream, peer)) => {
                         let regions = regions.clone();
+                        let admission = Arc::clone(&admission);
                         connections.spawn(async move {
-                            if let Err(error) = serve_connection(stream, &regions, max_op_bytes).await {
+                            if let Err(error) = serve_connection(stream, &regions, max_op_bytes, &*admission).await {
                                 tracing::debug!(%peer, %error, "transfer connection closed");
                             }
                         });
@@ -161,6 +165,7 @@ async fn serve_connection(
     stream: TcpStream,
     regions: &RegionTable,
     max_op_bytes: u64,
+    admission: &dyn Admission,
 ) -> Result<(), TransferError> {
     let io = |source| TransferError::Io {
         what: "serving a transfer connection",
@@ -198,6 +203,15 @@ async fn serve_connection(
             Ok(request) => request,
             Err(error) => return refuse_connection(&mut conn, error).await,
         };
+        let admitted = admission
+            .admit(&Asked {
+                op: request.op,
+                region: request.region,
+                offset: request.offset,
+                len: request.len,
+                grant: request.grant,
+            })
+            .map_err(TransferError::Denied);
         match request.op {
             Op::Write => {
                 if request.len > max_op_bytes {
@@ -206,16 +220,23 @@ async fn serve_connection(
                     let error = too_large(request.len, max_op_bytes);
                     return refuse_connection(&mut conn, error).await;
                 }
-                if let Err(error) = serve_write(
-                    &mut conn,
-                    regions,
-                    request.region,
-                    request.offset,
-                    request.len,
-                    request.checked.then_some(request.checksum),
-                )
-                .await
-                {
+                let written = match admitted {
+                    Ok(()) => {
+                        serve_write(
+                            &mut conn,
+                            regions,
+                            request.region,
+                            request.offset,
+                            request.len,
+                            request.checked.then_some(request.checksum),
+                        )
+                        .await
+                    }
+                    // Nothing of a refused write touches a region; its payload is
+                    // read past to keep the stream in step.
+                    Err(error) => conn.skip(request.len).await.map_err(io).and(Err(error)),
+                };
+                if let Err(error) = written {
                     if error.kind() == ErrorKind::Io {
                         return Err(error);
                     }
@@ -228,7 +249,11 @@ async fn serve_connection(
             }
             Op::Read => {
                 let id = request.id;
-                if let Err(error) = serve_read(&mut conn, regions, &request, max_op_bytes).await {
+                let read = match admitted {
+                    Ok(()) => serve_read(&mut conn, regions, &request, max_op_bytes).await,
+                    Err(error) => Err(error),
+                };
+                if let Err(error) = read {
                     if error.kind() == ErrorKind::Io {
                         return Err(error);
                     }

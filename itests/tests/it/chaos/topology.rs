@@ -146,7 +146,7 @@ impl Topology {
                     .with_cmd([
                         "node".to_owned(),
                         "--nats".to_owned(),
-                        topology.client_url(),
+                        topology.node_url(),
                         "--cluster".to_owned(),
                         CLUSTER.to_owned(),
                         "--subcluster".to_owned(),
@@ -283,9 +283,14 @@ impl Topology {
         }
     }
 
-    /// The NATS URLs as seen from inside the network, as a node or client.
+    /// The NATS URLs as seen from inside the network, as a client.
     pub fn client_url(&self) -> String {
         self.inside_url_with(&self.credentials(security::CLIENT_USER))
+    }
+
+    /// The NATS URLs as seen from inside the network, as a node.
+    pub fn node_url(&self) -> String {
+        self.inside_url_with(&self.credentials(security::NODE_USER))
     }
 
     /// Like [`Topology::inside_url`], with `user:password@` credentials.
