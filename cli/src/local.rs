@@ -5,6 +5,7 @@
 //! across sub-clusters — prints where everything is, and stops it all cleanly on
 //! Ctrl-C or SIGTERM.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -12,6 +13,7 @@ use anyhow::Context as _;
 use hkvm_client::{KvClient, NodeConfig, NodeHandle, SubmasterClient};
 use hkvm_events::{ClusterId, NodeId, ProducerId, SubclusterId};
 use hkvm_globalmaster::{GlobalMaster, GlobalMasterConfig};
+use hkvm_log::permissions;
 use hkvm_natsd::{port_is_free, ClientPort, Durability, NatsServer, ServerOptions, ToolsDir};
 use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
 use hkvm_transfer::TcpTransport;
@@ -45,6 +47,68 @@ pub struct LocalArgs {
     /// crash or power loss can take back up to 2 minutes of acknowledged puts.
     #[arg(long)]
     pub durable: bool,
+    /// Run NATS with one user per role and random passwords (docs/security.md):
+    /// every service logs in as its role, as a secured deployment does. The
+    /// printed URLs carry the client's and the node's credentials; the recorded
+    /// one (read by `hkvm` commands) the operator's.
+    #[arg(long)]
+    pub secure: bool,
+}
+
+/// How the services of `hkvm local` log in to its nats-server.
+struct Logins {
+    url: String,
+    /// Each user's password (none: NATS runs without users).
+    passwords: Option<BTreeMap<String, String>>,
+}
+
+impl Logins {
+    /// Random passwords for every user of `cluster`'s generated config.
+    fn secured(cluster: &ClusterId, subclusters: &[String]) -> anyhow::Result<(Self, String)> {
+        let names: Vec<&str> = subclusters.iter().map(String::as_str).collect();
+        let mut passwords = BTreeMap::new();
+        let conf = permissions::nats_conf(cluster.as_str(), &names, |user| {
+            passwords
+                .entry(user.to_owned())
+                .or_insert_with(random_password)
+                .clone()
+        })?;
+        Ok((
+            Self {
+                url: String::new(),
+                passwords: Some(passwords),
+            },
+            conf,
+        ))
+    }
+
+    /// The URL `user` connects with.
+    fn url_of(&self, user: &str) -> String {
+        match self.passwords.as_ref().and_then(|p| p.get(user)) {
+            Some(password) => {
+                self.url
+                    .replacen("nats://", &format!("nats://{user}:{password}@"), 1)
+            }
+            None => self.url.clone(),
+        }
+    }
+
+    /// A connection as `user`, named `name`.
+    async fn connect(&self, user: &str, name: &str) -> anyhow::Result<async_nats::Client> {
+        hkvm_client::connect::connect(&self.url_of(user), name)
+            .await
+            .with_context(|| format!("connecting to NATS as {user}"))
+    }
+}
+
+/// 24 random letters and digits.
+fn random_password() -> String {
+    use rand::Rng as _;
+    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+    let mut rng = rand::rngs::OsRng;
+    (0..24)
+        .map(|_| char::from(ALPHABET[rng.gen_range(0..ALPHABET.len())]))
+        .collect()
 }
 
 /// Every two seconds: put a block into one sub-cluster and read it back through
@@ -82,8 +146,21 @@ async fn demo(clients: Vec<KvClient>) {
 pub async fn run(args: LocalArgs) -> anyhow::Result<()> {
     // The nats-server next to this binary's checkout, not the one it was built in: an
     // installed `hkvm` runs the nats-server of the machine it runs on.
+    let subclusters: Vec<String> = (0..args.subclusters).map(|i| format!("sc-{i}")).collect();
+    let (mut logins, users) = if args.secure {
+        Logins::secured(&args.cluster, &subclusters)?
+    } else {
+        (
+            Logins {
+                url: String::new(),
+                passwords: None,
+            },
+            String::new(),
+        )
+    };
     let mut nats = NatsServer::start_with(ServerOptions {
         name: format!("hkvm-{}", args.cluster),
+        extra_config: users,
         client_port: ClientPort::Preferred(args.port),
         tools_dir: ToolsDir::AboveExecutable,
         durability: if args.durable {
@@ -95,7 +172,8 @@ pub async fn run(args: LocalArgs) -> anyhow::Result<()> {
     })
     .await
     .context("starting the embedded nats-server")?;
-    tracing::info!(url = %nats.url(), store = %nats.store_dir().display(), durable = args.durable, "nats-server with JetStream is up");
+    tracing::info!(url = %nats.url(), store = %nats.store_dir().display(), durable = args.durable, secure = args.secure, "nats-server with JetStream is up");
+    logins.url = nats.url();
 
     let mut services = Vec::new();
     let mut metrics = Vec::new();
@@ -118,7 +196,9 @@ pub async fn run(args: LocalArgs) -> anyhow::Result<()> {
                     ));
                 }
             }
-            services.push(SubmasterHandle::spawn(nats.connect().await?, config));
+            let user = permissions::submaster_user(subcluster.as_str());
+            let client = logins.connect(&user, &format!("hkvm local {user}")).await?;
+            services.push(SubmasterHandle::spawn(client, config));
             // Let the first instance of each sub-cluster take the lease.
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
@@ -129,8 +209,13 @@ pub async fn run(args: LocalArgs) -> anyhow::Result<()> {
     let mut kv_clients = Vec::new();
     for index in 0..args.subclusters {
         let subcluster = SubclusterId::new(format!("sc-{index}"))?;
-        let metadata =
-            SubmasterClient::new(nats.connect().await?, args.cluster.clone(), subcluster);
+        let metadata = SubmasterClient::new(
+            logins
+                .connect(permissions::NODE_USER, "hkvm local nodes")
+                .await?,
+            args.cluster.clone(),
+            subcluster.clone(),
+        );
         for n in 0..2 {
             let config = NodeConfig::new(
                 NodeId::new(format!("node-{index}-{n}"))?,
@@ -142,8 +227,16 @@ pub async fn run(args: LocalArgs) -> anyhow::Result<()> {
                     .context("starting a demo node")?,
             );
         }
+        // The demo's clients log in as clients: they get grants, never the key.
+        let demo_metadata = SubmasterClient::new(
+            logins
+                .connect(permissions::CLIENT_USER, "hkvm local demo")
+                .await?,
+            args.cluster.clone(),
+            subcluster,
+        );
         kv_clients.push(KvClient::new(
-            metadata,
+            demo_metadata,
             std::sync::Arc::new(TcpTransport::default()),
         ));
     }
@@ -158,7 +251,9 @@ pub async fn run(args: LocalArgs) -> anyhow::Result<()> {
             metrics_addr: global_metrics.map(|port| SocketAddr::from(([127, 0, 0, 1], port))),
             ..GlobalMasterConfig::default()
         },
-        nats.connect().await?,
+        logins
+            .connect(permissions::GLOBAL_USER, "hkvm local global master")
+            .await?,
     )
     .await
     .context("starting the global master")?;
@@ -166,13 +261,27 @@ pub async fn run(args: LocalArgs) -> anyhow::Result<()> {
         metrics.push(format!("global: http://127.0.0.1:{port}/metrics"));
     }
 
-    let record = hkvm_client::local_record::write(&args.cluster, &nats.url());
+    let record =
+        hkvm_client::local_record::write(&args.cluster, &logins.url_of(permissions::ADMIN_USER));
     println!("HKVM local cluster '{}' is running.", args.cluster);
     println!(
         "  NATS:          {}   (monitoring http://127.0.0.1:{}/)",
         nats.url(),
         nats.monitor_port()
     );
+    if args.secure {
+        println!(
+            "  secure:        one NATS user per role (docs/security.md); services log in as theirs"
+        );
+        println!(
+            "                 clients: {}",
+            logins.url_of(permissions::CLIENT_USER)
+        );
+        println!(
+            "                 nodes:   {}",
+            logins.url_of(permissions::NODE_USER)
+        );
+    }
     match &record {
         Ok(path) => println!(
             "                 recorded in {}: hkvm commands of cluster '{}' use it without --nats",
@@ -183,7 +292,7 @@ pub async fn run(args: LocalArgs) -> anyhow::Result<()> {
             tracing::warn!(%error, "could not record the NATS URL");
             println!(
                 "                 pass --nats {} to hkvm commands",
-                nats.url()
+                logins.url_of(permissions::ADMIN_USER)
             );
         }
     }

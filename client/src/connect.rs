@@ -1,6 +1,8 @@
 //! Connecting to NATS from a URL list as operators write it (`--nats`,
 //! `NATS_URL:CLUSTER`): comma-separated servers, credentials in any of them.
 
+use hkvm_events::subject::inbox_prefix;
+
 /// Why a connection could not be made.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ConnectError {
@@ -24,7 +26,8 @@ pub enum ConnectError {
 
 /// Connects to the servers of `urls` (comma-separated), naming the connection
 /// `name`. `user:password@` in one of the URLs is used for the connection (the
-/// client library applies credentials of a list only when told to). The
+/// client library applies credentials of a list only when told to), with that
+/// user's inbox prefix. The
 /// connection's losses and reconnections are logged, and a reconnection ends the
 /// wait of every request whose answer it lost ([`hkvm_log::connection`]).
 ///
@@ -51,7 +54,11 @@ pub async fn connect(urls: &str, name: &str) -> Result<async_nats::Client, Conne
         .iter()
         .find_map(|server| Some((server.username()?.to_owned(), server.password()?.to_owned())))
     {
-        options = options.user_and_password(user, password);
+        // Replies come back under the user's own inbox prefix, the only one
+        // its permissions let it subscribe to (docs/security.md).
+        options = options
+            .custom_inbox_prefix(inbox_prefix(&user))
+            .user_and_password(user, password);
     }
     options
         .connect(servers)

@@ -19,14 +19,24 @@ pub fn path(cluster: &ClusterId) -> PathBuf {
         .join(format!("hkvm-local-{cluster}.url"))
 }
 
-/// Records `url` as the NATS URL of `cluster`, served by this process; returns
-/// the record's path.
+/// Records `url` as the NATS URL of `cluster`, served by this process, in a file
+/// only this user may read; returns the record's path.
 ///
 /// # Errors
 /// When the file cannot be written.
 pub fn write(cluster: &ClusterId, url: &str) -> std::io::Result<PathBuf> {
+    use std::io::Write as _;
+    use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
     let path = path(cluster);
-    std::fs::write(&path, format!("{url}\n{}\n", std::process::id()))?;
+    // The URL may carry the operator's password: readable by this user only.
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&path)?;
+    file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    file.write_all(format!("{url}\n{}\n", std::process::id()).as_bytes())?;
     Ok(path)
 }
 

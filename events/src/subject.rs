@@ -55,6 +55,13 @@ pub fn leader_subject(cluster: &ClusterId, subcluster: &SubclusterId) -> String 
     format!("{SUBJECT_PREFIX}.{cluster}.{subcluster}.leader")
 }
 
+/// The inbox prefix of a connection logged in as NATS user `user`: replies to
+/// its requests (and JetStream deliveries to it) arrive under
+/// `<prefix>.>`, which only that user may subscribe to.
+pub fn inbox_prefix(user: &str) -> String {
+    format!("_INBOX_{user}")
+}
+
 /// The subject of a global-master RPC operation.
 pub fn global_rpc_subject(cluster: &ClusterId, op: &str) -> String {
     format!("{SUBJECT_PREFIX}.{cluster}.global.rpc.{op}")

@@ -13,6 +13,7 @@ pub mod grants;
 pub mod mooncake_admin;
 pub mod objects;
 pub mod pace;
+pub mod permissions;
 pub mod positions;
 pub mod registry;
 pub mod snapshot_store;

@@ -1,7 +1,8 @@
 //! `hkvm local` as a developer runs it: it records the NATS URL it really uses
 //! (an ephemeral port here, as when 4222 is busy), and `hkvm` commands given no
 //! `--nats` find that cluster; its nats-server runs the durability profile asked
-//! for (`--durable`: every JetStream write fsynced, as nats-server's `/varz` says).
+//! for (`--durable`: every JetStream write fsynced, as nats-server's `/varz` says;
+//! `--secure`: one NATS user per role, and no anonymous login).
 
 use std::time::Duration;
 
@@ -74,4 +75,76 @@ async fn durable_starts_a_nats_server_that_fsyncs_every_write() {
     let (_local, stdout) = local(&cluster, &["--durable"]).await;
     assert!(stdout.contains("durability:    durable"), "{stdout}");
     assert!(syncs_always(&stdout), "the durable profile");
+}
+
+/// The URL `hkvm local --secure` printed for `role` (`clients`, `nodes`).
+fn printed_url(stdout: &str, role: &str) -> String {
+    stdout
+        .lines()
+        .find_map(|line| line.trim().strip_prefix(&format!("{role}:")))
+        .map(|url| url.trim().to_owned())
+        .unwrap_or_else(|| panic!("no {role} URL in:\n{stdout}"))
+}
+
+#[tokio::test]
+async fn secure_runs_every_service_under_its_role_and_refuses_anonymous_logins() {
+    let cluster = format!("sec{}", std::process::id());
+    let (_local, stdout) = local(&cluster, &["--secure"]).await;
+    let client_url = printed_url(&stdout, "clients");
+    assert!(client_url.starts_with("nats://client:"), "{client_url}");
+    assert!(printed_url(&stdout, "nodes").starts_with("nats://node:"));
+
+    // Every service started under its role (the nodes mounted, so they read the
+    // grant key), and a client puts and gets through them with its credential.
+    let dir = tempfile::tempdir().unwrap();
+    let value = dir.path().join("value");
+    std::fs::write(&value, b"secured bytes").unwrap();
+    let value = value.to_str().unwrap();
+    let put = run(hkvm([
+        "put",
+        "--nats",
+        &client_url,
+        "--cluster",
+        &cluster,
+        "--subcluster",
+        "sc-0",
+        "k",
+        value,
+    ])
+    .await)
+    .await;
+    assert!(put.success(), "{stdout}\nput failed:\n{}", put.stderr);
+    let get = run(hkvm([
+        "get",
+        "--nats",
+        &client_url,
+        "--cluster",
+        &cluster,
+        "--subcluster",
+        "sc-0",
+        "k",
+    ])
+    .await)
+    .await;
+    assert!(get.success(), "get failed:\n{}", get.stderr);
+    assert_eq!(get.stdout, "secured bytes");
+
+    // The recorded URL is the operator's: `hkvm status` reads the registry.
+    let mut status = hkvm(["status", "--cluster", &cluster]).await;
+    status.env_remove("HKVM_NATS_URL");
+    let ran = run(status).await;
+    assert!(
+        ran.success() && ran.stdout.contains("sc-1"),
+        "{}\n{}",
+        ran.stdout,
+        ran.stderr
+    );
+
+    // Without credentials nothing gets in.
+    let anonymous = stdout
+        .lines()
+        .find_map(|line| line.trim().strip_prefix("NATS:"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no NATS URL in:\n{stdout}"));
+    assert!(async_nats::connect(anonymous).await.is_err(), "{anonymous}");
 }

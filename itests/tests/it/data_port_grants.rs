@@ -3,7 +3,7 @@
 //! forged one, a stretched one, an expired one, one for another range or for the
 //! other access reads and writes nothing, while the grant the sub-master handed
 //! out works. And under the generated NATS permissions, nodes read the grant key
-//! and clients cannot.
+//! and clients cannot, nor another user's replies.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,6 +11,7 @@ use std::time::Duration;
 use hkvm_client::{KvClient, NodeConfig, NodeHandle, SubmasterClient};
 use hkvm_events::grant::{Access, Grant, GrantKey, GrantRequest};
 use hkvm_events::rpc::submaster::{ItemResult, ReplicaLocation};
+use hkvm_events::subject::inbox_prefix;
 use hkvm_events::{ClusterId, NodeId, ProducerId, SubclusterId};
 use hkvm_itests::security::{self, nats_conf};
 use hkvm_log::grants::{self, GrantKeyError};
@@ -18,6 +19,7 @@ use hkvm_log::registry::now_unix_ms;
 use hkvm_submaster::{SubmasterConfig, SubmasterHandle};
 use hkvm_testkit::{NatsServer, ServerOptions};
 use hkvm_transfer::{ErrorKind, ReadOp, TcpTransport, Transport, WriteOp};
+use tokio::sync::mpsc;
 
 use crate::fixture::{Pool, PoolSpec};
 
@@ -192,14 +194,50 @@ async fn the_data_port_serves_only_what_the_submaster_granted() {
     pool.shutdown().await;
 }
 
-/// A connection to `server` as `user` of the generated config, whose requests
-/// give up after 2 s (a request the permissions drop gets no answer).
+/// A connection to `server` as `user` of the generated config, with the user's
+/// inbox prefix (as HKVM's processes connect), whose requests give up after 2 s
+/// (a request the permissions drop gets no answer); the server's errors about it
+/// (permissions violations) come out of the receiver.
+async fn connect_watched(
+    server: &NatsServer,
+    user: &str,
+) -> (async_nats::Client, mpsc::UnboundedReceiver<String>) {
+    let (errors_tx, errors) = mpsc::unbounded_channel();
+    let client = async_nats::ConnectOptions::with_user_and_password(
+        user.to_owned(),
+        security::password(user),
+    )
+    .custom_inbox_prefix(inbox_prefix(user))
+    .request_timeout(Some(Duration::from_secs(2)))
+    .event_callback(move |event| {
+        if let async_nats::Event::ServerError(error) = event {
+            let _ = errors_tx.send(error.to_string());
+        }
+        async {}
+    })
+    .connect(server.url())
+    .await
+    .unwrap();
+    (client, errors)
+}
+
 async fn connect_as(server: &NatsServer, user: &str) -> async_nats::Client {
-    async_nats::ConnectOptions::with_user_and_password(user.to_owned(), security::password(user))
-        .request_timeout(Some(Duration::from_secs(2)))
-        .connect(server.url())
-        .await
-        .unwrap()
+    connect_watched(server, user).await.0
+}
+
+/// Waits (up to 30 s) for the server to refuse a subscription to `subject`.
+async fn subscription_refused(errors: &mut mpsc::UnboundedReceiver<String>, subject: &str) {
+    let expected = format!("Subscription to \"{subject}\"");
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(error) = errors.recv().await {
+            if error.contains(&expected) {
+                return;
+            }
+        }
+        panic!("the connection ended before the refusal");
+    })
+    .await
+    .unwrap_or_else(|_| panic!("subscribing to {subject} was not refused"));
 }
 
 /// Asks JetStream to purge `stream`: an error when the permissions drop the
@@ -218,7 +256,8 @@ async fn purge(nats: &async_nats::Client, stream: &str) -> Result<(), String> {
 }
 
 #[tokio::test]
-async fn under_the_generated_permissions_nodes_read_the_grant_key_and_clients_cannot() {
+async fn under_the_generated_permissions_nodes_read_the_grant_key_and_clients_cannot_nor_others_replies(
+) {
     let cluster = ClusterId::new("sec").unwrap();
     let subcluster = SubclusterId::new("sc").unwrap();
     let server = NatsServer::start_with(ServerOptions {
@@ -272,6 +311,13 @@ async fn under_the_generated_permissions_nodes_read_the_grant_key_and_clients_ca
     let stream = hkvm_events::subject::stream_name(&cluster, &subcluster);
     assert!(purge(&client_nats, &stream).await.is_err());
     // The node user can read the key (so the refusal above is the permission).
+    // Nor read another user's replies: its subscriptions stay in its own inbox.
+    let (snooper, mut errors) = connect_watched(&server, security::CLIENT_USER).await;
+    for subject in ["_INBOX.>", "_INBOX_node.>", "_INBOX_sm-sc.>"] {
+        let _ = snooper.subscribe(subject).await.unwrap();
+        snooper.flush().await.unwrap();
+        subscription_refused(&mut errors, subject).await;
+    }
     let node_nats = connect_as(&server, security::NODE_USER).await;
     let node_js = async_nats::jetstream::new(node_nats.clone());
     let key = grants::read(&node_js, &cluster, &subcluster).await.unwrap();

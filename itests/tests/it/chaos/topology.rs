@@ -320,7 +320,9 @@ impl Topology {
     pub async fn connect_as(&self, index: usize, user: &str) -> async_nats::Client {
         let mut options = async_nats::ConnectOptions::new();
         if self.secure {
-            options = options.user_and_password(user.to_owned(), security::password(user));
+            options = options
+                .custom_inbox_prefix(hkvm_events::subject::inbox_prefix(user))
+                .user_and_password(user.to_owned(), security::password(user));
         }
         options.connect(self.host_url(index).await).await.unwrap()
     }
