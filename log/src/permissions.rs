@@ -56,6 +56,14 @@ fn stream_api(stream: &str) -> Vec<String> {
     subjects
 }
 
+/// A shared KV bucket's stream: created by whoever comes first, inspected and
+/// read; never purged, deleted or reconfigured.
+fn shared_bucket_api(stream: &str) -> Vec<String> {
+    let mut subjects = vec![format!("$JS.API.STREAM.CREATE.{stream}")];
+    subjects.extend(stream_read_api(stream));
+    subjects
+}
+
 /// Read-only access to a stream: info, message reads, and consumers on it.
 fn stream_read_api(stream: &str) -> Vec<String> {
     let mut subjects = vec![
@@ -174,8 +182,15 @@ pub fn nats_conf(
             // Its sub-cluster's grant key, created once.
             format!("$KV.{}.{subcluster}", Bucket::Grants.name(&cluster)),
         ];
-        for s in [&stream, &leader, &registry, &snapshots, &positions, &grants] {
+        // Its own stream and the snapshots store whole (it updates, purges and
+        // reads them); the shared KV buckets only to create, inspect and read
+        // (entries are written by publishing to the keys above): no purge,
+        // delete or update of what every sub-cluster shares.
+        for s in [&stream, &snapshots] {
             publish.extend(stream_api(s));
+        }
+        for s in [&leader, &registry, &positions, &grants] {
+            publish.extend(shared_bucket_api(s));
         }
         let subscribe = vec![
             inbox(&submaster_user(name)),

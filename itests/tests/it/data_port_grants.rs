@@ -11,7 +11,7 @@ use std::time::Duration;
 use hkvm_client::{KvClient, NodeConfig, NodeHandle, SubmasterClient};
 use hkvm_events::grant::{Access, Grant, GrantKey, GrantRequest};
 use hkvm_events::rpc::submaster::{ItemResult, ReplicaLocation};
-use hkvm_events::subject::inbox_prefix;
+use hkvm_events::subject::{inbox_prefix, Bucket};
 use hkvm_events::{ClusterId, NodeId, ProducerId, SubclusterId};
 use hkvm_itests::security::{self, nats_conf};
 use hkvm_log::grants::{self, GrantKeyError};
@@ -334,7 +334,15 @@ async fn under_the_generated_permissions_nodes_read_the_grant_key_and_clients_ca
 
     node.shutdown().await.unwrap();
     master.shutdown().await.unwrap();
-    // The operator may purge it: the refusals above are the permissions'.
+    // A sub-master may not purge or delete what all sub-clusters share.
+    let sub_master = connect_as(&server, &security::submaster_user("sc")).await;
+    let grants_stream = format!("KV_{}", Bucket::Grants.name(&cluster));
+    let leader_stream = format!("KV_{}", Bucket::Leader.name(&cluster));
+    assert!(purge(&sub_master, &grants_stream).await.is_err());
+    assert!(purge(&sub_master, &leader_stream).await.is_err());
+    // The operator may purge: the refusals above are the permissions'.
+    let admin_purge = connect_as(&server, security::ADMIN_USER).await;
+    assert_eq!(purge(&admin_purge, &grants_stream).await, Ok(()));
     let admin = connect_as(&server, security::ADMIN_USER).await;
     assert_eq!(purge(&admin, &stream).await, Ok(()));
 }
