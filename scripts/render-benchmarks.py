@@ -71,7 +71,10 @@ HOW_TO_READ = {
     "bytes with no answers at all, the pipe's capacity. The checked rows carry an "
     "xxh3-64 of every payload computed on one side and verified on the other "
     "(the store's own reads leave that to its end-to-end check against the "
-    "checksum recorded at the put); unchecked rows carry none. "
+    "checksum recorded at the put); unchecked rows carry none. Every TCP row goes "
+    "through a node's data port checking the grant each operation carries (a keyed "
+    "BLAKE3 tag, docs/security.md); the rows against \"the same port admitting all\" "
+    "are that check's cost. "
     "The WAN rows copy one object with FEC stripes and pacing, over an in-process lossy "
     "link and over UDP loopback with emulated delay and loss, against the cap.",
     "interdc": "The inter-DC replicator end to end: two pools on two nats-servers, a "
