@@ -629,30 +629,23 @@ async fn the_admission_decides_before_any_byte_moves_and_the_stream_stays_in_ste
         .write_batch(&endpoint, &[refused_write(0, b"ok")])
         .await
         .unwrap();
-    let error = client
-        .read_batch(
-            &endpoint,
-            &[ReadOp {
-                region: "seg",
-                offset: 0,
-                len: 8,
-                grant: b"",
-            }],
-        )
-        .await
-        .unwrap_err();
-    assert_eq!(error.kind(), ErrorKind::Denied);
-    let read = client
-        .read_batch(
-            &endpoint,
-            &[ReadOp {
-                region: "seg",
-                offset: 0,
-                len: 8,
-                grant: b"ok",
-            }],
-        )
-        .await
-        .unwrap();
-    assert_eq!(&read[0][..], b"intruder");
+    let read_8 = |grant: &'static [u8]| {
+        let client = &client;
+        let endpoint = &endpoint;
+        async move {
+            client
+                .read_batch(
+                    endpoint,
+                    &[ReadOp {
+                        region: "seg",
+                        offset: 0,
+                        len: 8,
+                        grant,
+                    }],
+                )
+                .await
+        }
+    };
+    assert_eq!(read_8(b"").await.unwrap_err().kind(), ErrorKind::Denied);
+    assert_eq!(&read_8(b"ok").await.unwrap()[0][..], b"intruder");
 }

@@ -100,32 +100,21 @@ async fn secure_runs_every_service_under_its_role_and_refuses_anonymous_logins()
     let value = dir.path().join("value");
     std::fs::write(&value, b"secured bytes").unwrap();
     let value = value.to_str().unwrap();
-    let put = run(hkvm([
-        "put",
-        "--nats",
-        &client_url,
-        "--cluster",
-        &cluster,
-        "--subcluster",
-        "sc-0",
-        "k",
-        value,
-    ])
-    .await)
-    .await;
+    // `hkvm <op> --nats <client url> --cluster <cluster> --subcluster sc-0 <rest>`.
+    let as_client = |op: &'static str, rest: Vec<String>| {
+        let mut args = vec![op.to_owned(), "--nats".into(), client_url.clone()];
+        args.extend([
+            "--cluster".into(),
+            cluster.clone(),
+            "--subcluster".into(),
+            "sc-0".into(),
+        ]);
+        args.extend(rest);
+        async move { run(hkvm(args).await).await }
+    };
+    let put = as_client("put", vec!["k".into(), value.into()]).await;
     assert!(put.success(), "{stdout}\nput failed:\n{}", put.stderr);
-    let get = run(hkvm([
-        "get",
-        "--nats",
-        &client_url,
-        "--cluster",
-        &cluster,
-        "--subcluster",
-        "sc-0",
-        "k",
-    ])
-    .await)
-    .await;
+    let get = as_client("get", vec!["k".into()]).await;
     assert!(get.success(), "get failed:\n{}", get.stderr);
     assert_eq!(get.stdout, "secured bytes");
 
