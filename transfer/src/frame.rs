@@ -349,6 +349,60 @@ mod tests {
         );
     }
 
+    proptest::proptest! {
+        /// Any bytes given to the decoders give a frame or an error, never a
+        /// panic; a request they accept encodes back to the same bytes.
+        #[test]
+        fn the_decoders_take_any_bytes(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..400)) {
+            if bytes.len() >= REQUEST_FIXED_LEN {
+                let mut fixed = [0u8; REQUEST_FIXED_LEN];
+                fixed.copy_from_slice(&bytes[..REQUEST_FIXED_LEN]);
+                let _ = request_rest_len(&fixed);
+            }
+            if let Ok(request) = decode_request(&bytes) {
+                let mut again = Vec::new();
+                request.encode(&mut again).unwrap();
+                proptest::prop_assert_eq!(again, bytes.clone());
+            }
+            if bytes.len() >= RESPONSE_LEN {
+                let mut raw = [0u8; RESPONSE_LEN];
+                raw.copy_from_slice(&bytes[..RESPONSE_LEN]);
+                let _ = Response::decode(&raw);
+            }
+        }
+
+        /// Every request, whatever its region and grant, decodes as encoded,
+        /// and its rest length is read from its fixed part.
+        #[test]
+        fn requests_round_trip(
+            region in "[a-z0-9-]{1,60}",
+            grant in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..=MAX_GRANT_LEN),
+            id: u64,
+            offset: u64,
+            len: u64,
+            checksum: u64,
+            checked: bool,
+            read: bool,
+        ) {
+            let request = Request {
+                op: if read { Op::Read } else { Op::Write },
+                id,
+                region: &region,
+                offset,
+                len,
+                checksum,
+                checked,
+                grant: &grant,
+            };
+            let mut bytes = Vec::new();
+            request.encode(&mut bytes).unwrap();
+            let mut fixed = [0u8; REQUEST_FIXED_LEN];
+            fixed.copy_from_slice(&bytes[..REQUEST_FIXED_LEN]);
+            proptest::prop_assert_eq!(request_rest_len(&fixed).unwrap() + REQUEST_FIXED_LEN, bytes.len());
+            proptest::prop_assert_eq!(decode_request(&bytes).unwrap(), request);
+        }
+    }
+
     #[test]
     fn unknown_operations_and_long_ids_are_errors() {
         let mut out = Vec::new();
