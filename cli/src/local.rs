@@ -63,11 +63,23 @@ struct Logins {
 }
 
 impl Logins {
-    /// Random passwords for every user of `cluster`'s generated config.
+    /// Random passwords for every user of `cluster`'s generated config, with a
+    /// user of its own for each of the demo's nodes.
     fn secured(cluster: &ClusterId, subclusters: &[String]) -> anyhow::Result<(Self, String)> {
         let names: Vec<&str> = subclusters.iter().map(String::as_str).collect();
+        let node_ids: Vec<(String, &str)> = subclusters
+            .iter()
+            .enumerate()
+            .flat_map(|(index, subcluster)| {
+                (0..NODES_PER_SUBCLUSTER).map(move |n| (demo_node(index, n), subcluster.as_str()))
+            })
+            .collect();
+        let listed: Vec<permissions::ListedNode<'_>> = node_ids
+            .iter()
+            .map(|(node, subcluster)| permissions::ListedNode { node, subcluster })
+            .collect();
         let mut passwords = BTreeMap::new();
-        let conf = permissions::nats_conf(cluster.as_str(), &names, |user| {
+        let conf = permissions::nats_conf(cluster.as_str(), &names, &listed, |user| {
             passwords
                 .entry(user.to_owned())
                 .or_insert_with(random_password)
@@ -99,6 +111,14 @@ impl Logins {
             .await
             .with_context(|| format!("connecting to NATS as {user}"))
     }
+}
+
+/// How many nodes the local cluster runs in each sub-cluster.
+const NODES_PER_SUBCLUSTER: usize = 2;
+
+/// The id of demo node `n` of sub-cluster `index`.
+fn demo_node(index: usize, n: usize) -> String {
+    format!("node-{index}-{n}")
 }
 
 /// 24 random letters and digits.
@@ -204,25 +224,27 @@ pub async fn run(args: LocalArgs) -> anyhow::Result<()> {
         }
     }
 
-    // Two nodes per sub-cluster, each contributing a segment.
+    // Two nodes per sub-cluster, each contributing a segment; secured, each
+    // logs in as its own user, which may mount only its own segments.
     let mut nodes = Vec::new();
     let mut kv_clients = Vec::new();
     for index in 0..args.subclusters {
         let subcluster = SubclusterId::new(format!("sc-{index}"))?;
-        let metadata = SubmasterClient::new(
-            logins
-                .connect(permissions::NODE_USER, "hkvm local nodes")
-                .await?,
-            args.cluster.clone(),
-            subcluster.clone(),
-        );
-        for n in 0..2 {
-            let config = NodeConfig::new(
-                NodeId::new(format!("node-{index}-{n}"))?,
-                args.node_mib << 20,
-            )?;
+        for n in 0..NODES_PER_SUBCLUSTER {
+            let node = NodeId::new(demo_node(index, n))?;
+            let user = if args.secure {
+                permissions::node_user(node.as_str())
+            } else {
+                permissions::NODE_USER.to_owned()
+            };
+            let metadata = SubmasterClient::new(
+                logins.connect(&user, &format!("hkvm local {node}")).await?,
+                args.cluster.clone(),
+                subcluster.clone(),
+            );
+            let config = NodeConfig::new(node, args.node_mib << 20)?;
             nodes.push(
-                NodeHandle::start(config, metadata.clone())
+                NodeHandle::start(config, metadata)
                     .await
                     .context("starting a demo node")?,
             );
@@ -278,7 +300,7 @@ pub async fn run(args: LocalArgs) -> anyhow::Result<()> {
             logins.url_of(permissions::CLIENT_USER)
         );
         println!(
-            "                 nodes:   {}",
+            "                 nodes:   {}   (the shared node user: it may act for any node)",
             logins.url_of(permissions::NODE_USER)
         );
     }

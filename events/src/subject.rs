@@ -49,6 +49,26 @@ pub fn submaster_rpc_subject(cluster: &ClusterId, subcluster: &SubclusterId, op:
     format!("{SUBJECT_PREFIX}.{cluster}.{subcluster}.rpc.{op}")
 }
 
+/// The subject of a sub-master operation only the admin role may send
+/// ([`Audience::Admin`](crate::rpc::submaster::Audience::Admin)): under
+/// `rpc.admin`, which the generated permissions give the `admin` user alone.
+pub fn submaster_admin_subject(cluster: &ClusterId, subcluster: &SubclusterId, op: &str) -> String {
+    format!("{SUBJECT_PREFIX}.{cluster}.{subcluster}.rpc.admin.{op}")
+}
+
+/// The subject of a sub-master operation that node `node` sends about its own
+/// segments ([`Audience::Node`](crate::rpc::submaster::Audience::Node)): under
+/// `rpc.node.<node>`, which the generated permissions give that node's user
+/// alone (`node` may be `*`, for the sub-master's subscription).
+pub fn submaster_node_subject(
+    cluster: &ClusterId,
+    subcluster: &SubclusterId,
+    node: &str,
+    op: &str,
+) -> String {
+    format!("{SUBJECT_PREFIX}.{cluster}.{subcluster}.rpc.node.{node}.{op}")
+}
+
 /// The subject on which a sub-master that starts leading its sub-cluster says so
 /// (core NATS, not stored): clients waiting out a failover retry at once.
 pub fn leader_subject(cluster: &ClusterId, subcluster: &SubclusterId) -> String {
@@ -60,6 +80,13 @@ pub fn leader_subject(cluster: &ClusterId, subcluster: &SubclusterId) -> String 
 /// `<prefix>.>`, which only that user may subscribe to.
 pub fn inbox_prefix(user: &str) -> String {
     format!("_INBOX_{user}")
+}
+
+/// The NATS user whose [`inbox_prefix`] `inbox` (a reply subject) is under;
+/// none for the default `_INBOX.` prefix of a connection without a user.
+pub fn user_of_inbox(inbox: &str) -> Option<&str> {
+    let rest = inbox.strip_prefix("_INBOX_")?;
+    Some(rest.split_once('.').map_or(rest, |(user, _)| user))
 }
 
 /// The subject of a global-master RPC operation.
@@ -177,6 +204,32 @@ pub fn epoch_marker_id(producer: &ProducerId, epoch: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_audience_has_its_subjects_and_an_inbox_names_its_user() {
+        use crate::rpc::submaster::{Audience, Op};
+        let cluster = ClusterId::new("prod").unwrap();
+        let sc = SubclusterId::new("sc-0").unwrap();
+        assert_eq!(
+            submaster_admin_subject(&cluster, &sc, "remove_all"),
+            "hkvm.prod.sc-0.rpc.admin.remove_all"
+        );
+        assert_eq!(
+            submaster_node_subject(&cluster, &sc, "n1", "mount_segment"),
+            "hkvm.prod.sc-0.rpc.node.n1.mount_segment"
+        );
+        for op in Op::ALL {
+            let expected = match op {
+                Op::MountSegment | Op::UnmountSegment | Op::Remount => Audience::Node,
+                Op::RemoveAll | Op::RemoveMatching => Audience::Admin,
+                _ => Audience::Anyone,
+            };
+            assert_eq!(op.audience(), expected, "{}", op.name());
+        }
+        assert_eq!(user_of_inbox("_INBOX_node-n1.abc.def"), Some("node-n1"));
+        assert_eq!(user_of_inbox("_INBOX_client"), Some("client"));
+        assert_eq!(user_of_inbox("_INBOX.abc"), None);
+    }
 
     #[test]
     fn names_follow_the_design() {

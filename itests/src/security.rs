@@ -3,7 +3,9 @@
 
 use hkvm_events::IdError;
 
-pub use hkvm_log::permissions::{submaster_user, ADMIN_USER, CLIENT_USER, GLOBAL_USER, NODE_USER};
+pub use hkvm_log::permissions::{
+    node_user, submaster_user, ListedNode, ADMIN_USER, CLIENT_USER, GLOBAL_USER, NODE_USER,
+};
 
 /// The password of a user in the test config (tests only: a deployment sets
 /// real secrets or uses NKeys/JWTs with the same permissions).
@@ -14,7 +16,11 @@ pub fn password(user: &str) -> String {
 /// [`hkvm_log::permissions::nats_conf`] with the test passwords.
 ///
 /// # Errors
-/// When a name is not a valid cluster or sub-cluster id.
-pub fn nats_conf(cluster: &str, subclusters: &[&str]) -> Result<String, IdError> {
-    hkvm_log::permissions::nats_conf(cluster, subclusters, password)
+/// When a name is not a valid cluster, sub-cluster or node id.
+pub fn nats_conf(
+    cluster: &str,
+    subclusters: &[&str],
+    nodes: &[ListedNode<'_>],
+) -> Result<String, IdError> {
+    hkvm_log::permissions::nats_conf(cluster, subclusters, nodes, password)
 }

@@ -2,10 +2,14 @@
 //! write only its own event stream, lease, registry entry and snapshots; one user
 //! for global masters that reads streams and writes only its own checkpoints; one
 //! user for clients that may only send RPC requests and read the leader lease
-//! (where the leader takes direct requests); one user for nodes with a client's
-//! rights that may also read the data-port grant keys. Every user subscribes under
-//! its own inbox prefix only. `docs/security.md` shows the output of [`nats_conf`]
-//! (with the test passwords of `hkvm-itests`) and a test keeps the two identical;
+//! (where the leader takes direct requests); one user per listed node
+//! (`node-<id>`) with a client's rights that may also mount, unmount and remount
+//! that node's segments only, in its own sub-cluster, and read the data-port
+//! grant keys; a shared `node` user for nodes not listed ahead (it may act for
+//! any node). Only the admin may remove everything (the `rpc.admin` subjects).
+//! Every user subscribes under its own inbox prefix only. `docs/security.md`
+//! shows the output of [`nats_conf`] (with the test passwords of `hkvm-itests`)
+//! and a test keeps the two identical;
 //! `hkvm local --secure` runs its cluster under it with random passwords.
 
 use std::fmt::Write as _;
@@ -13,9 +17,9 @@ use std::fmt::Write as _;
 use hkvm_events::rpc::submaster::Op;
 use hkvm_events::subject::{
     event_subject, global_rpc_subject, inbox_prefix, leader_subject, stream_name,
-    submaster_rpc_subject, Bucket,
+    submaster_node_subject, submaster_rpc_subject, Bucket,
 };
-use hkvm_events::{ClusterId, IdError, SubclusterId};
+use hkvm_events::{ClusterId, IdError, NodeId, SubclusterId};
 
 /// The user name of a sub-cluster's sub-masters.
 pub fn submaster_user(subcluster: &str) -> String {
@@ -26,9 +30,34 @@ pub fn submaster_user(subcluster: &str) -> String {
 pub const GLOBAL_USER: &str = "global";
 /// The clients' user.
 pub const CLIENT_USER: &str = "client";
-/// The nodes' user (real clients: they serve a segment, so they read the grant
-/// keys their data ports check).
+/// The shared user of nodes not listed in the config ahead (real clients: they
+/// serve a segment, so they read the grant keys their data ports check). It may
+/// mount, unmount and remount the segments of any node; a listed node's own user
+/// ([`node_user`]) only its own.
 pub const NODE_USER: &str = "node";
+
+/// The user of node `node`, bound to its own segments.
+pub fn node_user(node: &str) -> String {
+    format!("node-{node}")
+}
+
+/// Whether user `user` of the generated config may send the admin's
+/// operations: not a client, node, sub-master or global master (the admin, or a
+/// user of a config made otherwise, may try; its NATS permissions decide).
+pub fn may_administer(user: &str) -> bool {
+    ![CLIENT_USER, NODE_USER, GLOBAL_USER].contains(&user)
+        && !user.starts_with("node-")
+        && !user.starts_with("sm-")
+}
+
+/// A node given a user of its own by [`nats_conf`].
+#[derive(Debug, Clone, Copy)]
+pub struct ListedNode<'a> {
+    /// The node's id.
+    pub node: &'a str,
+    /// The sub-cluster it serves (the only one it may mount in).
+    pub subcluster: &'a str,
+}
 /// The operators' user (creates nothing at runtime; `hkvm replay`, repairs).
 pub const ADMIN_USER: &str = "admin";
 
@@ -140,14 +169,17 @@ fn object_stream(cluster: &ClusterId, bucket: Bucket) -> String {
 }
 
 /// A `nats.conf` fragment (accounts and users) for cluster `cluster` with these
-/// sub-clusters, each user's password from `password` (the system account's
-/// user is `sys`); pass it to every NATS node with `-c`.
+/// sub-clusters and these nodes of their own users, each user's password from
+/// `password` (the system account's user is `sys`); pass it to every NATS node
+/// with `-c`. A node added later gets its user by a new config and a reload
+/// (`nats-server --signal reload`), or logs in as the shared [`NODE_USER`].
 ///
 /// # Errors
-/// When a name is not a valid cluster or sub-cluster id.
+/// When a name is not a valid cluster, sub-cluster or node id.
 pub fn nats_conf(
     cluster: &str,
     subclusters: &[&str],
+    nodes: &[ListedNode<'_>],
     mut password: impl FnMut(&str) -> String,
 ) -> Result<String, IdError> {
     let cluster = ClusterId::new(cluster)?;
@@ -240,8 +272,33 @@ pub fn nats_conf(
         &client_publish,
         &[inbox(CLIENT_USER), leaders.clone()],
     );
-    // A node: a client that also reads (and follows) the grant keys.
+    // A node: a client that also sends its own mounts and reads (and follows)
+    // the grant keys.
+    for listed in nodes {
+        let node = NodeId::new(listed.node)?;
+        let subcluster = SubclusterId::new(listed.subcluster)?;
+        let user = node_user(node.as_str());
+        let mut publish = client_publish.clone();
+        publish.push(submaster_node_subject(
+            &cluster,
+            &subcluster,
+            node.as_str(),
+            "*",
+        ));
+        // The whole grant bucket: a key's watch is an ordered consumer, whose
+        // filter travels in the request body, out of the permissions' reach.
+        publish.extend(stream_read_api(&grants));
+        user_block(
+            &mut out,
+            (&user, &password(&user)),
+            &publish,
+            &[inbox(&user), leaders.clone()],
+        );
+    }
     let mut node_publish = client_publish;
+    node_publish.push(every_subcluster(|subcluster| {
+        submaster_node_subject(&cluster, subcluster, "*", "*")
+    })?);
     node_publish.extend(stream_read_api(&grants));
     user_block(
         &mut out,
@@ -251,4 +308,41 @@ pub fn nats_conf(
     );
     out.push_str("    ]\n  }\n}\n");
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_admin_and_users_of_other_configs_may_administer() {
+        assert!(may_administer(ADMIN_USER));
+        assert!(may_administer("operator"));
+        for user in [CLIENT_USER, NODE_USER, GLOBAL_USER] {
+            assert!(!may_administer(user), "{user}");
+        }
+        assert!(!may_administer(&node_user("n1")));
+        assert!(!may_administer(&submaster_user("sc-0")));
+    }
+
+    #[test]
+    fn a_listed_node_may_send_its_own_operations_only_and_the_client_none() {
+        let node = ListedNode {
+            node: "n1",
+            subcluster: "sc-0",
+        };
+        let conf = nats_conf("prod", &["sc-0"], &[node], |user| format!("{user}-pw")).unwrap();
+        let block_of = |user: &str| {
+            let start = conf.find(&format!("user: \"{user}\"")).unwrap();
+            let end = conf[start..].find("allow_responses").unwrap();
+            conf[start..start + end].to_owned()
+        };
+        assert!(block_of("node-n1").contains("\"hkvm.prod.sc-0.rpc.node.n1.*\""));
+        assert!(!block_of("node-n1").contains("rpc.node.*"));
+        assert!(block_of(NODE_USER).contains("\"hkvm.prod.*.rpc.node.*.*\""));
+        let client = block_of(CLIENT_USER);
+        assert!(client.contains("\"hkvm.prod.*.rpc.*\""));
+        assert!(!client.contains("rpc.node") && !client.contains("rpc.admin"));
+        assert!(!client.contains("rpc.>"));
+    }
 }

@@ -155,6 +155,20 @@ pub struct RpcCaller {
 }
 
 impl RpcCaller {
+    /// This caller (its connection and stats) waiting up to `timeout` for each
+    /// answer: for calls whose server side is long by nature.
+    pub fn with_request_timeout(&self, timeout: Duration) -> Self {
+        Self {
+            policy: RetryPolicy {
+                request_timeout: timeout,
+                retry_deadline: self.policy.retry_deadline.max(timeout),
+                ..self.policy
+            },
+            nats: self.nats.clone(),
+            stats: Arc::clone(&self.stats),
+        }
+    }
+
     /// A caller over `nats` with `policy`.
     pub fn new(nats: async_nats::Client, policy: RetryPolicy) -> Self {
         Self {

@@ -3,6 +3,7 @@
 //! leader when one is up ([`crate::direct`]), everything else (and everything
 //! while no link is up) over NATS request/reply.
 
+use hkvm_events::rpc::submaster::Audience;
 use hkvm_events::rpc::submaster::{
     Exist, ExistReply, GetReplicaList, GetReplicaListReply, LeaseId, LeaseReturn, LeaseSpace,
     LeaseSpaceReply, MountSegment, Op, Ping, PingReply, PutCommit, PutCommitItem, PutCommitReply,
@@ -10,8 +11,13 @@ use hkvm_events::rpc::submaster::{
     PutStartReply, Remount, Remove, RemoveAll, RemoveAllReply, RemoveMatching, RemoveReply, Status,
     StatusReply, UnmountSegment, MAX_BATCH_ITEMS,
 };
-use hkvm_events::subject::{leader_subject, stream_name, submaster_rpc_subject};
-use hkvm_events::{ClusterId, SubclusterId};
+use hkvm_events::rpc::{RpcError, RpcErrorCode};
+use hkvm_events::subject::{
+    leader_subject, stream_name, submaster_admin_subject, submaster_node_subject,
+    submaster_rpc_subject, user_of_inbox,
+};
+use hkvm_events::{ClusterId, NodeId, SubclusterId};
+use hkvm_log::permissions::may_administer;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -64,6 +70,11 @@ fn resend(op: Op) -> Resend {
         }
     }
 }
+
+/// How long a mass removal (`remove_all`, `remove_matching`) may take before
+/// its caller stops waiting: the sub-master removes a slice of its table at a
+/// time between other requests, so removing millions of objects takes seconds.
+pub const MASS_REMOVAL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// Whether commits may be sent again after a timeout: when each names its put's
 /// id, so that the sub-master tells a commit done before from one never made.
@@ -227,14 +238,82 @@ impl SubmasterClient {
         self.call_with(op, request, resend(op)).await
     }
 
+    /// The subject `op` goes on ([`Op::audience`]); `node` names the calling
+    /// node for a node's own operations.
+    fn subject(&self, op: Op, node: Option<&NodeId>) -> String {
+        let (cluster, subcluster) = (&self.cluster, &self.subcluster);
+        match (op.audience(), node) {
+            (Audience::Admin, _) => submaster_admin_subject(cluster, subcluster, op.name()),
+            (Audience::Node, Some(node)) => {
+                submaster_node_subject(cluster, subcluster, node.as_str(), op.name())
+            }
+            _ => submaster_rpc_subject(cluster, subcluster, op.name()),
+        }
+    }
+
+    /// Calls a node's own operation for `node`, on that node's subject.
+    async fn call_as_node<Req: Serialize, Rep: DeserializeOwned>(
+        &self,
+        op: Op,
+        node: &NodeId,
+        request: &Req,
+    ) -> Result<Rep, ClientError> {
+        self.call_on(
+            &self.caller,
+            op,
+            self.subject(op, Some(node)),
+            request,
+            resend(op),
+        )
+        .await
+    }
+
+    /// Calls a mass removal (the admin's subject, a long timeout). A
+    /// connection logged in as a role of the generated config that may not send
+    /// it is refused here, at once, rather than after the timeout its refused
+    /// publish would take.
+    async fn call_mass_removal<Req: Serialize, Rep: DeserializeOwned>(
+        &self,
+        op: Op,
+        request: &Req,
+    ) -> Result<Rep, ClientError> {
+        let inbox = self.caller.nats().new_inbox();
+        if let Some(user) = user_of_inbox(&inbox).filter(|user| !may_administer(user)) {
+            return Err(ClientError::Rpc {
+                op: op.name(),
+                source: RpcError::new(
+                    RpcErrorCode::Forbidden,
+                    format!(
+                        "{} needs the admin role; this connection logs in as {user}",
+                        op.name()
+                    ),
+                ),
+            });
+        }
+        let caller = self.caller.with_request_timeout(MASS_REMOVAL_TIMEOUT);
+        self.call_on(&caller, op, self.subject(op, None), request, resend(op))
+            .await
+    }
+
     async fn call_with<Req: Serialize, Rep: DeserializeOwned>(
         &self,
         op: Op,
         request: &Req,
         resend: Resend,
     ) -> Result<Rep, ClientError> {
-        let subject = submaster_rpc_subject(&self.cluster, &self.subcluster, op.name());
-        self.caller
+        self.call_on(&self.caller, op, self.subject(op, None), request, resend)
+            .await
+    }
+
+    async fn call_on<Req: Serialize, Rep: DeserializeOwned>(
+        &self,
+        caller: &RpcCaller,
+        op: Op,
+        subject: String,
+        request: &Req,
+        resend: Resend,
+    ) -> Result<Rep, ClientError> {
+        caller
             .call_checked(
                 op.name(),
                 subject,
@@ -337,7 +416,8 @@ impl SubmasterClient {
     /// # Errors
     /// [`ClientError`] when the sub-master refuses or is unreachable.
     pub async fn mount_segment(&self, mount: MountSegment) -> Result<(), ClientError> {
-        self.call(Op::MountSegment, &mount).await
+        self.call_as_node(Op::MountSegment, &mount.node, &mount)
+            .await
     }
 
     /// Unmounts a segment.
@@ -345,7 +425,8 @@ impl SubmasterClient {
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`].
     pub async fn unmount_segment(&self, unmount: UnmountSegment) -> Result<(), ClientError> {
-        self.call(Op::UnmountSegment, &unmount).await
+        self.call_as_node(Op::UnmountSegment, &unmount.node, &unmount)
+            .await
     }
 
     /// Re-announces all of a node's segments.
@@ -353,7 +434,8 @@ impl SubmasterClient {
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`].
     pub async fn remount(&self, remount: Remount) -> Result<(), ClientError> {
-        self.call(Op::Remount, &remount).await
+        self.call_as_node(Op::Remount, &remount.node, &remount)
+            .await
     }
 
     /// Reports a node alive.
@@ -479,7 +561,8 @@ impl SubmasterClient {
     /// # Errors
     /// As for [`SubmasterClient::mount_segment`].
     pub async fn remove_all(&self, force: bool) -> Result<RemoveAllReply, ClientError> {
-        self.call(Op::RemoveAll, &RemoveAll { force }).await
+        self.call_mass_removal(Op::RemoveAll, &RemoveAll { force })
+            .await
     }
 
     /// Removes every object whose key matches `pattern` (a regular expression);
@@ -495,7 +578,7 @@ impl SubmasterClient {
         tenant: Option<&str>,
         force: bool,
     ) -> Result<RemoveAllReply, ClientError> {
-        self.call(
+        self.call_mass_removal(
             Op::RemoveMatching,
             &RemoveMatching {
                 pattern: pattern.to_owned(),

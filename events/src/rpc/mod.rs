@@ -45,6 +45,11 @@ pub enum RpcErrorCode {
     /// could not catch up in time: its answer could be wrong, so it gives none.
     #[error("stale")]
     Stale,
+    /// The request came on a subject its kind may not use: an operation that
+    /// needs the admin role on the plain subject, or a node's operation on
+    /// another node's subject (see [`submaster::Audience`]).
+    #[error("forbidden")]
+    Forbidden,
 }
 
 /// An error reply.

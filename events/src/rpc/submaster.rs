@@ -111,6 +111,32 @@ impl Op {
     }
 }
 
+/// Who may send an operation, which decides the subject it goes on (and so,
+/// under the generated NATS permissions, which users can send it at all).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Audience {
+    /// Any client: [`submaster_rpc_subject`](crate::subject::submaster_rpc_subject).
+    Anyone,
+    /// The node the request names, about its own segments:
+    /// [`submaster_node_subject`](crate::subject::submaster_node_subject).
+    Node,
+    /// The operator: [`submaster_admin_subject`](crate::subject::submaster_admin_subject).
+    /// Removing everything, or everything matching a pattern, empties a pool
+    /// that every engine shares, and its scan is long.
+    Admin,
+}
+
+impl Op {
+    /// Who may send this operation.
+    pub fn audience(self) -> Audience {
+        match self {
+            Op::MountSegment | Op::UnmountSegment | Op::Remount => Audience::Node,
+            Op::RemoveAll | Op::RemoveMatching => Audience::Admin,
+            _ => Audience::Anyone,
+        }
+    }
+}
+
 /// Why one item of a batch failed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
 pub enum ItemError {

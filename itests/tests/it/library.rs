@@ -2,7 +2,7 @@
 //! NATS authorization that docs/security.md documents.
 
 use hkvm_itests::images::split_image_ref;
-use hkvm_itests::security::nats_conf;
+use hkvm_itests::security::{nats_conf, ListedNode};
 
 #[test]
 fn image_references_split_into_name_and_tag() {
@@ -28,9 +28,14 @@ fn image_references_split_into_name_and_tag() {
 fn the_documented_config_is_the_generated_one() {
     let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/security.md"))
         .unwrap_or_default();
-    let generated = nats_conf("prod", &["sc-0", "sc-1"]).unwrap();
+    let node = ListedNode {
+        node: "host-a",
+        subcluster: "sc-0",
+    };
+    let generated = nats_conf("prod", &["sc-0", "sc-1"], &[node]).unwrap();
     assert!(
         doc.contains(&generated),
-        "docs/security.md must contain the output of nats_conf(\"prod\", [\"sc-0\", \"sc-1\"]):\n{generated}"
+        "docs/security.md must contain the output of nats_conf(\"prod\", [\"sc-0\", \"sc-1\"], \
+         [host-a of sc-0]):\n{generated}"
     );
 }

@@ -31,6 +31,7 @@ mod globalmaster_recovery;
 mod history;
 mod library;
 mod monitoring;
+mod nats_roles;
 mod object_retention;
 mod rdma;
 mod snapshot_restore;

@@ -9,6 +9,7 @@ mod maintenance;
 mod mixed;
 mod objects;
 pub mod quota;
+mod removal;
 mod segments;
 
 use hkvm_events::rpc::submaster::{
@@ -27,6 +28,7 @@ pub use maintenance::maintain;
 use crate::placement::PlacementStrategy;
 use crate::state::State;
 use quota::TenantQuotas;
+pub use removal::{KeyMatcher, RemoveSlice, RemovedSlice};
 
 /// The rules commands follow.
 #[derive(Debug, Clone)]
@@ -105,6 +107,9 @@ pub enum Request {
     RemoveAll(RemoveAll),
     /// See [`RemoveMatching`].
     RemoveMatching(RemoveMatching),
+    /// One slice of a `remove_all` or `remove_matching` (the server's form of
+    /// them: one slice per command).
+    RemoveSlice(RemoveSlice),
     /// See [`Status`].
     Status(Status),
     /// See [`Mixed`].
@@ -118,6 +123,16 @@ pub enum Request {
 }
 
 impl Request {
+    /// The node a node's own operation (mount, unmount, remount) names.
+    pub fn node(&self) -> Option<&hkvm_events::NodeId> {
+        match self {
+            Self::Mount(mount) => Some(&mount.node),
+            Self::Unmount(unmount) => Some(&unmount.node),
+            Self::Remount(remount) => Some(&remount.node),
+            _ => None,
+        }
+    }
+
     /// Whether the request reads objects (its reply must wait until every earlier
     /// write is durable, so nobody sees state that could still be lost). A
     /// `put_end` or `put_commit` sent again reads one: its `Ok` says an earlier
@@ -152,8 +167,10 @@ pub enum Reply {
     Exist(ExistReply),
     /// Remove.
     Remove(RemoveReply),
-    /// RemoveAll.
+    /// RemoveAll, RemoveMatching.
     RemoveAll(RemoveAllReply),
+    /// RemoveSlice.
+    RemovedSlice(RemovedSlice),
     /// Status.
     Status(StatusReply),
     /// Mixed.
@@ -245,8 +262,17 @@ pub fn handle(
             check_batch(remove.keys.len(), policy)?;
             Ok(objects::remove(state, remove, now_ms))
         }
-        Request::RemoveAll(remove_all) => Ok(objects::remove_all(state, &remove_all, now_ms)),
-        Request::RemoveMatching(matching) => objects::remove_matching(state, &matching, now_ms),
+        Request::RemoveAll(remove_all) => Ok(removal::remove_whole(
+            state,
+            RemoveSlice::of_all(&remove_all),
+            now_ms,
+        )),
+        Request::RemoveMatching(matching) => Ok(removal::remove_whole(
+            state,
+            RemoveSlice::of_matching(&matching)?,
+            now_ms,
+        )),
+        Request::RemoveSlice(step) => Ok(removal::remove_slice(state, &step, now_ms)),
         Request::Status(Status { segments }) => Ok(Outcome::reply(Reply::Status(status(
             state, serving, segments,
         )))),

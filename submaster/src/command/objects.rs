@@ -1,14 +1,12 @@
-//! Object commands: put_start / put_end / put_revoke, get_replica_list, remove and
-//! remove_all.
+//! Object commands: put_start / put_end / put_revoke, get_replica_list and
+//! remove (the mass removals are in `removal`).
 
 use hkvm_events::grant::Access;
 use hkvm_events::rpc::submaster::{
     GetReplicaList, GetReplicaListReply, ItemError, ItemResult, PutEnd, PutEndItem, PutEndReply,
-    PutRevoke, PutStart, PutStartItem, PutStartReply, Remove, RemoveAll, RemoveAllReply,
-    RemoveMatching, ReplicaList, ReplicaLocation, MAX_AVOIDED_NODES, MAX_KEY_PATTERN_LEN,
+    PutRevoke, PutStart, PutStartItem, PutStartReply, Remove, ReplicaList, ReplicaLocation,
+    MAX_AVOIDED_NODES,
 };
-use hkvm_events::rpc::RpcError;
-use hkvm_events::tenant::{self, check_tenant};
 use hkvm_events::{KvEvent, NodeId, PutCommitted, PutFlags, Removed, SegmentId};
 
 use super::grants::Granting;
@@ -362,57 +360,5 @@ pub(super) fn remove(state: &mut State, remove: Remove, now_ms: u64) -> Outcome 
     Outcome {
         events: chunked(removed, |keys| KvEvent::Removed(Removed { keys })),
         reply: Reply::Remove(results),
-    }
-}
-
-/// Removes every object (leased ones only with `force`).
-pub(super) fn remove_all(state: &mut State, remove_all: &RemoveAll, now_ms: u64) -> Outcome {
-    removing(state, remove_all.force, now_ms, |_| true)
-}
-
-/// Removes every object whose key matches the request's pattern (leased ones only
-/// with `force`).
-///
-/// # Errors
-/// `InvalidRequest` for a pattern that is too long or does not compile.
-pub(super) fn remove_matching(
-    state: &mut State,
-    matching: &RemoveMatching,
-    now_ms: u64,
-) -> Result<Outcome, RpcError> {
-    if matching.pattern.len() > MAX_KEY_PATTERN_LEN {
-        return Err(RpcError::invalid(format!(
-            "key pattern of {} bytes exceeds {MAX_KEY_PATTERN_LEN}",
-            matching.pattern.len()
-        )));
-    }
-    let pattern = regex::RegexBuilder::new(&matching.pattern)
-        // Bounds the compiled automaton: a hostile pattern is refused, not compiled
-        // into gigabytes.
-        .size_limit(1 << 20)
-        .build()
-        .map_err(|e| RpcError::invalid(format!("key pattern: {e}")))?;
-    if let Some(tenant) = &matching.tenant {
-        check_tenant(tenant).map_err(|e| RpcError::invalid(format!("tenant {tenant:?}: {e}")))?;
-        return Ok(removing(state, matching.force, now_ms, |key| {
-            tenant::key_of(tenant, key).is_some_and(|key| pattern.is_match(key))
-        }));
-    }
-    Ok(removing(state, matching.force, now_ms, |key| {
-        pattern.is_match(key)
-    }))
-}
-
-fn removing(state: &mut State, force: bool, now_ms: u64, wanted: impl Fn(&str) -> bool) -> Outcome {
-    let keys: Vec<String> = state
-        .objects()
-        .filter(|(key, _)| wanted(key))
-        .filter(|(_, object)| force || !is_leased(state, object.lease_until_ms, now_ms))
-        .map(|(key, _)| key.to_owned())
-        .collect();
-    let removed = keys.len() as u64;
-    Outcome {
-        events: chunked(keys, |keys| KvEvent::Removed(Removed { keys })),
-        reply: Reply::RemoveAll(RemoveAllReply { removed }),
     }
 }

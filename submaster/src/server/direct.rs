@@ -17,7 +17,7 @@ use hkvm_events::{ClusterId, SubclusterId};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 
-use super::rpc::{encode_error, Gate, ReplyTo};
+use super::rpc::{encode_error, Gate, ReplyTo, Route};
 use super::Context;
 use crate::error::{SubmasterError, SubmasterErrorKind};
 use crate::metrics::SubmasterMetrics;
@@ -133,7 +133,8 @@ impl DirectService for LeaderService {
             return;
         }
         if let Some((ReplyTo::Direct(reply), body)) =
-            self.gate.admit(op, body, ReplyTo::Direct(reply), received)
+            self.gate
+                .admit(op, Route::Plain, body, ReplyTo::Direct(reply), received)
         {
             reply.send(body);
         }

@@ -7,6 +7,7 @@ mod direct;
 mod follower;
 mod leader;
 mod purger;
+mod removal;
 mod renewer;
 mod rpc;
 mod snapshotter;

@@ -3,15 +3,22 @@
 //! [`Gate`] it shares with the direct front. Pings the gate answers itself, from
 //! [`LiveNodes`]. It never queues without bound: while the leader recovers, or when
 //! the state machine's queue is full, requests get `Busy { retry_after }` at once.
+//!
+//! Each operation is served on the subject of its [`Audience`]: a node's mounts
+//! on its own `rpc.node.<node>` subject (a request naming another node is
+//! refused), the mass removals on `rpc.admin`; on the plain subject those are
+//! answered `Forbidden`. The NATS permissions decide who may publish where.
 
 use std::sync::Arc;
 
 use async_nats::{Client, Subject};
 use futures::StreamExt as _;
-use hkvm_events::rpc::submaster::{Op, Ping};
+use hkvm_events::rpc::submaster::{Audience, Op, Ping};
 use hkvm_events::rpc::{self, RpcError, RpcErrorCode, RpcReply};
-use hkvm_events::subject::submaster_rpc_subject;
-use tokio::sync::{mpsc, watch};
+use hkvm_events::subject::{
+    submaster_admin_subject, submaster_node_subject, submaster_rpc_subject,
+};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -32,6 +39,20 @@ pub(crate) enum ReplyTo {
     Nats(Subject),
     /// A request on a direct connection.
     Direct(DirectReply),
+    /// A step of a request the server runs in several commands
+    /// ([`super::removal`]).
+    Internal(oneshot::Sender<Vec<u8>>),
+}
+
+/// The subject a request came on, which says who may have sent it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Route<'a> {
+    /// The plain subject, or a direct connection: any client.
+    Plain,
+    /// The admin subject.
+    Admin,
+    /// The subject of this node.
+    Node(&'a str),
 }
 
 /// Who asked, and when: what a reply needs.
@@ -54,6 +75,7 @@ pub(crate) struct Job {
 /// malformed requests at once, queue the rest. Cheap to clone.
 #[derive(Clone)]
 pub(crate) struct Gate {
+    client: Client,
     jobs: mpsc::Sender<Job>,
     live: Arc<LiveNodes>,
     ready: watch::Receiver<bool>,
@@ -71,6 +93,7 @@ impl Gate {
         ready: watch::Receiver<bool>,
     ) -> Self {
         Self {
+            client: ctx.client.clone(),
             jobs,
             live,
             ready,
@@ -85,11 +108,14 @@ impl Gate {
         *self.ready.borrow()
     }
 
-    /// Takes one request of `op` received at `received`: queues it for the
-    /// state machine (`None`), or returns the answer to send `reply_to` now.
+    /// Takes one request of `op` received on `route` at `received`: queues it
+    /// for the state machine (`None`), or returns the answer to send `reply_to`
+    /// now. A mass removal is run a slice per command by a task of its own,
+    /// which replies when it is done.
     pub(crate) fn admit(
         &self,
         op: Op,
+        route: Route<'_>,
         payload: &[u8],
         reply_to: ReplyTo,
         received: Instant,
@@ -119,6 +145,22 @@ impl Gate {
                 };
                 return Some((reply_to, body));
             }
+            Err(error) => return Some((reply_to, refuse(error, "error"))),
+        };
+        if let Err(error) = check_route(op, route, &request) {
+            return Some((reply_to, refuse(error, "forbidden")));
+        }
+        let request = match super::removal::sliced(&request) {
+            Ok(Some(first)) => {
+                let requester = Requester {
+                    op,
+                    reply_to,
+                    received,
+                };
+                super::removal::spawn(self.jobs.clone(), self.client.clone(), requester, first);
+                return None;
+            }
+            Ok(None) => request,
             Err(error) => return Some((reply_to, refuse(error, "error"))),
         };
         let job = Job {
@@ -190,6 +232,36 @@ fn decode_request(op: Op, body: &[u8]) -> Result<Incoming, RpcError> {
     }))
 }
 
+/// Whether a request of `op` may come on `route`: an operation of
+/// [`Audience::Admin`] on the admin subject only, one of [`Audience::Node`] on
+/// the subject of the node it names only.
+///
+/// # Errors
+/// `Forbidden`, saying where the operation must be sent.
+fn check_route(op: Op, route: Route<'_>, request: &Request) -> Result<(), RpcError> {
+    let forbidden = |message: String| Err(RpcError::new(RpcErrorCode::Forbidden, message));
+    match (op.audience(), route) {
+        (Audience::Anyone, _) | (Audience::Admin, Route::Admin) => Ok(()),
+        (Audience::Admin, _) => forbidden(format!(
+            "{} needs the admin role: it is served on rpc.admin.{0} only",
+            op.name()
+        )),
+        (Audience::Node, Route::Node(node)) => match request.node() {
+            Some(named) if named.as_str() == node => Ok(()),
+            named => forbidden(format!(
+                "{} on the subject of node {node} names node {}: a node acts on its own \
+                 segments only",
+                op.name(),
+                named.map_or("none", |named| named.as_str())
+            )),
+        },
+        (Audience::Node, _) => forbidden(format!(
+            "{} is a node's own operation: it is served on rpc.node.<node>.{0} only",
+            op.name()
+        )),
+    }
+}
+
 /// Encodes a typed reply as its `RpcReply::Ok`.
 pub(crate) fn encode_reply(reply: Reply) -> Vec<u8> {
     let encoded = match reply {
@@ -201,6 +273,7 @@ pub(crate) fn encode_reply(reply: Reply) -> Vec<u8> {
         Reply::Exist(r) => rpc::encode(&RpcReply::Ok(r)),
         Reply::Remove(r) => rpc::encode(&RpcReply::Ok(r)),
         Reply::RemoveAll(r) => rpc::encode(&RpcReply::Ok(r)),
+        Reply::RemovedSlice(r) => rpc::encode(&RpcReply::Ok(r)),
         Reply::Status(r) => rpc::encode(&RpcReply::Ok(r)),
         Reply::Mixed(r) => rpc::encode(&RpcReply::Ok(r)),
         Reply::LeaseSpace(r) => rpc::encode(&RpcReply::Ok(r)),
@@ -228,39 +301,94 @@ pub(crate) async fn send(client: &Client, reply_to: ReplyTo, body: Vec<u8>) {
             }
         }
         ReplyTo::Direct(reply) => reply.send(body),
+        ReplyTo::Internal(reply) => {
+            // The stepping task is gone only when its requester is.
+            let _ = reply.send(body);
+        }
     }
 }
 
-/// Subscribes to every operation subject of the sub-cluster in the queue group.
+/// Subscribes to every operation subject of the sub-cluster in the queue group:
+/// each operation on the subject of its audience, and the operations of a node
+/// or of the admin on the plain subject too, to answer there that they are
+/// served elsewhere.
 ///
 /// # Errors
 /// When a subscription fails.
 pub(crate) async fn subscribe(ctx: &Context, gate: &Gate) -> Result<RpcFront, SubmasterError> {
-    let (client, config) = (&ctx.client, &ctx.config);
-    let (cluster, subcluster) = (&config.cluster, &config.subcluster);
+    let (cluster, subcluster) = (&ctx.config.cluster, &ctx.config.subcluster);
     let mut tasks = Vec::new();
     for op in Op::ALL {
-        let subject = submaster_rpc_subject(cluster, subcluster, op.name());
-        let mut subscription = client
-            .queue_subscribe(subject.clone(), QUEUE_GROUP.to_owned())
-            .await
-            .map_err(|e| {
-                SubmasterError::caused(SubmasterErrorKind::Rpc, format!("subscribing {subject}"), e)
-            })?;
-        let (client, gate) = (client.clone(), gate.clone());
-        tasks.push(tokio::spawn(async move {
-            while let Some(message) = subscription.next().await {
-                let Some(reply_to) = message.reply else {
-                    continue;
-                };
-                let received = Instant::now();
-                if let Some((reply_to, body)) =
-                    gate.admit(op, &message.payload, ReplyTo::Nats(reply_to), received)
-                {
-                    send(&client, reply_to, body).await;
-                }
+        let plain = submaster_rpc_subject(cluster, subcluster, op.name());
+        match op.audience() {
+            Audience::Anyone => {}
+            Audience::Admin => {
+                let subject = submaster_admin_subject(cluster, subcluster, op.name());
+                tasks.push(serve(ctx, gate, op, subject, Served::Admin).await?);
             }
-        }));
+            Audience::Node => {
+                let subject = submaster_node_subject(cluster, subcluster, "*", op.name());
+                tasks.push(serve(ctx, gate, op, subject, Served::Node).await?);
+            }
+        }
+        tasks.push(serve(ctx, gate, op, plain, Served::Plain).await?);
     }
     Ok(RpcFront { tasks })
+}
+
+/// Which of an operation's subjects a subscription serves.
+#[derive(Debug, Clone, Copy)]
+enum Served {
+    Plain,
+    Admin,
+    /// Every node's (`rpc.node.*.<op>`).
+    Node,
+}
+
+impl Served {
+    /// The route of a request that came on `subject`: for a node's subject, the
+    /// node is its next-to-last token (`...rpc.node.<node>.<op>`).
+    fn route(self, subject: &str) -> Route<'_> {
+        match self {
+            Self::Plain => Route::Plain,
+            Self::Admin => Route::Admin,
+            Self::Node => Route::Node(subject.rsplit('.').nth(1).unwrap_or_default()),
+        }
+    }
+}
+
+/// Serves `op` on `subject` (its plain, admin, or every node's subject).
+async fn serve(
+    ctx: &Context,
+    gate: &Gate,
+    op: Op,
+    subject: String,
+    served: Served,
+) -> Result<JoinHandle<()>, SubmasterError> {
+    let client = &ctx.client;
+    let mut subscription = client
+        .queue_subscribe(subject.clone(), QUEUE_GROUP.to_owned())
+        .await
+        .map_err(|e| {
+            SubmasterError::caused(SubmasterErrorKind::Rpc, format!("subscribing {subject}"), e)
+        })?;
+    let (client, gate) = (client.clone(), gate.clone());
+    Ok(tokio::spawn(async move {
+        while let Some(message) = subscription.next().await {
+            let Some(reply_to) = message.reply else {
+                continue;
+            };
+            let received = Instant::now();
+            let route = served.route(&message.subject);
+            if let Some((reply_to, body)) = gate.admit(
+                op,
+                route,
+                &message.payload,
+                ReplyTo::Nats(reply_to),
+                received,
+            ) {
+                send(&client, reply_to, body).await;
+            }
+        }
+    }))
 }

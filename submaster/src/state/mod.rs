@@ -353,6 +353,20 @@ impl State {
         self.objects.iter().map(|(key, object)| (&**key, object))
     }
 
+    /// How many slices [`State::objects_in_slice`] divides the objects into.
+    pub fn object_slices(&self) -> usize {
+        self.objects.chunk_count()
+    }
+
+    /// The complete objects of slice `index` (none past the last): a scan a
+    /// slice at a time, with commands applied in between, sees every object
+    /// that stays all along exactly once.
+    pub fn objects_in_slice(&self, index: usize) -> impl Iterator<Item = (&str, &Object)> {
+        self.objects
+            .chunk(index)
+            .map(|(key, object)| (&**key, object))
+    }
+
     /// All complete objects with their shared keys (a snapshot copies the
     /// pointer, not the key).
     pub fn objects_shared(&self) -> impl Iterator<Item = (&Arc<str>, &Object)> {

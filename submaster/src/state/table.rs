@@ -202,6 +202,22 @@ impl ObjectTable {
             .filter_map(|entry| entry.as_ref().map(|(key, object)| (key, object)))
     }
 
+    /// How many chunks of entries the table has (see [`ObjectTable::chunk`]).
+    pub fn chunk_count(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// The objects in chunk `index` of the table (none past the end): a scan of
+    /// the table a chunk at a time, with other work in between, sees every
+    /// object that stays in the table all along exactly once.
+    pub fn chunk(&self, index: usize) -> impl Iterator<Item = (&Arc<str>, &Object)> {
+        self.chunks
+            .get(index)
+            .into_iter()
+            .flat_map(|chunk| chunk.iter())
+            .filter_map(|entry| entry.as_ref().map(|(key, object)| (key, object)))
+    }
+
     /// Where `key`'s entry is.
     fn position(&self, key: &str) -> Option<u32> {
         let hash = self.hasher.hash_one(key);

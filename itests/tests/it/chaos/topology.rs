@@ -204,7 +204,7 @@ impl Topology {
             .with_startup_timeout(Duration::from_secs(60));
         if spec.secure {
             let subclusters: Vec<&str> = spec.subclusters.iter().map(|(s, _)| *s).collect();
-            let conf = security::nats_conf(CLUSTER, &subclusters).unwrap();
+            let conf = security::nats_conf(CLUSTER, &subclusters, &[]).unwrap();
             cmd.extend(["-c".to_owned(), "/etc/nats.conf".to_owned()]);
             request = request.with_copy_to("/etc/nats.conf", conf.into_bytes());
         }
