@@ -18,7 +18,7 @@ use std::time::Duration;
 
 pub use hkvm_direct::link::{DirectLink, LinkError, LinkFailure};
 use hkvm_events::lease::LeaseHolder;
-use hkvm_events::rpc::direct::{is_direct_name, DirectHello};
+use hkvm_events::rpc::direct::{is_direct_name, DirectHello, DirectTicket};
 use hkvm_events::rpc::global::{GlobalOp, GlobalStatus, GlobalStatusReply};
 use hkvm_events::rpc::{self, RpcReply};
 use hkvm_events::subject::{global_rpc_subject, Bucket};
@@ -94,6 +94,7 @@ impl DirectRoute {
             hello: DirectHello {
                 cluster,
                 subcluster,
+                ticket: None,
             },
             link: Mutex::new(None),
             linking: AtomicBool::new(false),
@@ -207,12 +208,21 @@ impl DirectRoute {
     /// Makes a new link to the leader `holder` names, or to the endpoint the
     /// service tells when none is given.
     async fn relink(&self, holder: Option<LeaseHolder>) {
-        let endpoint = match holder {
-            Some(holder) => holder.direct.ok_or(LinkError::NoEndpoint),
+        let target = match holder {
+            Some(holder) => holder
+                .direct
+                .map(|endpoint| (endpoint, holder.direct_ticket))
+                .ok_or(LinkError::NoEndpoint),
             None => self.discover().await,
         };
-        let result = match endpoint {
-            Ok(endpoint) => DirectLink::connect(&endpoint, &self.hello).await,
+        let result = match target {
+            Ok((endpoint, ticket)) => {
+                let hello = DirectHello {
+                    ticket,
+                    ..self.hello.clone()
+                };
+                DirectLink::connect(&endpoint, &hello).await
+            }
             Err(error) => Err(error),
         };
         match result {
@@ -235,9 +245,9 @@ impl DirectRoute {
         self.linking.store(false, Ordering::Release);
     }
 
-    /// Where the service takes direct requests: the leader lease record's
-    /// endpoint, or the status of a global-master replica.
-    async fn discover(&self) -> Result<String, LinkError> {
+    /// Where the service takes direct requests, and the ticket it wants: the
+    /// leader lease record's, or the status of a global-master replica.
+    async fn discover(&self) -> Result<(String, Option<DirectTicket>), LinkError> {
         let failed = |e: &dyn std::fmt::Display| LinkError::Discovery(e.to_string());
         match &self.hello.subcluster {
             Some(subcluster) => {
@@ -250,9 +260,10 @@ impl DirectRoute {
                     .map_err(|e| failed(&e))?;
                 match entry {
                     Some(entry) if entry.operation == async_nats::jetstream::kv::Operation::Put => {
-                        LeaseHolder::decode(&entry.value)
-                            .map_err(|e| failed(&e))?
+                        let holder = LeaseHolder::decode(&entry.value).map_err(|e| failed(&e))?;
+                        holder
                             .direct
+                            .map(|endpoint| (endpoint, holder.direct_ticket))
                             .ok_or(LinkError::NoEndpoint)
                     }
                     _ => Err(LinkError::NoEndpoint),
@@ -267,7 +278,10 @@ impl DirectRoute {
                         .map_err(|e| failed(&e))?
                         .map_err(|e| failed(&e))?;
                 match rpc::decode::<RpcReply<GlobalStatusReply>>(&asked.payload) {
-                    Ok(RpcReply::Ok(status)) => status.direct.ok_or(LinkError::NoEndpoint),
+                    Ok(RpcReply::Ok(status)) => status
+                        .direct
+                        .map(|endpoint| (endpoint, status.direct_ticket))
+                        .ok_or(LinkError::NoEndpoint),
                     Ok(RpcReply::Err(error)) => Err(failed(&error)),
                     Err(error) => Err(failed(&error)),
                 }

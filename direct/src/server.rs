@@ -7,17 +7,21 @@
 //! unanswered: past that it stops reading, so a client that does not read its
 //! replies stalls only itself. A connection that does not start with a hello
 //! within [`HELLO_TIMEOUT`], sends bytes that are not frames, or is refused its
-//! hello, is closed; the server keeps serving the others.
+//! hello, is closed; the server keeps serving the others. A hello without the
+//! server's [`DirectTicket`] (drawn when it starts serving, published by its
+//! owner over NATS with the endpoint) is refused `Forbidden` before the service
+//! sees it.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use hkvm_events::rpc::direct::{
-    decode_hello, decode_request, frame_len, push_reply, push_welcome, DirectHello, DirectWelcome,
-    FrameError,
+    decode_hello, decode_request, frame_len, push_reply, push_welcome, DirectHello, DirectTicket,
+    DirectWelcome, FrameError, TICKET_BYTES,
 };
-use hkvm_events::rpc::{self, RpcError, RpcReply};
+use hkvm_events::rpc::{self, RpcError, RpcErrorCode, RpcReply};
+use rand::RngCore as _;
 use tokio::io::{AsyncReadExt as _, BufReader};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::{TcpListener, TcpStream};
@@ -82,11 +86,13 @@ impl DirectReply {
 #[derive(Debug)]
 pub struct DirectServer {
     local_addr: SocketAddr,
+    ticket: DirectTicket,
     _tasks: JoinSet<()>,
 }
 
 impl DirectServer {
-    /// Serves `service` on `listener` until dropped.
+    /// Serves `service` on `listener` until dropped, to clients that show a
+    /// ticket drawn now ([`DirectServer::ticket`]).
     ///
     /// # Errors
     /// When the listener has no local address.
@@ -95,10 +101,18 @@ impl DirectServer {
         service: Arc<S>,
     ) -> std::io::Result<Self> {
         let local_addr = listener.local_addr()?;
+        let mut random = [0u8; TICKET_BYTES];
+        rand::rngs::OsRng.fill_bytes(&mut random);
+        let ticket = DirectTicket::from_random(random);
+        let ticketed = Arc::new(Ticketed {
+            service,
+            ticket: ticket.clone(),
+        });
         let mut tasks = JoinSet::new();
-        tasks.spawn(accept(listener, service));
+        tasks.spawn(accept(listener, ticketed));
         Ok(Self {
             local_addr,
+            ticket,
             _tasks: tasks,
         })
     }
@@ -106,6 +120,38 @@ impl DirectServer {
     /// The address it listens on.
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// The ticket a client must show in its hello: publish it with the
+    /// endpoint, over NATS only.
+    pub fn ticket(&self) -> &DirectTicket {
+        &self.ticket
+    }
+}
+
+/// A service behind its ticket check.
+struct Ticketed<S> {
+    service: Arc<S>,
+    ticket: DirectTicket,
+}
+
+impl<S: DirectService> DirectService for Ticketed<S> {
+    fn welcome(&self, hello: &DirectHello) -> Result<DirectWelcome, RpcError> {
+        if !self.ticket.admits(hello.ticket.as_ref()) {
+            return Err(RpcError::new(
+                RpcErrorCode::Forbidden,
+                "no valid ticket: a client reads it over NATS with this endpoint",
+            ));
+        }
+        self.service.welcome(hello)
+    }
+
+    fn request(&self, op: &str, body: &[u8], reply: DirectReply, received: Instant) {
+        self.service.request(op, body, reply, received);
+    }
+
+    fn connections(&self, delta: i64) {
+        self.service.connections(delta);
     }
 }
 
@@ -276,10 +322,11 @@ mod tests {
         }
     }
 
-    fn hello(subcluster: &str) -> DirectHello {
+    fn hello(server: &DirectServer, subcluster: &str) -> DirectHello {
         DirectHello {
             cluster: ClusterId::new("c").unwrap(),
             subcluster: Some(SubclusterId::new(subcluster).unwrap()),
+            ticket: Some(server.ticket().clone()),
         }
     }
 
@@ -288,7 +335,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let server = DirectServer::serve(listener, Arc::new(Echo)).unwrap();
         let endpoint = server.local_addr().to_string();
-        let link = DirectLink::connect(&endpoint, &hello("mine"))
+        let link = DirectLink::connect(&endpoint, &hello(&server, "mine"))
             .await
             .unwrap();
         (server, Arc::new(link))
@@ -370,10 +417,39 @@ mod tests {
         while let Some(done) = calls.join_next().await {
             done.unwrap();
         }
-        match DirectLink::connect(&endpoint, &hello("other")).await {
+        match DirectLink::connect(&endpoint, &hello(&server, "other")).await {
             Err(LinkError::Refused { .. }) => {}
             other => panic!("{other:?}"),
         }
         drop(server);
+    }
+
+    #[tokio::test]
+    async fn a_hello_without_the_servers_ticket_is_refused_before_the_service_sees_it() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let server = DirectServer::serve(listener, Arc::new(Echo)).unwrap();
+        let endpoint = server.local_addr().to_string();
+        let other = DirectServer::serve(
+            TcpListener::bind("127.0.0.1:0").await.unwrap(),
+            Arc::new(Echo),
+        )
+        .unwrap();
+        let without = DirectHello {
+            ticket: None,
+            ..hello(&server, "mine")
+        };
+        let another_servers = hello(&other, "mine");
+        for refused in [without, another_servers] {
+            match DirectLink::connect(&endpoint, &refused).await {
+                Err(LinkError::Refused { message, .. }) => {
+                    assert!(message.contains("ticket"), "{message}")
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        let link = DirectLink::connect(&endpoint, &hello(&server, "mine"))
+            .await
+            .unwrap();
+        assert_eq!(link.call("fast", b"in").await.unwrap(), b"in");
     }
 }

@@ -22,6 +22,9 @@ pub struct LeaseHolder {
     /// direct requests are off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub direct: Option<String>,
+    /// The ticket a client shows on that endpoint (with it, or none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub direct_ticket: Option<crate::rpc::direct::DirectTicket>,
 }
 
 impl LeaseHolder {
@@ -63,6 +66,7 @@ mod tests {
         assert_eq!(read.encode().unwrap(), older);
         let with = LeaseHolder {
             direct: Some("10.0.0.1:4100".into()),
+            direct_ticket: Some(crate::rpc::direct::DirectTicket::from_random([3; 16])),
             ..read
         };
         assert_eq!(LeaseHolder::decode(&with.encode().unwrap()).unwrap(), with);

@@ -48,7 +48,9 @@ pub(crate) async fn start(
         .map_err(failed("reading the direct address".into()))?;
     let endpoint = advertised(config.advertise.as_deref(), server.local_addr());
     tracing::info!(bound = %server.local_addr(), %endpoint, "taking direct queries");
-    let _ = shared.direct_endpoint.set(endpoint);
+    let _ = shared
+        .direct_endpoint
+        .set((endpoint, server.ticket().clone()));
     Ok(Some(server))
 }
 

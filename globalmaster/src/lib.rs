@@ -166,7 +166,10 @@ impl GlobalMaster {
 
     /// Where this replica takes direct queries, if it does.
     pub fn direct_endpoint(&self) -> Option<&str> {
-        self.shared.direct_endpoint.get().map(String::as_str)
+        self.shared
+            .direct_endpoint
+            .get()
+            .map(|(endpoint, _)| endpoint.as_str())
     }
 
     /// Runs `f` over the projection (read-locked), for tests and benchmarks.

@@ -301,7 +301,14 @@ pub(crate) fn status(shared: &Shared) -> GlobalStatusReply {
         keys: projection.index().len() as u64,
         bytes_per_key: projection.bytes_per_key(),
         sources: shared.source_statuses(&projection),
-        direct: shared.direct_endpoint.get().cloned(),
+        direct: shared
+            .direct_endpoint
+            .get()
+            .map(|(endpoint, _)| endpoint.clone()),
+        direct_ticket: shared
+            .direct_endpoint
+            .get()
+            .map(|(_, ticket)| ticket.clone()),
     }
 }
 

@@ -56,8 +56,9 @@ pub(crate) struct Shared {
     pub applied: tokio::sync::watch::Sender<u64>,
     /// The newest look at the streams' ends, shared by sync lookups.
     pub looks: Looks,
-    /// Where this replica takes direct queries, once its front serves.
-    pub direct_endpoint: std::sync::OnceLock<String>,
+    /// Where this replica takes direct queries, and the ticket clients show
+    /// there, once its front serves.
+    pub direct_endpoint: std::sync::OnceLock<(String, hkvm_events::rpc::direct::DirectTicket)>,
 }
 
 impl Shared {

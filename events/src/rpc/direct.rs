@@ -30,7 +30,7 @@ const ID_BYTES: usize = 8;
 
 /// What a client says first: which service it wants (a sub-cluster's leader, or
 /// a global-master replica), so that an endpoint now used by another server is
-/// recognised at once.
+/// recognised at once, and the ticket that lets it in.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DirectHello {
     /// The cluster.
@@ -39,6 +39,42 @@ pub struct DirectHello {
     /// The sub-cluster whose leader it wants; none: a global-master replica.
     #[serde(rename = "s", default, skip_serializing_if = "Option::is_none")]
     pub subcluster: Option<SubclusterId>,
+    /// The server's ticket, as the client read it over NATS with the endpoint.
+    #[serde(rename = "t", default, skip_serializing_if = "Option::is_none")]
+    pub ticket: Option<DirectTicket>,
+}
+
+/// Bytes of randomness in a [`DirectTicket`].
+pub const TICKET_BYTES: usize = 16;
+
+/// The credential of a direct port: 128 random bits a server draws when it
+/// opens the port and publishes only with its endpoint, over NATS (a sub-master
+/// leader in its lease record and announcement, a global-master replica in its
+/// status). So only a process that may read those over NATS (a user of the
+/// cluster's NATS account) links; one that merely reaches the port is refused.
+/// Its `Debug` form hides it.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct DirectTicket(String);
+
+impl DirectTicket {
+    /// The ticket of these random bytes (hex).
+    pub fn from_random(bytes: [u8; TICKET_BYTES]) -> Self {
+        Self(bytes.iter().map(|byte| format!("{byte:02x}")).collect())
+    }
+
+    /// Whether `offered` is this ticket (compared in constant time).
+    pub fn admits(&self, offered: Option<&DirectTicket>) -> bool {
+        offered.is_some_and(|offered| {
+            constant_time_eq::constant_time_eq(self.0.as_bytes(), offered.0.as_bytes())
+        })
+    }
+}
+
+impl std::fmt::Debug for DirectTicket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DirectTicket(..)")
+    }
 }
 
 /// The server's answer to a hello it accepts: who serves, in which epoch.
@@ -247,11 +283,13 @@ mod tests {
         let hello = DirectHello {
             cluster: ClusterId::new("c").unwrap(),
             subcluster: Some(SubclusterId::new("sc-0").unwrap()),
+            ticket: Some(DirectTicket::from_random([7; TICKET_BYTES])),
         };
         let bytes = encode_hello(&hello);
         assert_eq!(decode_hello(content(&bytes)).unwrap(), hello);
         let global = DirectHello {
             subcluster: None,
+            ticket: None,
             ..hello.clone()
         };
         assert_eq!(

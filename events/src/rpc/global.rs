@@ -353,6 +353,9 @@ pub struct GlobalStatusReply {
     /// `host:port` where this replica takes direct queries, if it does.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub direct: Option<String>,
+    /// The ticket a client shows on that endpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub direct_ticket: Option<super::direct::DirectTicket>,
 }
 
 /// A bloom filter over the key hashes of one sub-cluster: no false negatives, so

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use hkvm_client::SubmasterClient;
-use hkvm_events::rpc::direct::{encode_hello, frame_len, DirectHello, DirectWelcome};
+use hkvm_events::rpc::direct::{encode_hello, frame_len, DirectHello, DirectTicket, DirectWelcome};
 use hkvm_events::rpc::submaster::{ItemResult, PutEndItem};
 use hkvm_events::rpc::{self, RpcReply};
 use hkvm_events::{ClusterId, SubclusterId};
@@ -28,6 +28,18 @@ async fn wait_linked(client: &SubmasterClient) -> (String, u64) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("the client never linked to the leader");
+}
+
+/// The ticket the leader of `SC` published with its direct endpoint (what a
+/// client reads over NATS).
+async fn leader_ticket(fixture: &Fixture) -> Option<DirectTicket> {
+    let js = async_nats::jetstream::new(fixture.connect().await);
+    let bucket = hkvm_events::subject::Bucket::Leader.name(&fixture.cluster);
+    let store = js.get_key_value(bucket).await.unwrap();
+    let entry = store.get(SC).await.unwrap().expect("a leader lease");
+    hkvm_events::lease::LeaseHolder::decode(&entry)
+        .unwrap()
+        .direct_ticket
 }
 
 /// Puts `key` (put_start then put_end with `put_id`) and checks both succeed.
@@ -162,11 +174,32 @@ async fn foreign_bytes_and_another_subclusters_hello_are_refused_without_harm() 
     oversized.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
     assert_eq!(read_frame(&mut oversized).await, None);
 
+    let ticket = leader_ticket(&fixture).await;
+    assert!(ticket.is_some(), "the leader publishes its direct ticket");
+
+    // A right hello without the ticket (a process that reaches the port but
+    // may not read the lease over NATS): refused, then the end.
+    let mut unticketed = TcpStream::connect(&endpoint).await.unwrap();
+    let hello = DirectHello {
+        cluster: fixture.cluster.clone(),
+        subcluster: Some(SubclusterId::new(SC).unwrap()),
+        ticket: None,
+    };
+    unticketed.write_all(&encode_hello(&hello)).await.unwrap();
+    let answer = read_frame(&mut unticketed).await.expect("an answer");
+    let refused: RpcReply<DirectWelcome> = rpc::decode(&answer).unwrap();
+    assert!(
+        matches!(&refused, RpcReply::Err(error) if error.code == hkvm_events::rpc::RpcErrorCode::Forbidden),
+        "{refused:?}"
+    );
+    assert_eq!(read_frame(&mut unticketed).await, None);
+
     // Another sub-cluster's hello: an error answer, then the end.
     let mut other = TcpStream::connect(&endpoint).await.unwrap();
     let hello = DirectHello {
         cluster: fixture.cluster.clone(),
         subcluster: Some(SubclusterId::new("elsewhere").unwrap()),
+        ticket: ticket.clone(),
     };
     other.write_all(&encode_hello(&hello)).await.unwrap();
     let answer = read_frame(&mut other).await.expect("an answer");
@@ -179,6 +212,7 @@ async fn foreign_bytes_and_another_subclusters_hello_are_refused_without_harm() 
     let hello = DirectHello {
         cluster: ClusterId::new(fixture.cluster.as_str()).unwrap(),
         subcluster: Some(SubclusterId::new(SC).unwrap()),
+        ticket,
     };
     right.write_all(&encode_hello(&hello)).await.unwrap();
     let welcome: RpcReply<DirectWelcome> =
@@ -221,6 +255,7 @@ async fn a_leader_whose_lease_is_unconfirmed_sends_direct_clients_back_to_nats()
     let hello = DirectHello {
         cluster: fixture.cluster.clone(),
         subcluster: Some(SubclusterId::new(SC).unwrap()),
+        ticket: leader_ticket(&fixture).await,
     };
     let mut raw = TcpStream::connect(&endpoint).await.unwrap();
     raw.write_all(&encode_hello(&hello)).await.unwrap();

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use hkvm_direct::server::advertised;
 use hkvm_direct::{DirectReply, DirectServer, DirectService};
-use hkvm_events::rpc::direct::{is_direct_op, DirectHello, DirectWelcome};
+use hkvm_events::rpc::direct::{is_direct_op, DirectHello, DirectTicket, DirectWelcome};
 use hkvm_events::rpc::submaster::Op;
 use hkvm_events::rpc::{RpcError, RpcErrorCode};
 use hkvm_events::{ClusterId, SubclusterId};
@@ -26,6 +26,8 @@ use crate::metrics::SubmasterMetrics;
 pub(crate) struct DirectFront {
     /// `host:port` clients are told to connect to.
     pub(crate) endpoint: String,
+    /// What they show to connect: published with the endpoint, over NATS only.
+    pub(crate) ticket: DirectTicket,
     _server: DirectServer,
 }
 
@@ -65,6 +67,7 @@ impl DirectFront {
         tracing::info!(bound = %server.local_addr(), %endpoint, "taking direct requests");
         Ok(Some(Self {
             endpoint,
+            ticket: server.ticket().clone(),
             _server: server,
         }))
     }

@@ -454,6 +454,7 @@ pub(crate) async fn lead(
         producer: config.producer.clone(),
         epoch,
         direct: direct.as_ref().map(|front| front.endpoint.clone()),
+        direct_ticket: direct.as_ref().map(|front| front.ticket.clone()),
     };
 
     let clock = Instant::now();

@@ -252,6 +252,7 @@ async fn stand_by(
         producer: ctx.config.producer.clone(),
         epoch: state.max_epoch + 1,
         direct: None,
+        direct_ticket: None,
     };
     // The leader renews every third of the TTL; a revision that stood still for a
     // whole TTL means the leader is gone, without waiting for the entry to expire.
