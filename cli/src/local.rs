@@ -303,6 +303,10 @@ pub async fn run(args: LocalArgs) -> anyhow::Result<()> {
             "                 nodes:   {}   (the shared node user: it may act for any node)",
             logins.url_of(permissions::NODE_USER)
         );
+        println!(
+            "                 engines that empty the pool (remove_all): {}",
+            logins.url_of(permissions::POOL_ADMIN_USER)
+        );
     }
     match &record {
         Ok(path) => println!(

@@ -5,6 +5,7 @@ use hkvm_events::IdError;
 
 pub use hkvm_log::permissions::{
     node_user, submaster_user, ListedNode, ADMIN_USER, CLIENT_USER, GLOBAL_USER, NODE_USER,
+    POOL_ADMIN_USER,
 };
 
 /// The password of a user in the test config (tests only: a deployment sets

@@ -6,7 +6,8 @@
 //! (`node-<id>`) with a client's rights that may also mount, unmount and remount
 //! that node's segments only, in its own sub-cluster, and read the data-port
 //! grant keys; a shared `node` user for nodes not listed ahead (it may act for
-//! any node). Only the admin may remove everything (the `rpc.admin` subjects).
+//! any node). Only the admin and the `pool-admin` user (a client that may
+//! also empty the pool) may remove everything (the `rpc.admin` subjects).
 //! Every user subscribes under its own inbox prefix only. `docs/security.md`
 //! shows the output of [`nats_conf`] (with the test passwords of `hkvm-itests`)
 //! and a test keeps the two identical;
@@ -17,7 +18,7 @@ use std::fmt::Write as _;
 use hkvm_events::rpc::submaster::Op;
 use hkvm_events::subject::{
     event_subject, global_rpc_subject, inbox_prefix, leader_subject, stream_name,
-    submaster_node_subject, submaster_rpc_subject, Bucket,
+    submaster_admin_subject, submaster_node_subject, submaster_rpc_subject, Bucket,
 };
 use hkvm_events::{ClusterId, IdError, NodeId, SubclusterId};
 
@@ -60,6 +61,11 @@ pub struct ListedNode<'a> {
 }
 /// The operators' user (creates nothing at runtime; `hkvm replay`, repairs).
 pub const ADMIN_USER: &str = "admin";
+/// The user of an engine that empties the pool it owns (vLLM's connector on a
+/// prefix-cache reset, SGLang's `clear`): a client that may also send
+/// `remove_all` and `remove_matching`, and nothing of the operator's JetStream
+/// rights.
+pub const POOL_ADMIN_USER: &str = "pool-admin";
 
 /// Reading a stream: direct gets, and consumers on it with their acks and flow
 /// control.
@@ -295,6 +301,16 @@ pub fn nats_conf(
             &[inbox(&user), leaders.clone()],
         );
     }
+    let mut pool_admin_publish = client_publish.clone();
+    pool_admin_publish.push(every_subcluster(|subcluster| {
+        submaster_admin_subject(&cluster, subcluster, "*")
+    })?);
+    user_block(
+        &mut out,
+        (POOL_ADMIN_USER, &password(POOL_ADMIN_USER)),
+        &pool_admin_publish,
+        &[inbox(POOL_ADMIN_USER), leaders.clone()],
+    );
     let mut node_publish = client_publish;
     node_publish.push(every_subcluster(|subcluster| {
         submaster_node_subject(&cluster, subcluster, "*", "*")
@@ -315,8 +331,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_the_admin_and_users_of_other_configs_may_administer() {
+    fn only_the_admins_and_users_of_other_configs_may_administer() {
         assert!(may_administer(ADMIN_USER));
+        assert!(may_administer(POOL_ADMIN_USER));
         assert!(may_administer("operator"));
         for user in [CLIENT_USER, NODE_USER, GLOBAL_USER] {
             assert!(!may_administer(user), "{user}");
@@ -344,5 +361,8 @@ mod tests {
         assert!(client.contains("\"hkvm.prod.*.rpc.*\""));
         assert!(!client.contains("rpc.node") && !client.contains("rpc.admin"));
         assert!(!client.contains("rpc.>"));
+        let pool_admin = block_of(POOL_ADMIN_USER);
+        assert!(pool_admin.contains("\"hkvm.prod.*.rpc.admin.*\""));
+        assert!(!pool_admin.contains("$JS.API.STREAM.PURGE") && !pool_admin.contains("$JS.API.>"));
     }
 }

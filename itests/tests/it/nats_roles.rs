@@ -2,7 +2,8 @@
 //! against a real nats-server running the generated config: nodes read their
 //! sub-cluster's grant key and clients cannot, nor another user's replies; a
 //! client cannot unmount a node, a node cannot unmount another node, and only
-//! the admin removes everything.
+//! the admins (the operator, and the pool admin engines that reset their pool
+//! log in as) remove everything.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -222,7 +223,7 @@ async fn mounted(admin: &SubmasterClient) -> Vec<String> {
 }
 
 #[tokio::test]
-async fn a_client_cannot_unmount_a_node_a_node_only_itself_and_only_the_admin_removes_everything() {
+async fn a_client_cannot_unmount_a_node_a_node_only_itself_and_only_an_admin_removes_everything() {
     let cluster = ClusterId::new("roles").unwrap();
     let subcluster = SubclusterId::new("sc").unwrap();
     let server = NatsServer::start_with(ServerOptions {
