@@ -79,7 +79,13 @@ impl Logins {
             .map(|(node, subcluster)| permissions::ListedNode { node, subcluster })
             .collect();
         let mut passwords = BTreeMap::new();
-        let conf = permissions::nats_conf(cluster.as_str(), &names, &listed, |user| {
+        let deployment = permissions::Deployment {
+            cluster: cluster.as_str(),
+            subclusters: &names,
+            nodes: &listed,
+            ..permissions::Deployment::default()
+        };
+        let conf = permissions::nats_conf(&deployment, |user| {
             passwords
                 .entry(user.to_owned())
                 .or_insert_with(random_password)

@@ -3,9 +3,10 @@
 
 use hkvm_events::IdError;
 
+pub use hkvm_log::permissions::interdc::{source_user, target_user, GATEWAY_USER};
 pub use hkvm_log::permissions::{
-    node_user, submaster_user, ListedNode, ADMIN_USER, CLIENT_USER, GLOBAL_USER, NODE_USER,
-    POOL_ADMIN_USER,
+    node_user, submaster_user, Deployment, ListedNode, ADMIN_USER, CLIENT_USER, GLOBAL_USER,
+    NODE_USER, POOL_ADMIN_USER,
 };
 
 /// The password of a user in the test config (tests only: a deployment sets
@@ -23,5 +24,19 @@ pub fn nats_conf(
     subclusters: &[&str],
     nodes: &[ListedNode<'_>],
 ) -> Result<String, IdError> {
-    hkvm_log::permissions::nats_conf(cluster, subclusters, nodes, password)
+    nats_conf_for(&Deployment {
+        cluster,
+        subclusters,
+        nodes,
+        ..Deployment::default()
+    })
+}
+
+/// [`hkvm_log::permissions::nats_conf`] of `deployment` with the test
+/// passwords.
+///
+/// # Errors
+/// When a name is not a valid cluster, sub-cluster or node id.
+pub fn nats_conf_for(deployment: &Deployment<'_>) -> Result<String, IdError> {
+    hkvm_log::permissions::nats_conf(deployment, password)
 }

@@ -15,6 +15,8 @@
 
 use std::fmt::Write as _;
 
+pub mod interdc;
+
 use hkvm_events::rpc::submaster::Op;
 use hkvm_events::subject::{
     event_subject, global_rpc_subject, inbox_prefix, leader_subject, stream_name,
@@ -174,20 +176,44 @@ fn object_stream(cluster: &ClusterId, bucket: Bucket) -> String {
     format!("OBJ_{}", bucket.name(cluster))
 }
 
-/// A `nats.conf` fragment (accounts and users) for cluster `cluster` with these
-/// sub-clusters and these nodes of their own users, each user's password from
-/// `password` (the system account's user is `sys`); pass it to every NATS node
-/// with `-c`. A node added later gets its user by a new config and a reload
-/// (`nats-server --signal reload`), or logs in as the shared [`NODE_USER`].
+/// What [`nats_conf`] writes users for: one cluster's sub-clusters, the nodes
+/// that get users of their own, and the inter-DC copies it takes part in.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Deployment<'a> {
+    /// The cluster.
+    pub cluster: &'a str,
+    /// Its sub-clusters.
+    pub subclusters: &'a [&'a str],
+    /// Nodes with users of their own.
+    pub nodes: &'a [ListedNode<'a>],
+    /// Clusters whose inter-DC masters copy from this one (this cluster is
+    /// their source): each gets [`interdc::source_user`], and the gateway
+    /// user [`interdc::GATEWAY_USER`] is written when there is any.
+    pub copied_to: &'a [&'a str],
+    /// Clusters this one's inter-DC masters copy from (this cluster is their
+    /// target): each gets [`interdc::target_user`].
+    pub copied_from: &'a [&'a str],
+}
+
+/// A `nats.conf` fragment (accounts and users) for `deployment`, each user's
+/// password from `password` (the system account's user is `sys`); pass it to
+/// every NATS node of the cluster with `-c`. A node added later gets its user by
+/// a new config and a reload (`nats-server --signal reload`), or logs in as the
+/// shared [`NODE_USER`].
 ///
 /// # Errors
 /// When a name is not a valid cluster, sub-cluster or node id.
 pub fn nats_conf(
-    cluster: &str,
-    subclusters: &[&str],
-    nodes: &[ListedNode<'_>],
+    deployment: &Deployment<'_>,
     mut password: impl FnMut(&str) -> String,
 ) -> Result<String, IdError> {
+    let Deployment {
+        cluster,
+        subclusters,
+        nodes,
+        copied_to,
+        copied_from,
+    } = *deployment;
     let cluster = ClusterId::new(cluster)?;
     let leader = kv_stream(&cluster, Bucket::Leader);
     let registry = kv_stream(&cluster, Bucket::Registry);
@@ -322,6 +348,41 @@ pub fn nats_conf(
         &node_publish,
         &[inbox(NODE_USER), leaders],
     );
+    let reading = interdc::Reading {
+        streams: &streams,
+        registry: &registry,
+        snapshots: &snapshots,
+        positions: &positions,
+    };
+    for target in copied_to {
+        let target = ClusterId::new(*target)?;
+        let user = interdc::source_user(&target);
+        let publish = interdc::source_publish(&cluster, &reading);
+        user_block(
+            &mut out,
+            (&user, &password(&user)),
+            &publish,
+            &[inbox(&user)],
+        );
+    }
+    if !copied_to.is_empty() {
+        let user = interdc::GATEWAY_USER;
+        let (publish, subscribe) = interdc::gateway_rights(&cluster)?;
+        let mut subscribe = subscribe;
+        subscribe.insert(0, inbox(user));
+        user_block(&mut out, (user, &password(user)), &publish, &subscribe);
+    }
+    for source in copied_from {
+        let source = ClusterId::new(*source)?;
+        let user = interdc::target_user(&source);
+        let publish = interdc::target_publish(&cluster, &source, &reading)?;
+        user_block(
+            &mut out,
+            (&user, &password(&user)),
+            &publish,
+            &[inbox(&user)],
+        );
+    }
     out.push_str("    ]\n  }\n}\n");
     Ok(out)
 }
@@ -348,7 +409,13 @@ mod tests {
             node: "n1",
             subcluster: "sc-0",
         };
-        let conf = nats_conf("prod", &["sc-0"], &[node], |user| format!("{user}-pw")).unwrap();
+        let deployment = Deployment {
+            cluster: "prod",
+            subclusters: &["sc-0"],
+            nodes: &[node],
+            ..Deployment::default()
+        };
+        let conf = nats_conf(&deployment, |user| format!("{user}-pw")).unwrap();
         let block_of = |user: &str| {
             let start = conf.find(&format!("user: \"{user}\"")).unwrap();
             let end = conf[start..].find("allow_responses").unwrap();

@@ -17,6 +17,8 @@ use hkvm_interdc::wan::{fetch, Fetched, ReceiverSettings};
 use hkvm_interdc::InterDcStatus;
 use hkvm_transfer::wan::Impairment;
 
+use hkvm_itests::security;
+
 use crate::fixture::{poll_until, Pool, PoolSpec, WAIT};
 use crate::process::{run_hkvm, Process, Stream};
 
@@ -408,5 +410,60 @@ async fn a_source_stream_purged_up_to_a_snapshot_is_seeded_from_it() {
     for (key, bytes) in &wanted {
         let fetched = target.kv["t0"].get(key).await.unwrap();
         assert_eq!(fetched.value.as_ref(), bytes.as_slice(), "{key}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn under_the_generated_users_the_gateway_and_master_copy_with_their_own_credentials() {
+    let source = Pool::start(pool("prefill", &[("p0", "prefill")]).secured(&["decode"], &[])).await;
+    let target = Pool::start(pool("decode", &[("d0", "decode")]).secured(&[], &["prefill"])).await;
+    let mut wanted = BTreeMap::new();
+    for i in 0..8 {
+        let key = format!("model-s/block-{i}");
+        let bytes = value(200 + i, 48 * 1024);
+        source.kv["p0"].put(&key, &bytes, 1).await.unwrap();
+        wanted.insert(key, bytes);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("policy.toml");
+    std::fs::write(&policy, "[target_labels]\npool = \"decode\"\n").unwrap();
+    let source_cluster = hkvm_events::ClusterId::new("prefill").unwrap();
+    let target_cluster = hkvm_events::ClusterId::new("decode").unwrap();
+    let gateway = hkvm(
+        "hkvm interdc gateway (secured)",
+        &[
+            "interdc",
+            "gateway",
+            "--source",
+            &source.address_as(security::GATEWAY_USER),
+            "--peer",
+            "127.0.0.0/8",
+        ],
+    )
+    .await;
+    gateway
+        .wait_for_line(Stream::Stdout, "inter-DC gateway of", WAIT)
+        .await;
+    let mut master = hkvm(
+        "hkvm interdc (secured)",
+        &[
+            "interdc",
+            "--source",
+            &source.address_as(&security::source_user(&target_cluster)),
+            "--target",
+            &target.address_as(&security::target_user(&source_cluster)),
+            "--policy",
+            policy.to_str().unwrap(),
+            "--until-idle",
+        ],
+    )
+    .await;
+    let exit = master.wait_exit(Duration::from_secs(120)).await;
+    assert!(exit.success(), "the secured master failed: {exit}");
+    let d0 = target.commits("d0").await;
+    for (key, bytes) in &wanted {
+        assert_eq!(d0.get(key), Some(&1), "{key} committed once in d0");
+        let fetched = target.kv["d0"].get(key).await.unwrap();
+        assert_eq!(fetched.value.as_ref(), bytes.as_slice(), "{key} byte-exact");
     }
 }

@@ -120,6 +120,9 @@ pub struct Fixture {
     pub js: jetstream::Context,
     /// The cluster.
     pub cluster: ClusterId,
+    /// Whether the server runs the generated users (`Fixture::secured`): then
+    /// the test's own connections log in as the operator.
+    pub secured: bool,
 }
 
 /// One sub-cluster written by the test itself: its stream, a group committer on
@@ -181,6 +184,14 @@ pub fn rpc_prefix(cluster: &ClusterId, subcluster: &SubclusterId) -> String {
         .to_owned()
 }
 
+/// `server`'s URL with `user`'s test credentials.
+fn url_as(server: &NatsServer, user: &str) -> String {
+    let password = hkvm_itests::security::password(user);
+    server
+        .url()
+        .replacen("nats://", &format!("nats://{user}:{password}@"), 1)
+}
+
 impl Fixture {
     /// Starts a nats-server for cluster `cluster`.
     pub async fn new(cluster: &str) -> Self {
@@ -197,6 +208,30 @@ impl Fixture {
             client,
             js,
             cluster: ClusterId::new(cluster).unwrap(),
+            secured: false,
+        }
+    }
+
+    /// Starts a nats-server running `deployment`'s generated users (with the
+    /// test passwords of `hkvm_itests::security`) for its cluster; the test's
+    /// own connections log in as the operator.
+    pub async fn secured(deployment: &hkvm_itests::security::Deployment<'_>) -> Self {
+        let options = ServerOptions {
+            extra_config: hkvm_itests::security::nats_conf_for(deployment).unwrap(),
+            ..ServerOptions::default()
+        };
+        let server = NatsServer::start_with(options).await.unwrap();
+        let admin = hkvm_itests::security::ADMIN_USER;
+        let client = hkvm_client::connect::connect(&url_as(&server, admin), "test")
+            .await
+            .unwrap();
+        let js = jetstream::new(client.clone());
+        Self {
+            server,
+            client,
+            js,
+            cluster: ClusterId::new(deployment.cluster).unwrap(),
+            secured: true,
         }
     }
 
@@ -205,9 +240,34 @@ impl Fixture {
         self.server.url()
     }
 
-    /// A new connection (each service of a test gets its own, as in production).
+    /// The server's client URL with `user`'s credentials (on a secured
+    /// fixture; the plain URL otherwise).
+    pub fn url_as(&self, user: &str) -> String {
+        if self.secured {
+            url_as(&self.server, user)
+        } else {
+            self.url()
+        }
+    }
+
+    /// A new connection (each service of a test gets its own, as in
+    /// production); on a secured fixture as the operator.
     pub async fn connect(&self) -> async_nats::Client {
+        if self.secured {
+            return self.connect_as(hkvm_itests::security::ADMIN_USER).await;
+        }
         self.server.connect().await.unwrap()
+    }
+
+    /// A new connection as `user`, as HKVM's processes connect, on a secured
+    /// fixture; [`Fixture::connect`] otherwise.
+    pub async fn connect_as(&self, user: &str) -> async_nats::Client {
+        if !self.secured {
+            return self.server.connect().await.unwrap();
+        }
+        hkvm_client::connect::connect(&self.url_as(user), user)
+            .await
+            .unwrap()
     }
 
     /// Creates `subcluster`'s stream (default settings) and returns its log.
