@@ -30,6 +30,7 @@ use tokio::time::Instant;
 
 mod breaking;
 mod client;
+mod engine;
 
 use client::{deploy, requests_sent, run_client, Client, Deployment, Kind, Record, Schedule};
 
@@ -56,6 +57,23 @@ pub struct ScaleArgs {
     /// Percentages of puts, gets and batch_is_exist (`scale`).
     #[arg(long, default_value = "20,60,20", value_parser = parse_mix)]
     pub mix: Mix,
+    /// Which loads to drive: `uniform` (the sweep of simulated clients above),
+    /// `engine` (cards calling as inference engines do, docs/traffic-model.md),
+    /// or both (the default).
+    #[arg(long, value_enum, default_values_t = [Model::Uniform, Model::Engine])]
+    pub model: Vec<Model>,
+    /// The engine model's options.
+    #[command(flatten)]
+    pub engine: engine::EngineArgs,
+}
+
+/// A load of the `scale` workload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Model {
+    /// Simulated clients with a uniform mix of puts, gets and batch_is_exist.
+    Uniform,
+    /// Accelerator cards calling as inference engines do.
+    Engine,
 }
 
 /// Env var naming the `hkvm` binary whose `submaster` and `globalmaster` commands
@@ -181,7 +199,7 @@ pub(crate) fn cpu_seconds(pid: Option<u32>) -> f64 {
 }
 
 /// The machine's busy and total CPU ticks over all cores since boot (`/proc/stat`).
-fn machine_cpu_ticks() -> Option<(u64, u64)> {
+pub(super) fn machine_cpu_ticks() -> Option<(u64, u64)> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
     let line = stat.lines().find(|line| line.starts_with("cpu "))?;
     let ticks: Vec<u64> = line
@@ -196,7 +214,7 @@ fn machine_cpu_ticks() -> Option<(u64, u64)> {
     Some((total.saturating_sub(idle), total))
 }
 
-fn percentile(sorted: &[u32], p: f64) -> f64 {
+pub(super) fn percentile(sorted: &[u32], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
     }
@@ -432,6 +450,23 @@ async fn run_point(
 /// # Errors
 /// When a master does not start or NATS fails.
 pub async fn run(
+    nats: &BenchNats,
+    quick: bool,
+    setup: &Setup,
+    printer: &mut Printer,
+) -> anyhow::Result<()> {
+    let args = &setup.args;
+    if args.model.contains(&Model::Uniform) {
+        run_uniform(nats, quick, setup, printer).await?;
+    }
+    if args.model.contains(&Model::Engine) {
+        engine::run(nats, &setup.hkvm, &args.engine, quick, printer).await?;
+    }
+    Ok(())
+}
+
+/// The uniform sweep, its split and its break probe.
+async fn run_uniform(
     nats: &BenchNats,
     quick: bool,
     setup: &Setup,

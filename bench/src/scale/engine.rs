@@ -1,0 +1,727 @@
+//! The engine model of the `scale` workload (`--model engine`): accelerator
+//! cards that call the pool as an inference engine does, per the traffic model
+//! of docs/traffic-model.md (its typical case, SGLang HiCache with the Mooncake
+//! backend): cards are dummy clients, `--dummies-per-real` behind each real
+//! client (one node: it mounts and pings once a second, and its cards' calls
+//! share its coalescing sub-master client), spread over N sub-clusters.
+//!
+//! A prefill card serves Poisson requests; each is a prefetch `batch_is_exist`
+//! of 128 prefix-chained pages (the first 79 written by earlier requests of the
+//! card), a get of the 79 hits, a pre-put `batch_is_exist` of the 55 new pages
+//! and a put of the 55 (4.29 MiB each, one replica). A decode card offloads
+//! Poisson pages: a one-key `batch_is_exist` then a one-key put. A
+//! `batch_is_exist` asks the card's sub-master first, then the global master
+//! for the keys it lacks, as `hkvm.store` does. Values move no bytes: the
+//! masters' work is the same, and that is what this measures.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use async_nats::jetstream;
+use hkvm_client::coalesce::CoalesceConfig;
+use hkvm_client::{GlobalClient, SubmasterClient};
+use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp};
+use hkvm_events::rpc::submaster::{ItemResult, MountSegment, Ping, PutEndItem, PutStartItem};
+use hkvm_events::rpc::RpcReply;
+use hkvm_events::{ClusterId, NodeId, SegmentId, SubclusterId};
+use tokio::time::Instant;
+
+use super::client::requests_sent;
+use super::{clean, cpu_seconds, machine_cpu_ticks, percentile, Master};
+use crate::report::{BenchResult, Printer};
+use crate::BenchNats;
+
+const WORKLOAD: &str = "scale-engine";
+/// NATS connections the simulated cards share.
+const CONNECTIONS: usize = 8;
+/// Pages of a prefill request's prefetch `batch_is_exist` (SGLang's bound).
+const PREFETCH_PAGES: usize = 128;
+/// Of those, the pages the pool holds (the typical case's hits).
+const PREFETCH_HITS: usize = 79;
+/// New pages a prefill request writes back.
+const NEW_PAGES: usize = 55;
+/// Bytes of one page (MLA, 64 tokens, DeepSeek-V3's 61 layers).
+const PAGE_BYTES: u64 = 4_500_000;
+/// Cards in 10,000 for the extrapolation.
+const FLEET: f64 = 10_000.0;
+
+/// Options of the engine model.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EngineArgs {
+    /// Accelerator cards driven (`--model engine`; --quick uses a tenth).
+    #[arg(long, default_value_t = 400)]
+    pub cards: usize,
+    /// Share of the cards that prefill (the rest decode).
+    #[arg(long, default_value_t = 0.5)]
+    pub prefill_share: f64,
+    /// Requests per second of one prefill card.
+    #[arg(long, default_value_t = 1.07)]
+    pub prefill_rate: f64,
+    /// Pages offloaded per second by one decode card.
+    #[arg(long, default_value_t = 28.9)]
+    pub decode_rate: f64,
+    /// Cards (dummy clients) behind each real client.
+    #[arg(long, default_value_t = 8)]
+    pub dummies_per_real: usize,
+}
+
+/// An engine-level call.
+#[derive(Debug, Clone, Copy)]
+enum Call {
+    Exist = 0,
+    Get = 1,
+    Put = 2,
+}
+
+const CALLS: [(Call, &str); 3] = [
+    (Call::Exist, "batch_is_exist"),
+    (Call::Get, "get"),
+    (Call::Put, "put"),
+];
+
+/// What the cards of a point did in the window.
+#[derive(Debug, Default)]
+struct Record {
+    /// Latency (µs) of each call, per kind.
+    latencies: [Vec<u32>; 3],
+    /// Keys per kind.
+    keys: [u64; 3],
+    failures: u64,
+}
+
+impl Record {
+    fn add(&mut self, other: Record) {
+        for (into, from) in self.latencies.iter_mut().zip(other.latencies) {
+            into.extend(from);
+        }
+        for (into, from) in self.keys.iter_mut().zip(other.keys) {
+            *into += from;
+        }
+        self.failures += other.failures;
+    }
+
+    fn calls(&self) -> usize {
+        self.latencies.iter().map(Vec::len).sum()
+    }
+
+    fn all_keys(&self) -> u64 {
+        self.keys.iter().sum()
+    }
+}
+
+/// A cheap per-card random sequence (xorshift64).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// An exponential delay of mean `1 / rate` seconds (Poisson arrivals).
+    fn interval(&mut self, rate: f64) -> Duration {
+        let unit = ((self.next() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+        Duration::from_secs_f64(-unit.ln() / rate.max(1e-6))
+    }
+}
+
+/// One card: what it is, and its handles.
+struct Card {
+    index: usize,
+    prefill: bool,
+    submaster: SubmasterClient,
+    global: GlobalClient,
+    /// Global-master requests sent, over all cards.
+    global_requests: Arc<AtomicU64>,
+}
+
+impl Card {
+    /// An engine `batch_is_exist`: the sub-master, then the global master for
+    /// the keys it lacks. Whether it was answered.
+    async fn exist(&self, keys: &[String]) -> bool {
+        let Ok(local) = self.submaster.exist(keys.to_vec()).await else {
+            return false;
+        };
+        let missing: Vec<&String> = keys
+            .iter()
+            .zip(local)
+            .filter(|(_, present)| !present)
+            .map(|(key, _)| key)
+            .collect();
+        if missing.is_empty() {
+            return true;
+        }
+        self.global_requests.fetch_add(1, Ordering::Relaxed);
+        matches!(
+            self.global.batch_is_exist(&missing, None).await,
+            Ok(RpcReply::Ok(_))
+        )
+    }
+
+    async fn get(&self, keys: &[String]) -> bool {
+        self.submaster.get_replica_list(keys.to_vec()).await.is_ok()
+    }
+
+    async fn put(&self, keys: &[String]) -> bool {
+        let items = keys
+            .iter()
+            .map(|key| PutStartItem {
+                key: key.clone(),
+                size: PAGE_BYTES,
+                replicas: 1,
+                preferred_segment: None,
+                hard_pin: false,
+                put_id: 0,
+                avoid_nodes: Vec::new(),
+            })
+            .collect();
+        let Ok(started) = self.submaster.put_start(items).await else {
+            return false;
+        };
+        let ends: Vec<PutEndItem> = keys
+            .iter()
+            .zip(started)
+            .filter(|(_, started)| matches!(started, ItemResult::Ok(_)))
+            .map(|(key, _)| PutEndItem {
+                key: key.clone(),
+                checksum: 7,
+                put_id: 0,
+            })
+            .collect();
+        ends.len() == keys.len() && self.submaster.put_end(ends).await.is_ok()
+    }
+}
+
+/// Runs `card` until `end`, recording what starts at or after `measure_from`.
+async fn run_card(card: Card, args: EngineArgs, measure_from: Instant, end: Instant) -> Record {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (card.index as u64 + 1).wrapping_mul(0xff51_afd7));
+    let mut record = Record::default();
+    // Pages this card wrote, oldest first: later requests' prefix hits.
+    let mut written: Vec<String> = Vec::new();
+    let mut page = 0u64;
+    let rate = if card.prefill {
+        args.prefill_rate
+    } else {
+        args.decode_rate
+    };
+    let mut next = Instant::now() + rng.interval(rate);
+    loop {
+        if next >= end {
+            return record;
+        }
+        tokio::time::sleep_until(next).await;
+        next += rng.interval(rate);
+        let measured = Instant::now() >= measure_from;
+        let mut fresh = |count: usize| -> Vec<String> {
+            (0..count)
+                .map(|_| {
+                    page += 1;
+                    format!("card{}/p{page}", card.index)
+                })
+                .collect()
+        };
+        let mut timed = Vec::new();
+        if card.prefill {
+            let hits = PREFETCH_HITS.min(written.len());
+            let start = if written.len() > hits {
+                rng.next() as usize % (written.len() - hits + 1)
+            } else {
+                0
+            };
+            let mut prefetch: Vec<String> = written[start..start + hits].to_vec();
+            prefetch.extend(fresh(PREFETCH_PAGES - hits));
+            let new_pages = fresh(NEW_PAGES);
+            let t = Instant::now();
+            let ok = card.exist(&prefetch).await;
+            timed.push((Call::Exist, prefetch.len(), t.elapsed(), ok));
+            if hits > 0 {
+                let t = Instant::now();
+                let ok = card.get(&prefetch[..hits]).await;
+                timed.push((Call::Get, hits, t.elapsed(), ok));
+            }
+            let t = Instant::now();
+            let ok = card.exist(&new_pages).await;
+            timed.push((Call::Exist, new_pages.len(), t.elapsed(), ok));
+            let t = Instant::now();
+            let ok = card.put(&new_pages).await;
+            timed.push((Call::Put, new_pages.len(), t.elapsed(), ok));
+            if ok {
+                written.extend(new_pages);
+            }
+        } else {
+            let new_page = fresh(1);
+            let t = Instant::now();
+            let ok = card.exist(&new_page).await;
+            timed.push((Call::Exist, 1, t.elapsed(), ok));
+            let t = Instant::now();
+            let ok = card.put(&new_page).await;
+            timed.push((Call::Put, 1, t.elapsed(), ok));
+        }
+        if !measured || Instant::now() >= end {
+            continue;
+        }
+        for (call, keys, took, ok) in timed {
+            if ok {
+                let micros = took.as_micros().min(u128::from(u32::MAX)) as u32;
+                record.latencies[call as usize].push(micros);
+                record.keys[call as usize] += keys as u64;
+            } else {
+                record.failures += 1;
+            }
+        }
+    }
+}
+
+/// What one point measured.
+#[derive(Debug, Clone, Default)]
+struct Point {
+    calls_per_s: f64,
+    keys_per_s: f64,
+    /// Per call kind: p50 and p99 (µs).
+    latency: [(f64, f64); 3],
+    sub_requests_per_s: f64,
+    global_requests_per_s: f64,
+    /// CPU seconds per second of all sub-masters, the global master, nats-server.
+    sub_cores: f64,
+    global_cores: f64,
+    nats_cores: f64,
+    machine_busy: f64,
+    failures: u64,
+    /// The measured window, seconds.
+    window_s: f64,
+}
+
+impl Point {
+    fn per_kcall(&self, cores: f64) -> f64 {
+        cores / (self.calls_per_s / 1000.0).max(1e-9)
+    }
+
+    fn per_kkey(&self, cores: f64) -> f64 {
+        cores / (self.keys_per_s / 1000.0).max(1e-9)
+    }
+}
+
+/// Runs one point: N sub-clusters and a global master as child processes, the
+/// cards' real clients mounted, the cards driven for `warmup + window`.
+async fn run_point(
+    nats: &BenchNats,
+    exe: &std::path::Path,
+    args: &EngineArgs,
+    subclusters: usize,
+    (warmup, window): (Duration, Duration),
+) -> anyhow::Result<Point> {
+    let cluster = ClusterId::new(format!("bengine{subclusters}"))?;
+    let control = nats.connect().await?;
+    clean(&jetstream::new(control.clone()), &cluster, subclusters).await;
+    let common = |extra: &[&str]| {
+        let mut all = vec![
+            "--nats".to_owned(),
+            nats.url.clone(),
+            "--cluster".to_owned(),
+            cluster.to_string(),
+        ];
+        all.extend(extra.iter().map(|s| (*s).to_owned()));
+        all
+    };
+    let ids: Vec<SubclusterId> = (0..subclusters)
+        .map(|i| SubclusterId::new(format!("sc-{i}")))
+        .collect::<Result<_, _>>()?;
+    let mut submasters = Vec::new();
+    for id in &ids {
+        let mut argv = vec!["submaster".to_owned()];
+        argv.extend(common(&["--subcluster", id.as_str()]));
+        submasters.push(Master::spawn(exe, &argv)?);
+    }
+    let mut argv = vec!["globalmaster".to_owned()];
+    argv.extend(common(&["--no-restore"]));
+    let global_master = Master::spawn(exe, &argv)?;
+    let connections =
+        futures::future::try_join_all((0..CONNECTIONS).map(|_| nats.connect())).await?;
+    for id in &ids {
+        SubmasterClient::new(control.clone(), cluster.clone(), id.clone())
+            .status()
+            .await
+            .with_context(|| format!("sub-master {id} did not start"))?;
+    }
+
+    // Real clients: each mounts a (virtual) segment, pings, and carries its
+    // cards' coalesced calls.
+    let reals = args.cards.div_ceil(args.dummies_per_real.max(1));
+    let global_requests = Arc::new(AtomicU64::new(0));
+    let mut callers = Vec::new();
+    let mut cards = Vec::new();
+    let mut nodes = Vec::new();
+    for real in 0..reals {
+        let connection = connections[real % CONNECTIONS].clone();
+        let plain = SubmasterClient::new(
+            connection.clone(),
+            cluster.clone(),
+            ids[real % ids.len()].clone(),
+        );
+        let coalesced = plain.coalesced(CoalesceConfig::default());
+        callers.push(coalesced.clone());
+        let node = NodeId::new(format!("host-{real}"))?;
+        coalesced
+            .mount_segment(MountSegment {
+                node: node.clone(),
+                segment: SegmentId::new(format!("host-{real}-seg"))?,
+                size: 1 << 42,
+                endpoint: format!("10.{}.{}.1:7000", real / 256, real % 256),
+                rdma: None,
+            })
+            .await
+            .context("mounting a real client's segment")?;
+        nodes.push((node, coalesced.clone()));
+        let first = real * args.dummies_per_real;
+        for index in first..(first + args.dummies_per_real).min(args.cards) {
+            cards.push(Card {
+                index,
+                prefill: (index as f64 + 0.5) / args.cards as f64 <= args.prefill_share,
+                submaster: coalesced.clone(),
+                global: GlobalClient::new(connection.clone(), cluster.clone()),
+                global_requests: Arc::clone(&global_requests),
+            });
+        }
+    }
+    let probe = GlobalClient::new(control.clone(), cluster.clone());
+    let _: BatchIsExistReply = probe
+        .call(
+            GlobalOp::BatchIsExist,
+            &BatchIsExist {
+                keys: vec!["probe".to_owned()],
+                labels: None,
+            },
+        )
+        .await
+        .context("the global master did not start")?;
+
+    let start = Instant::now();
+    let (measure_from, end) = (start + warmup, start + warmup + window);
+    let pings: Vec<_> = nodes
+        .into_iter()
+        .map(|(node, client)| {
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(Duration::from_secs(1));
+                while Instant::now() < end {
+                    tick.tick().await;
+                    let _ = client.ping(Ping { node: node.clone() }).await;
+                }
+            })
+        })
+        .collect();
+    let tasks: Vec<_> = cards
+        .into_iter()
+        .map(|card| tokio::spawn(run_card(card, args.clone(), measure_from, end)))
+        .collect();
+    tokio::time::sleep_until(measure_from).await;
+    let sub_pids: Vec<Option<u32>> = submasters.iter().map(Master::pid).collect();
+    let (global_pid, nats_pid) = (global_master.pid(), nats.pid());
+    let sample = || {
+        (
+            sub_pids.iter().map(|&p| cpu_seconds(p)).sum::<f64>(),
+            cpu_seconds(global_pid),
+            cpu_seconds(nats_pid),
+            requests_sent(&callers),
+            global_requests.load(Ordering::Relaxed),
+            machine_cpu_ticks(),
+        )
+    };
+    let before = sample();
+    tokio::time::sleep_until(end).await;
+    let after = sample();
+    let mut all = Record::default();
+    for task in tasks {
+        all.add(task.await.context("a simulated card failed")?);
+    }
+    for ping in pings {
+        ping.abort();
+    }
+    drop(submasters);
+    drop(global_master);
+
+    let seconds = window.as_secs_f64();
+    let machine_busy = match (before.5, after.5) {
+        (Some((busy0, total0)), Some((busy1, total1))) if total1 > total0 => {
+            busy1.saturating_sub(busy0) as f64 / (total1 - total0) as f64
+        }
+        _ => 0.0,
+    };
+    let mut latency = [(0.0, 0.0); 3];
+    for (slot, times) in latency.iter_mut().zip(all.latencies.iter_mut()) {
+        times.sort_unstable();
+        *slot = (percentile(times, 0.5), percentile(times, 0.99));
+    }
+    Ok(Point {
+        calls_per_s: all.calls() as f64 / seconds,
+        keys_per_s: all.all_keys() as f64 / seconds,
+        latency,
+        sub_requests_per_s: after.3.saturating_sub(before.3) as f64 / seconds,
+        global_requests_per_s: after.4.saturating_sub(before.4) as f64 / seconds,
+        sub_cores: (after.0 - before.0) / seconds,
+        global_cores: (after.1 - before.1) / seconds,
+        nats_cores: (after.2 - before.2) / seconds,
+        machine_busy,
+        failures: all.failures,
+        window_s: seconds,
+    })
+}
+
+/// Runs the engine model at N = 1, 2, 4 (1 and 2 with `quick`) and prints
+/// each point against N = 1, then the extrapolation to 10,000 cards.
+///
+/// # Errors
+/// When a master does not start or NATS fails.
+pub(super) async fn run(
+    nats: &BenchNats,
+    exe: &std::path::Path,
+    args: &EngineArgs,
+    quick: bool,
+    printer: &mut Printer,
+) -> anyhow::Result<()> {
+    let (args, points, times) = if quick {
+        let args = EngineArgs {
+            cards: (args.cards / 10).max(args.dummies_per_real),
+            ..args.clone()
+        };
+        (
+            args,
+            vec![1, 2],
+            (Duration::from_secs(1), Duration::from_secs(2)),
+        )
+    } else {
+        (
+            args.clone(),
+            vec![1, 2, 4],
+            (Duration::from_secs(5), Duration::from_secs(15)),
+        )
+    };
+    let mut results = Vec::new();
+    for n in points {
+        eprintln!(
+            "bench scale --model engine: N={n}: {} cards ({:.0}% prefill at {}/s, decode at {}/s), \
+             {} behind each real client, {} s",
+            args.cards,
+            args.prefill_share * 100.0,
+            args.prefill_rate,
+            args.decode_rate,
+            args.dummies_per_real,
+            times.1.as_secs_f64()
+        );
+        results.push((n, run_point(nats, exe, &args, n, times).await?));
+    }
+    let base = results[0].1.clone();
+    for (n, point) in &results {
+        print_point(printer, &args, *n, point, &base);
+    }
+    print_fleet(printer, &args, &base);
+    if !quick {
+        probe(nats, exe, &args, times, printer).await?;
+    }
+    Ok(())
+}
+
+/// The longest call p99 a point may have and still hold its cards.
+const HOLD_P99_US: f64 = 10_000.0;
+
+/// The break probe: at N = 1 and N = 8, half, once and twice the cards of the
+/// sweep; each point holds when every call kind's p99 is within 10 ms and no
+/// call failed. Reports each point and the most cards held.
+async fn probe(
+    nats: &BenchNats,
+    exe: &std::path::Path,
+    args: &EngineArgs,
+    times: (Duration, Duration),
+    printer: &mut Printer,
+) -> anyhow::Result<()> {
+    for n in [1usize, 8] {
+        let mut held = 0;
+        for cards in [args.cards / 2, args.cards, args.cards * 2] {
+            let probed = EngineArgs {
+                cards,
+                ..args.clone()
+            };
+            eprintln!("bench scale --model engine: break probe, N={n}, {cards} cards");
+            let point = run_point(nats, exe, &probed, n, times).await?;
+            let worst = point
+                .latency
+                .iter()
+                .map(|(_, p99)| *p99)
+                .fold(0.0, f64::max);
+            let tag = format!("break probe, N={n} at {cards} cards");
+            printer.print(&BenchResult::new(
+                WORKLOAD,
+                format!("{tag}: slowest call kind's p99"),
+                worst,
+                "us",
+                "target (at most)",
+                HOLD_P99_US,
+            ));
+            printer.print(&BenchResult::new(
+                WORKLOAD,
+                format!("{tag}: engine calls/s"),
+                point.calls_per_s,
+                "calls/s",
+                "none",
+                0.0,
+            ));
+            printer.print(&BenchResult::new(
+                WORKLOAD,
+                format!("{tag}: failed calls in the window"),
+                point.failures as f64,
+                "calls",
+                "none",
+                0.0,
+            ));
+            printer.print(&BenchResult::new(
+                WORKLOAD,
+                format!("{tag}: machine CPU busy (cards, NATS and masters share it)"),
+                point.machine_busy * 100.0,
+                "%",
+                "none",
+                0.0,
+            ));
+            if worst <= HOLD_P99_US && point.failures == 0 {
+                held = cards;
+            } else {
+                break;
+            }
+        }
+        printer.print(&BenchResult::new(
+            WORKLOAD,
+            format!(
+                "N={n}: most cards held (every call kind's p99 <= 10 ms, no failure; {}, {} and {} \
+                 probed, stopping at the first that breaks)",
+                args.cards / 2,
+                args.cards,
+                args.cards * 2
+            ),
+            held as f64,
+            "cards",
+            "none",
+            0.0,
+        ));
+    }
+    Ok(())
+}
+
+type Row = (&'static str, &'static str, fn(&Point) -> f64);
+
+fn print_point(printer: &mut Printer, args: &EngineArgs, n: usize, point: &Point, base: &Point) {
+    let tag = format!("N={n}, {} cards", args.cards);
+    let rows: [Row; 12] = [
+        (
+            "engine calls/s (batch_is_exist, get, put)",
+            "calls/s",
+            |p| p.calls_per_s,
+        ),
+        ("keys/s in those calls", "keys/s", |p| p.keys_per_s),
+        (
+            "sub-master requests/s (after coalescing; pings included)",
+            "req/s",
+            |p| p.sub_requests_per_s,
+        ),
+        ("global-master requests/s", "req/s", |p| {
+            p.global_requests_per_s
+        }),
+        ("sub-master CPU per 1000 calls (all N)", "cpu-s", |p| {
+            p.per_kcall(p.sub_cores)
+        }),
+        ("sub-master CPU per 1000 keys (all N)", "cpu-s", |p| {
+            p.per_kkey(p.sub_cores)
+        }),
+        ("global-master CPU per 1000 calls", "cpu-s", |p| {
+            p.per_kcall(p.global_cores)
+        }),
+        ("nats-server CPU per 1000 calls", "cpu-s", |p| {
+            p.per_kcall(p.nats_cores)
+        }),
+        ("batch_is_exist p99", "us", |p| {
+            p.latency[Call::Exist as usize].1
+        }),
+        ("get p99", "us", |p| p.latency[Call::Get as usize].1),
+        ("put p99", "us", |p| p.latency[Call::Put as usize].1),
+        (
+            "machine CPU busy (cards, NATS and masters share it)",
+            "%",
+            |p| p.machine_busy * 100.0,
+        ),
+    ];
+    for (label, unit, figure) in rows {
+        printer.print(&BenchResult::new(
+            WORKLOAD,
+            format!("{tag}: {label}"),
+            figure(point),
+            unit,
+            "N=1 (same run)",
+            figure(base),
+        ));
+    }
+    for (call, name) in CALLS {
+        printer.print(&BenchResult::new(
+            WORKLOAD,
+            format!("{tag}: {name} p50"),
+            point.latency[call as usize].0,
+            "us",
+            "N=1 (same run)",
+            base.latency[call as usize].0,
+        ));
+    }
+    printer.print(&BenchResult::new(
+        WORKLOAD,
+        format!("{tag}: failed calls in the window"),
+        point.failures as f64,
+        "calls",
+        "calls made in the window (same run)",
+        point.calls_per_s * point.window_s,
+    ));
+}
+
+/// 10,000 cards on paper: the N = 1 point's CPU per call (at this model's
+/// mix) times the fleet's calls, against one core per process (a sub-master's
+/// command loop is one thread: past about one core of its work it saturates).
+fn print_fleet(printer: &mut Printer, args: &EngineArgs, one: &Point) {
+    let per_card = one.calls_per_s / args.cards as f64;
+    let fleet_calls = per_card * FLEET;
+    let scale = fleet_calls / one.calls_per_s.max(1e-9);
+    let baseline = "one core (a constant: where one process saturates)";
+    for n in [1usize, 2, 4, 8, 16] {
+        printer.print(&BenchResult::new(
+            WORKLOAD,
+            format!(
+                "extrapolated, 10000 cards ({fleet_calls:.0} calls/s): cores of each sub-master at N={n}"
+            ),
+            one.sub_cores * scale / n as f64,
+            "cores",
+            baseline,
+            1.0,
+        ));
+    }
+    printer.print(&BenchResult::new(
+        WORKLOAD,
+        "extrapolated, 10000 cards: sub-masters needed for at most one core each",
+        (one.sub_cores * scale).ceil(),
+        "sub-masters",
+        "none",
+        0.0,
+    ));
+    printer.print(&BenchResult::new(
+        WORKLOAD,
+        "extrapolated, 10000 cards: global-master cores (all its lookups on one replica)",
+        one.global_cores * scale,
+        "cores",
+        baseline,
+        1.0,
+    ));
+    printer.print(&BenchResult::new(
+        WORKLOAD,
+        "extrapolated, 10000 cards: nats-server cores (the appends of every put)",
+        one.nats_cores * scale,
+        "cores",
+        baseline,
+        1.0,
+    ));
+}
