@@ -6,8 +6,8 @@
 //! (`node-<id>`) with a client's rights that may also mount, unmount and remount
 //! that node's segments only, in its own sub-cluster, and read the data-port
 //! grant keys; a shared `node` user for nodes not listed ahead (it may act for
-//! any node). Only the admin and the `pool-admin` user (a client that may
-//! also empty the pool) may remove everything (the `rpc.admin` subjects).
+//! any node). Only the admin and the `pool-admin` user (an engine's nodes that
+//! may also empty their pool) may remove everything (the `rpc.admin` subjects).
 //! Every user subscribes under its own inbox prefix only. `docs/security.md`
 //! shows the output of [`nats_conf`] (with the test passwords of `hkvm-itests`)
 //! and a test keeps the two identical;
@@ -63,10 +63,10 @@ pub struct ListedNode<'a> {
 }
 /// The operators' user (creates nothing at runtime; `hkvm replay`, repairs).
 pub const ADMIN_USER: &str = "admin";
-/// The user of an engine that empties the pool it owns (vLLM's connector on a
-/// prefix-cache reset, SGLang's `clear`): a client that may also send
-/// `remove_all` and `remove_matching`, and nothing of the operator's JetStream
-/// rights.
+/// The user of an engine that owns its pool and empties it (vLLM's connector
+/// on a prefix-cache reset, SGLang's `clear`): the shared node user's rights
+/// (its processes serve memory) and `remove_all` / `remove_matching`, nothing of
+/// the operator's JetStream rights.
 pub const POOL_ADMIN_USER: &str = "pool-admin";
 
 /// Reading a stream: direct gets, and consumers on it with their acks and flow
@@ -327,16 +327,6 @@ pub fn nats_conf(
             &[inbox(&user), leaders.clone()],
         );
     }
-    let mut pool_admin_publish = client_publish.clone();
-    pool_admin_publish.push(every_subcluster(|subcluster| {
-        submaster_admin_subject(&cluster, subcluster, "*")
-    })?);
-    user_block(
-        &mut out,
-        (POOL_ADMIN_USER, &password(POOL_ADMIN_USER)),
-        &pool_admin_publish,
-        &[inbox(POOL_ADMIN_USER), leaders.clone()],
-    );
     let mut node_publish = client_publish;
     node_publish.push(every_subcluster(|subcluster| {
         submaster_node_subject(&cluster, subcluster, "*", "*")
@@ -346,7 +336,19 @@ pub fn nats_conf(
         &mut out,
         (NODE_USER, &password(NODE_USER)),
         &node_publish,
-        &[inbox(NODE_USER), leaders],
+        &[inbox(NODE_USER), leaders.clone()],
+    );
+    // An engine that owns its pool: its processes serve memory (the shared
+    // node user's rights) and may empty the pool.
+    let mut pool_admin_publish = node_publish;
+    pool_admin_publish.push(every_subcluster(|subcluster| {
+        submaster_admin_subject(&cluster, subcluster, "*")
+    })?);
+    user_block(
+        &mut out,
+        (POOL_ADMIN_USER, &password(POOL_ADMIN_USER)),
+        &pool_admin_publish,
+        &[inbox(POOL_ADMIN_USER), leaders],
     );
     let reading = interdc::Reading {
         streams: &streams,

@@ -255,6 +255,14 @@ fn free_port(ip: std::net::IpAddr) -> Result<u16, StoreError> {
         .map_err(|e| StoreError::InvalidParams(format!("no free port on {ip}: {e}")))
 }
 
+/// The node a connection logged in as a node's own user (`node-<id>`, docs/
+/// security.md) must be: the only one whose segments that user may mount.
+fn own_node(nats: &async_nats::Client) -> Option<NodeId> {
+    let inbox = nats.new_inbox();
+    let user = hkvm_events::subject::user_of_inbox(&inbox)?;
+    NodeId::new(user.strip_prefix("node-")?).ok()
+}
+
 impl Store {
     /// Connects, checks that the sub-master answers, and (with a segment size)
     /// starts this process's node.
@@ -317,7 +325,7 @@ impl Store {
                     }
                 };
                 let endpoint = format!("{host}:{}", if port == 0 { listen.port() } else { port });
-                let node_id = match config.node_id.clone() {
+                let node_id = match config.node_id.clone().or_else(|| own_node(&nats)) {
                     Some(id) => id,
                     None => NodeId::new(node_name_for(&endpoint))
                         .map_err(|e| StoreError::InvalidParams(e.to_string()))?,

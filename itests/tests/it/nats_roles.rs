@@ -8,6 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use hkvm_client::store::{Store, StoreAddress, StoreConfig};
 use hkvm_client::{ClientError, KvClient, NodeConfig, NodeHandle, SubmasterClient};
 use hkvm_events::rpc::submaster::{RemoveAll, Status, StatusReply, UnmountSegment};
 use hkvm_events::rpc::{RpcErrorCode, RpcReply};
@@ -30,6 +31,11 @@ const N0: ListedNode<'static> = ListedNode {
 /// Node `n1` of sub-cluster `sc`, with a user of its own.
 const N1: ListedNode<'static> = ListedNode {
     node: "n1",
+    subcluster: "sc",
+};
+/// Node `gpu7` of sub-cluster `sc`: a full store logs in as it.
+const GPU7: ListedNode<'static> = ListedNode {
+    node: "gpu7",
     subcluster: "sc",
 };
 
@@ -227,7 +233,7 @@ async fn a_client_cannot_unmount_a_node_a_node_only_itself_and_only_an_admin_rem
     let cluster = ClusterId::new("roles").unwrap();
     let subcluster = SubclusterId::new("sc").unwrap();
     let server = NatsServer::start_with(ServerOptions {
-        extra_config: nats_conf("roles", &["sc"], &[N0, N1]).unwrap(),
+        extra_config: nats_conf("roles", &["sc"], &[N0, N1, GPU7]).unwrap(),
         ..ServerOptions::default()
     })
     .await
@@ -257,6 +263,25 @@ async fn a_client_cannot_unmount_a_node_a_node_only_itself_and_only_an_admin_rem
     }
     let admin = metadata_as(connect_as(&server, security::ADMIN_USER).await);
     let both = vec!["n0-seg".to_owned(), "n1-seg".to_owned()];
+    assert_eq!(mounted(&admin).await, both);
+    // A full store (what `hkvm.store` opens) under a node's own user is that
+    // node: the only one its user may mount for.
+    let gpu7_url = server.url().replacen(
+        "nats://",
+        &format!("nats://node-gpu7:{}@", security::password("node-gpu7")),
+        1,
+    );
+    let address: StoreAddress = format!("{gpu7_url}/roles/sc").parse().unwrap();
+    let store = Store::open(StoreConfig::new(address, "127.0.0.1"))
+        .await
+        .unwrap();
+    let three = vec![
+        "gpu7-seg".to_owned(),
+        "n0-seg".to_owned(),
+        "n1-seg".to_owned(),
+    ];
+    assert_eq!(mounted(&admin).await, three);
+    store.close().await;
     assert_eq!(mounted(&admin).await, both);
     let client_nats = connect_as(&server, security::CLIENT_USER).await;
     let kv = KvClient::new(
