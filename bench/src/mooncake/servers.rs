@@ -10,8 +10,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use async_nats::jetstream;
-use hkvm_client::{GlobalClient, SubmasterClient};
-use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp};
+use hkvm_client::SubmasterClient;
 use hkvm_events::{ClusterId, SubclusterId};
 use tempfile::TempDir;
 use tokio::process::{Child, Command};
@@ -366,17 +365,7 @@ impl HkvmServers {
         .status()
         .await
         .context("the sub-master did not start")?;
-        // The global master serves once it follows the registered sub-cluster.
-        let _: BatchIsExistReply = GlobalClient::new(control, cluster.clone())
-            .call(
-                GlobalOp::BatchIsExist,
-                &BatchIsExist {
-                    keys: vec!["probe".to_owned()],
-                    labels: None,
-                },
-            )
-            .await
-            .context("the global master did not start")?;
+        crate::scale::wait_global_serves(control, &cluster).await?;
         Ok(Self {
             nats,
             cluster,

@@ -13,7 +13,7 @@ use hkvm_events::rpc::RpcReply;
 use hkvm_events::{ClusterId, NodeId, SegmentId, SubclusterId};
 use tokio::time::Instant;
 
-use super::{Mix, Sweep};
+use super::{Mix, Rng, Sweep};
 
 /// Value size of every put.
 const OBJECT_SIZE: u64 = 64 * 1024;
@@ -34,22 +34,6 @@ pub(super) enum Kind {
 pub(super) struct Record {
     pub(super) latencies: [Vec<u32>; 4],
     pub(super) failures: u64,
-}
-
-/// A cheap per-client random sequence (xorshift64).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
 }
 
 /// One simulated client's identity and handles: a full client (pings and
@@ -155,7 +139,7 @@ pub(super) struct Schedule {
 }
 
 pub(super) async fn run_client(client: Client, schedule: Schedule) -> Record {
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (client.index as u64 + 1).wrapping_mul(0xff51_afd7));
+    let mut rng = Rng::of_client(client.index);
     let mut record = Record::default();
     let mut mine = Vec::new();
     let second = Duration::from_secs(1);

@@ -19,17 +19,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use async_nats::jetstream;
 use hkvm_client::coalesce::CoalesceConfig;
 use hkvm_client::{GlobalClient, SubmasterClient};
-use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp};
 use hkvm_events::rpc::submaster::{ItemResult, MountSegment, Ping, PutEndItem, PutStartItem};
 use hkvm_events::rpc::RpcReply;
-use hkvm_events::{ClusterId, NodeId, SegmentId, SubclusterId};
+use hkvm_events::{NodeId, SegmentId};
 use tokio::time::Instant;
 
 use super::client::requests_sent;
-use super::{clean, cpu_seconds, machine_cpu_ticks, percentile, Master};
+use super::masters::Masters;
+use super::{percentile, Rng};
 use crate::report::{BenchResult, Printer};
 use crate::BenchNats;
 
@@ -111,24 +110,6 @@ impl Record {
     }
 }
 
-/// A cheap per-card random sequence (xorshift64).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    /// An exponential delay of mean `1 / rate` seconds (Poisson arrivals).
-    fn interval(&mut self, rate: f64) -> Duration {
-        let unit = ((self.next() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
-        Duration::from_secs_f64(-unit.ln() / rate.max(1e-6))
-    }
-}
-
 /// One card: what it is, and its handles.
 struct Card {
     index: usize,
@@ -198,7 +179,7 @@ impl Card {
 
 /// Runs `card` until `end`, recording what starts at or after `measure_from`.
 async fn run_card(card: Card, args: EngineArgs, measure_from: Instant, end: Instant) -> Record {
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (card.index as u64 + 1).wrapping_mul(0xff51_afd7));
+    let mut rng = Rng::of_client(card.index);
     let mut record = Record::default();
     // Pages this card wrote, oldest first: later requests' prefix hits.
     let mut written: Vec<String> = Vec::new();
@@ -314,39 +295,10 @@ async fn run_point(
     subclusters: usize,
     (warmup, window): (Duration, Duration),
 ) -> anyhow::Result<Point> {
-    let cluster = ClusterId::new(format!("bengine{subclusters}"))?;
-    let control = nats.connect().await?;
-    clean(&jetstream::new(control.clone()), &cluster, subclusters).await;
-    let common = |extra: &[&str]| {
-        let mut all = vec![
-            "--nats".to_owned(),
-            nats.url.clone(),
-            "--cluster".to_owned(),
-            cluster.to_string(),
-        ];
-        all.extend(extra.iter().map(|s| (*s).to_owned()));
-        all
-    };
-    let ids: Vec<SubclusterId> = (0..subclusters)
-        .map(|i| SubclusterId::new(format!("sc-{i}")))
-        .collect::<Result<_, _>>()?;
-    let mut submasters = Vec::new();
-    for id in &ids {
-        let mut argv = vec!["submaster".to_owned()];
-        argv.extend(common(&["--subcluster", id.as_str()]));
-        submasters.push(Master::spawn(exe, &argv)?);
-    }
-    let mut argv = vec!["globalmaster".to_owned()];
-    argv.extend(common(&["--no-restore"]));
-    let global_master = Master::spawn(exe, &argv)?;
+    let masters = Masters::start(nats, exe, format!("bengine{subclusters}"), subclusters).await?;
+    let (cluster, ids) = (&masters.cluster, &masters.ids);
     let connections =
         futures::future::try_join_all((0..CONNECTIONS).map(|_| nats.connect())).await?;
-    for id in &ids {
-        SubmasterClient::new(control.clone(), cluster.clone(), id.clone())
-            .status()
-            .await
-            .with_context(|| format!("sub-master {id} did not start"))?;
-    }
 
     // Real clients: each mounts a (virtual) segment, pings, and carries its
     // cards' coalesced calls.
@@ -387,17 +339,7 @@ async fn run_point(
             });
         }
     }
-    let probe = GlobalClient::new(control.clone(), cluster.clone());
-    let _: BatchIsExistReply = probe
-        .call(
-            GlobalOp::BatchIsExist,
-            &BatchIsExist {
-                keys: vec!["probe".to_owned()],
-                labels: None,
-            },
-        )
-        .await
-        .context("the global master did not start")?;
+    masters.wait_global().await?;
 
     let start = Instant::now();
     let (measure_from, end) = (start + warmup, start + warmup + window);
@@ -418,16 +360,11 @@ async fn run_point(
         .map(|card| tokio::spawn(run_card(card, args.clone(), measure_from, end)))
         .collect();
     tokio::time::sleep_until(measure_from).await;
-    let sub_pids: Vec<Option<u32>> = submasters.iter().map(Master::pid).collect();
-    let (global_pid, nats_pid) = (global_master.pid(), nats.pid());
     let sample = || {
         (
-            sub_pids.iter().map(|&p| cpu_seconds(p)).sum::<f64>(),
-            cpu_seconds(global_pid),
-            cpu_seconds(nats_pid),
+            masters.cpu(),
             requests_sent(&callers),
             global_requests.load(Ordering::Relaxed),
-            machine_cpu_ticks(),
         )
     };
     let before = sample();
@@ -440,16 +377,9 @@ async fn run_point(
     for ping in pings {
         ping.abort();
     }
-    drop(submasters);
-    drop(global_master);
+    drop(masters);
 
     let seconds = window.as_secs_f64();
-    let machine_busy = match (before.5, after.5) {
-        (Some((busy0, total0)), Some((busy1, total1))) if total1 > total0 => {
-            busy1.saturating_sub(busy0) as f64 / (total1 - total0) as f64
-        }
-        _ => 0.0,
-    };
     let mut latency = [(0.0, 0.0); 3];
     for (slot, times) in latency.iter_mut().zip(all.latencies.iter_mut()) {
         times.sort_unstable();
@@ -459,12 +389,12 @@ async fn run_point(
         calls_per_s: all.calls() as f64 / seconds,
         keys_per_s: all.all_keys() as f64 / seconds,
         latency,
-        sub_requests_per_s: after.3.saturating_sub(before.3) as f64 / seconds,
-        global_requests_per_s: after.4.saturating_sub(before.4) as f64 / seconds,
-        sub_cores: (after.0 - before.0) / seconds,
-        global_cores: (after.1 - before.1) / seconds,
-        nats_cores: (after.2 - before.2) / seconds,
-        machine_busy,
+        sub_requests_per_s: after.1.saturating_sub(before.1) as f64 / seconds,
+        global_requests_per_s: after.2.saturating_sub(before.2) as f64 / seconds,
+        sub_cores: (after.0.submasters - before.0.submasters) / seconds,
+        global_cores: (after.0.global - before.0.global) / seconds,
+        nats_cores: (after.0.nats - before.0.nats) / seconds,
+        machine_busy: after.0.machine_busy_since(&before.0),
         failures: all.failures,
         window_s: seconds,
     })

@@ -21,8 +21,6 @@ use std::time::Duration;
 use anyhow::Context as _;
 use async_nats::jetstream;
 use futures::StreamExt as _;
-use hkvm_client::{GlobalClient, SubmasterClient};
-use hkvm_events::rpc::global::{BatchIsExist, BatchIsExistReply, GlobalOp};
 use hkvm_events::subject::{bucket_name, stream_name};
 use hkvm_events::{ClusterId, SubclusterId};
 use tokio::process::{Child, Command};
@@ -31,8 +29,11 @@ use tokio::time::Instant;
 mod breaking;
 mod client;
 mod engine;
+mod masters;
 
 use client::{deploy, requests_sent, run_client, Client, Deployment, Kind, Record, Schedule};
+pub(crate) use masters::wait_global_serves;
+use masters::Masters;
 
 use super::memory::rss_bytes;
 use super::report::{BenchResult, Printer};
@@ -145,6 +146,36 @@ fn parse_mix(text: &str) -> Result<Mix, String> {
         _ => Err(format!(
             "mix {text:?} is not put,get,exist percentages summing to 100"
         )),
+    }
+}
+
+/// A cheap per-client random sequence (xorshift64), seeded from the client's
+/// index so that runs repeat.
+pub(super) struct Rng(u64);
+
+impl Rng {
+    /// The sequence of client `index`.
+    pub(super) fn of_client(index: usize) -> Self {
+        Self(0x9e37_79b9_7f4a_7c15 ^ (index as u64 + 1).wrapping_mul(0xff51_afd7))
+    }
+
+    /// The next 64 random bits.
+    pub(super) fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// A uniform number in [0, 1).
+    pub(super) fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// An exponential delay of mean `1 / rate` seconds (Poisson arrivals).
+    pub(super) fn interval(&mut self, rate: f64) -> Duration {
+        let unit = 1.0 - self.unit();
+        Duration::from_secs_f64(-unit.ln() / rate.max(1e-6))
     }
 }
 
@@ -311,59 +342,23 @@ async fn run_point(
         Deployment::Full => format!("bscale{subclusters}"),
         Deployment::Dummies(_) => format!("bscale{subclusters}d"),
     };
-    let cluster = ClusterId::new(name)?;
-    let control = nats.connect().await?;
-    clean(&jetstream::new(control.clone()), &cluster, subclusters).await;
-    let target = |extra: &[String]| {
-        let mut args = vec![
-            "--nats".to_owned(),
-            nats.url.clone(),
-            "--cluster".to_owned(),
-            cluster.to_string(),
-        ];
-        args.extend_from_slice(extra);
-        args
-    };
-    let ids: Vec<SubclusterId> = (0..subclusters)
-        .map(|i| SubclusterId::new(format!("sc-{i}")))
-        .collect::<Result<_, _>>()?;
-    let mut submasters = Vec::new();
-    for id in &ids {
-        let mut args = vec!["submaster".to_owned()];
-        args.extend(target(&["--subcluster".to_owned(), id.to_string()]));
-        submasters.push(Master::spawn(exe, &args)?);
-    }
-    let mut args = vec!["globalmaster".to_owned()];
-    args.extend(target(&["--no-restore".to_owned()]));
-    let global_master = Master::spawn(exe, &args)?;
-
+    let masters = Masters::start(nats, exe, name, subclusters).await?;
     let connections =
         futures::future::try_join_all((0..CONNECTIONS).map(|_| nats.connect())).await?;
-    for id in &ids {
-        SubmasterClient::new(control.clone(), cluster.clone(), id.clone())
-            .status()
-            .await
-            .with_context(|| format!("sub-master {id} did not start"))?;
-    }
-    let (clients, callers) = deploy(deployment, sweep, &cluster, &ids, &connections)?;
+    let (clients, callers) = deploy(
+        deployment,
+        sweep,
+        &masters.cluster,
+        &masters.ids,
+        &connections,
+    )?;
     let nodes = clients.iter().filter(|client| client.is_node());
     let mounts: Vec<anyhow::Result<()>> = futures::stream::iter(nodes.map(Client::mount))
         .buffer_unordered(256)
         .collect()
         .await;
     mounts.into_iter().collect::<anyhow::Result<()>>()?;
-    // The global master serves once it follows every registered sub-cluster.
-    let probe = GlobalClient::new(control.clone(), cluster.clone());
-    let _: BatchIsExistReply = probe
-        .call(
-            GlobalOp::BatchIsExist,
-            &BatchIsExist {
-                keys: vec!["probe".to_owned()],
-                labels: None,
-            },
-        )
-        .await
-        .context("the global master did not start")?;
+    masters.wait_global().await?;
 
     let start = Instant::now();
     let schedule = Schedule {
@@ -378,29 +373,12 @@ async fn run_point(
         .map(|client| tokio::spawn(run_client(client, schedule)))
         .collect();
     tokio::time::sleep_until(schedule.measure_from).await;
-    let sub_pids: Vec<Option<u32>> = submasters.iter().map(Master::pid).collect();
-    let (global_pid, nats_pid) = (global_master.pid(), nats.pid());
-    let sub_cpu = |pids: &[Option<u32>]| pids.iter().map(|&p| cpu_seconds(p)).sum::<f64>();
-    let cpu_before = (
-        sub_cpu(&sub_pids),
-        cpu_seconds(global_pid),
-        cpu_seconds(nats_pid),
-    );
+    let cpu_before = masters.cpu();
     let sent_before = requests_sent(&callers);
-    let machine_before = machine_cpu_ticks();
     tokio::time::sleep_until(schedule.end).await;
-    let machine_busy = match (machine_before, machine_cpu_ticks()) {
-        (Some((busy0, total0)), Some((busy1, total1))) if total1 > total0 => {
-            busy1.saturating_sub(busy0) as f64 / (total1 - total0) as f64
-        }
-        _ => 0.0,
-    };
-    let cpu_after = (
-        sub_cpu(&sub_pids),
-        cpu_seconds(global_pid),
-        cpu_seconds(nats_pid),
-    );
+    let cpu_after = masters.cpu();
     let sent = requests_sent(&callers) - sent_before;
+    let (sub_pids, global_pid) = masters.pids();
     let rss: Vec<f64> = sub_pids
         .iter()
         .map(|&pid| rss_bytes(pid).unwrap_or(0) as f64)
@@ -415,8 +393,7 @@ async fn run_point(
         }
         all.failures += record.failures;
     }
-    drop(submasters);
-    drop(global_master);
+    drop(masters);
 
     let seconds = sweep.window.as_secs_f64();
     let pings = all.latencies[Kind::Ping as usize].len();
@@ -430,18 +407,19 @@ async fn run_point(
         ops_per_s: ops.len() as f64 / seconds,
         requests_per_s: requests / seconds,
         sub_requests_per_s: sent as f64 / seconds,
-        sub_cpu_per_kop: (cpu_after.0 - cpu_before.0) / (ops.len() as f64 / 1000.0).max(1e-9),
+        sub_cpu_per_kop: (cpu_after.submasters - cpu_before.submasters)
+            / (ops.len() as f64 / 1000.0).max(1e-9),
         p50_us: percentile(&ops, 0.5),
         p99_us: percentile(&ops, 0.99),
         put_p99_us: percentile(&puts, 0.99),
         failures: all.failures,
-        sub_cpu_per_k: per_k(cpu_before.0, cpu_after.0),
-        global_cpu_per_k: per_k(cpu_before.1, cpu_after.1),
-        nats_cpu_per_k: per_k(cpu_before.2, cpu_after.2),
+        sub_cpu_per_k: per_k(cpu_before.submasters, cpu_after.submasters),
+        global_cpu_per_k: per_k(cpu_before.global, cpu_after.global),
+        nats_cpu_per_k: per_k(cpu_before.nats, cpu_after.nats),
         sub_rss_max: rss.iter().copied().fold(0.0, f64::max),
         sub_rss_total: rss.iter().sum(),
         global_rss,
-        machine_busy,
+        machine_busy: cpu_after.machine_busy_since(&cpu_before),
     })
 }
 

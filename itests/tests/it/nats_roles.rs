@@ -39,6 +39,32 @@ const GPU7: ListedNode<'static> = ListedNode {
     subcluster: "sc",
 };
 
+/// A nats-server running the generated config of `cluster` (one sub-cluster,
+/// `sc`, and these nodes of their own users), and the sub-cluster's sub-master
+/// under its user.
+async fn secured_subcluster(
+    cluster: &str,
+    nodes: &[ListedNode<'_>],
+) -> (NatsServer, SubmasterHandle) {
+    let server = NatsServer::start_with(ServerOptions {
+        extra_config: nats_conf(cluster, &["sc"], nodes).unwrap(),
+        ..ServerOptions::default()
+    })
+    .await
+    .unwrap();
+    let mut config = SubmasterConfig::new(
+        ClusterId::new(cluster).unwrap(),
+        SubclusterId::new("sc").unwrap(),
+        ProducerId::new(format!("{cluster}-sm")).unwrap(),
+    );
+    config.policy.node_timeout_ms = 600_000;
+    let master = SubmasterHandle::spawn(
+        connect_as(&server, &security::submaster_user("sc")).await,
+        config,
+    );
+    (server, master)
+}
+
 /// A connection to `server` as `user` of the generated config, with the user's
 /// inbox prefix (as HKVM's processes connect), whose requests give up after 2 s
 /// (a request the permissions drop gets no answer); the server's errors about it
@@ -103,24 +129,9 @@ async fn purge(nats: &async_nats::Client, stream: &str) -> Result<(), String> {
 #[tokio::test]
 async fn under_the_generated_permissions_nodes_read_the_grant_key_and_clients_cannot_nor_others_replies(
 ) {
+    let (server, master) = secured_subcluster("sec", &[N0]).await;
     let cluster = ClusterId::new("sec").unwrap();
     let subcluster = SubclusterId::new("sc").unwrap();
-    let server = NatsServer::start_with(ServerOptions {
-        extra_config: nats_conf("sec", &["sc"], &[N0]).unwrap(),
-        ..ServerOptions::default()
-    })
-    .await
-    .unwrap();
-    let mut config = SubmasterConfig::new(
-        cluster.clone(),
-        subcluster.clone(),
-        ProducerId::new("sc-sm").unwrap(),
-    );
-    config.policy.node_timeout_ms = 600_000;
-    let master = SubmasterHandle::spawn(
-        connect_as(&server, &security::submaster_user("sc")).await,
-        config,
-    );
 
     // A node under its own user reads the key and serves its segment.
     let node_metadata = SubmasterClient::new(
@@ -230,24 +241,9 @@ async fn mounted(admin: &SubmasterClient) -> Vec<String> {
 
 #[tokio::test]
 async fn a_client_cannot_unmount_a_node_a_node_only_itself_and_only_an_admin_removes_everything() {
+    let (server, master) = secured_subcluster("roles", &[N0, N1, GPU7]).await;
     let cluster = ClusterId::new("roles").unwrap();
     let subcluster = SubclusterId::new("sc").unwrap();
-    let server = NatsServer::start_with(ServerOptions {
-        extra_config: nats_conf("roles", &["sc"], &[N0, N1, GPU7]).unwrap(),
-        ..ServerOptions::default()
-    })
-    .await
-    .unwrap();
-    let mut config = SubmasterConfig::new(
-        cluster.clone(),
-        subcluster.clone(),
-        ProducerId::new("roles-sm").unwrap(),
-    );
-    config.policy.node_timeout_ms = 600_000;
-    let master = SubmasterHandle::spawn(
-        connect_as(&server, &security::submaster_user("sc")).await,
-        config,
-    );
     let metadata_as =
         |nats: async_nats::Client| SubmasterClient::new(nats, cluster.clone(), subcluster.clone());
     // Each node mounts under its own user: on its own subject.
