@@ -88,7 +88,7 @@ impl Logins {
         let conf = permissions::nats_conf(&deployment, |user| {
             passwords
                 .entry(user.to_owned())
-                .or_insert_with(random_password)
+                .or_insert_with(crate::nats_conf::random_password)
                 .clone()
         })?;
         Ok((
@@ -125,16 +125,6 @@ const NODES_PER_SUBCLUSTER: usize = 2;
 /// The id of demo node `n` of sub-cluster `index`.
 fn demo_node(index: usize, n: usize) -> String {
     format!("node-{index}-{n}")
-}
-
-/// 24 random letters and digits.
-fn random_password() -> String {
-    use rand::Rng as _;
-    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
-    let mut rng = rand::rngs::OsRng;
-    (0..24)
-        .map(|_| char::from(ALPHABET[rng.gen_range(0..ALPHABET.len())]))
-        .collect()
 }
 
 /// Every two seconds: put a block into one sub-cluster and read it back through

@@ -9,6 +9,7 @@ mod interdc;
 mod local;
 mod locate;
 mod meta;
+mod nats_conf;
 mod replay;
 mod signals;
 mod status;
@@ -67,6 +68,9 @@ enum Command {
     Locate(locate::LocateArgs),
     /// The registry (sub-masters, labels, liveness, usage) and the global master's lag.
     Status(status::StatusArgs),
+    /// The NATS users of a deployment (one per role, node and inter-DC peer) as a
+    /// nats.conf fragment, with their passwords in a file only you may read.
+    NatsConf(nats_conf::NatsConfArgs),
     /// Drive puts, gets or global queries for a while and print one JSON line per
     /// result (for integration and chaos tests; runs `hkvm-bench loadgen`).
     #[command(disable_help_flag = true)]
@@ -92,7 +96,8 @@ impl Command {
             | Self::Put(_)
             | Self::Get(_)
             | Self::Locate(_)
-            | Self::Status(_) => Verbosity::Quiet,
+            | Self::Status(_)
+            | Self::NatsConf(_) => Verbosity::Quiet,
         }
     }
 }
@@ -167,6 +172,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Interdc(args) => interdc::run(args).await,
         Command::Locate(args) => locate::run(args).await,
         Command::Status(args) => status::run(args).await,
+        Command::NatsConf(args) => nats_conf::run(args),
         Command::Bench(_) | Command::Loadgen(_) => {
             unreachable!("forwarded to hkvm-bench before the runtime starts")
         }

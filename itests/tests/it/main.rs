@@ -14,6 +14,7 @@ mod cli_failover;
 mod cli_global;
 mod cli_interdc;
 mod cli_local;
+mod cli_nats_conf;
 mod cli_replay;
 mod client_data_path;
 mod cluster;
