@@ -86,19 +86,16 @@ impl Progress {
         retention: Duration,
     ) -> Result<Self, InterDcError> {
         let name = bucket(source, target);
-        if let Ok(store) = target_js.get_key_value(&name).await {
-            return Ok(Self { store });
-        }
-        let store = target_js
-            .create_key_value(kv::Config {
-                bucket: name.clone(),
-                description: format!("HKVM inter-DC copies from {source} into {target}"),
-                history: 1,
-                max_age: retention,
-                storage: jetstream::stream::StorageType::File,
-                num_replicas: replicas.max(1),
-                ..Default::default()
-            })
+        let config = kv::Config {
+            bucket: name.clone(),
+            description: format!("HKVM inter-DC copies from {source} into {target}"),
+            history: 1,
+            max_age: retention,
+            storage: jetstream::stream::StorageType::File,
+            num_replicas: replicas.max(1),
+            ..Default::default()
+        };
+        let store = hkvm_log::buckets::open_or_create(target_js, config)
             .await
             .map_err(|e| InterDcError::nats(format!("creating {name}"), e))?;
         Ok(Self { store })

@@ -79,20 +79,17 @@ pub async fn ensure_key(
     replicas: usize,
 ) -> Result<GrantKey, GrantKeyError> {
     let bucket = Bucket::Grants.name(cluster);
-    let store = match js.get_key_value(&bucket).await {
-        Ok(store) => store,
-        Err(_) => js
-            .create_key_value(kv::Config {
-                bucket: bucket.clone(),
-                description: format!("HKVM data-port grant keys of cluster {cluster}"),
-                history: 1,
-                storage: jetstream::stream::StorageType::File,
-                num_replicas: replicas.max(1),
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| transport(&bucket, e))?,
+    let config = kv::Config {
+        bucket: bucket.clone(),
+        description: format!("HKVM data-port grant keys of cluster {cluster}"),
+        history: 1,
+        storage: jetstream::stream::StorageType::File,
+        num_replicas: replicas.max(1),
+        ..Default::default()
     };
+    let store = crate::buckets::open_or_create(js, config)
+        .await
+        .map_err(|e| transport(&bucket, e))?;
     let key = generate_key();
     let encoded = key.encode().map_err(|e| transport(&bucket, e))?;
     match store.create(subcluster.as_str(), encoded.into()).await {

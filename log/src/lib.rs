@@ -5,6 +5,7 @@
 //! answered by asking sub-masters over NATS ([`mooncake_admin`]). Every byte it
 //! reads or writes is encoded and decoded by `hkvm-events`.
 
+pub mod buckets;
 pub mod commit;
 pub mod connection;
 pub mod event_log;

@@ -122,19 +122,16 @@ impl Positions {
         replicas: usize,
     ) -> Result<Self, PositionsError> {
         let bucket = Bucket::Positions.name(cluster);
-        if let Ok(store) = js.get_key_value(&bucket).await {
-            return Ok(Self { store });
-        }
-        let store = js
-            .create_key_value(kv::Config {
-                bucket,
-                description: format!("HKVM stream reader positions of cluster {cluster}"),
-                history: 1,
-                max_age: ENTRY_MAX_AGE,
-                storage: jetstream::stream::StorageType::File,
-                num_replicas: replicas.max(1),
-                ..Default::default()
-            })
+        let config = kv::Config {
+            bucket,
+            description: format!("HKVM stream reader positions of cluster {cluster}"),
+            history: 1,
+            max_age: ENTRY_MAX_AGE,
+            storage: jetstream::stream::StorageType::File,
+            num_replicas: replicas.max(1),
+            ..Default::default()
+        };
+        let store = crate::buckets::open_or_create(js, config)
             .await
             .map_err(|e| PositionsError::transport("creating the bucket", e))?;
         Ok(Self { store })

@@ -109,10 +109,7 @@ pub async fn ensure_replicated_registry_bucket(
     replicas: usize,
 ) -> Result<kv::Store, RegistryError> {
     let bucket = Bucket::Registry.name(cluster);
-    if let Ok(store) = js.get_key_value(&bucket).await {
-        return Ok(store);
-    }
-    js.create_key_value(kv::Config {
+    let config = kv::Config {
         bucket: bucket.clone(),
         description: format!("HKVM sub-master registry of cluster {cluster}"),
         history: 1,
@@ -120,9 +117,10 @@ pub async fn ensure_replicated_registry_bucket(
         storage: jetstream::stream::StorageType::Memory,
         num_replicas: replicas.max(1),
         ..Default::default()
-    })
-    .await
-    .map_err(|e| RegistryError::transport(&bucket, e))
+    };
+    crate::buckets::open_or_create(js, config)
+        .await
+        .map_err(|e| RegistryError::transport(&bucket, e))
 }
 
 /// Opens the registry bucket of `cluster` without creating it.

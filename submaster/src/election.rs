@@ -41,21 +41,18 @@ impl LeaderLease {
         replicas: usize,
     ) -> Result<Self, SubmasterError> {
         let bucket = Bucket::Leader.name(cluster);
-        let store = match js.get_key_value(&bucket).await {
-            Ok(store) => store,
-            Err(_) => js
-                .create_key_value(kv::Config {
-                    bucket: bucket.clone(),
-                    description: "HKVM sub-master leader leases".to_owned(),
-                    history: 1,
-                    max_age: ttl,
-                    num_replicas: replicas,
-                    storage: jetstream::stream::StorageType::File,
-                    ..Default::default()
-                })
-                .await
-                .map_err(|e| lease_error("creating the lease bucket", e))?,
+        let config = kv::Config {
+            bucket: bucket.clone(),
+            description: "HKVM sub-master leader leases".to_owned(),
+            history: 1,
+            max_age: ttl,
+            num_replicas: replicas,
+            storage: jetstream::stream::StorageType::File,
+            ..Default::default()
         };
+        let store = hkvm_log::buckets::open_or_create(js, config)
+            .await
+            .map_err(|e| lease_error("creating the lease bucket", e))?;
         Ok(Self {
             store,
             key: subcluster.to_string(),
