@@ -21,30 +21,24 @@ use std::time::Duration;
 use anyhow::Context as _;
 use hkvm_client::coalesce::CoalesceConfig;
 use hkvm_client::{GlobalClient, SubmasterClient};
-use hkvm_events::rpc::submaster::{ItemResult, MountSegment, Ping, PutEndItem, PutStartItem};
-use hkvm_events::rpc::RpcReply;
+use hkvm_events::rpc::submaster::{MountSegment, Ping};
 use hkvm_events::{NodeId, SegmentId};
 use tokio::time::Instant;
 
+mod card;
+mod report;
+
 use super::client::requests_sent;
 use super::masters::Masters;
-use super::{percentile, Rng};
+use super::percentile;
 use crate::report::{BenchResult, Printer};
 use crate::BenchNats;
+use card::{run_card, Card, Record};
+use report::{print_fleet, print_point};
 
 const WORKLOAD: &str = "scale-engine";
 /// NATS connections the simulated cards share.
 const CONNECTIONS: usize = 8;
-/// Pages of a prefill request's prefetch `batch_is_exist` (SGLang's bound).
-const PREFETCH_PAGES: usize = 128;
-/// Of those, the pages the pool holds (the typical case's hits).
-const PREFETCH_HITS: usize = 79;
-/// New pages a prefill request writes back.
-const NEW_PAGES: usize = 55;
-/// Bytes of one page (MLA, 64 tokens, DeepSeek-V3's 61 layers).
-const PAGE_BYTES: u64 = 4_500_000;
-/// Cards in 10,000 for the extrapolation.
-const FLEET: f64 = 10_000.0;
 
 /// Options of the engine model.
 #[derive(Debug, Clone, clap::Args)]
@@ -64,197 +58,6 @@ pub struct EngineArgs {
     /// Cards (dummy clients) behind each real client.
     #[arg(long, default_value_t = 8)]
     pub dummies_per_real: usize,
-}
-
-/// An engine-level call.
-#[derive(Debug, Clone, Copy)]
-enum Call {
-    Exist = 0,
-    Get = 1,
-    Put = 2,
-}
-
-const CALLS: [(Call, &str); 3] = [
-    (Call::Exist, "batch_is_exist"),
-    (Call::Get, "get"),
-    (Call::Put, "put"),
-];
-
-/// What the cards of a point did in the window.
-#[derive(Debug, Default)]
-struct Record {
-    /// Latency (µs) of each call, per kind.
-    latencies: [Vec<u32>; 3],
-    /// Keys per kind.
-    keys: [u64; 3],
-    failures: u64,
-}
-
-impl Record {
-    fn add(&mut self, other: Record) {
-        for (into, from) in self.latencies.iter_mut().zip(other.latencies) {
-            into.extend(from);
-        }
-        for (into, from) in self.keys.iter_mut().zip(other.keys) {
-            *into += from;
-        }
-        self.failures += other.failures;
-    }
-
-    fn calls(&self) -> usize {
-        self.latencies.iter().map(Vec::len).sum()
-    }
-
-    fn all_keys(&self) -> u64 {
-        self.keys.iter().sum()
-    }
-}
-
-/// One card: what it is, and its handles.
-struct Card {
-    index: usize,
-    prefill: bool,
-    submaster: SubmasterClient,
-    global: GlobalClient,
-    /// Global-master requests sent, over all cards.
-    global_requests: Arc<AtomicU64>,
-}
-
-impl Card {
-    /// An engine `batch_is_exist`: the sub-master, then the global master for
-    /// the keys it lacks. Whether it was answered.
-    async fn exist(&self, keys: &[String]) -> bool {
-        let Ok(local) = self.submaster.exist(keys.to_vec()).await else {
-            return false;
-        };
-        let missing: Vec<&String> = keys
-            .iter()
-            .zip(local)
-            .filter(|(_, present)| !present)
-            .map(|(key, _)| key)
-            .collect();
-        if missing.is_empty() {
-            return true;
-        }
-        self.global_requests.fetch_add(1, Ordering::Relaxed);
-        matches!(
-            self.global.batch_is_exist(&missing, None).await,
-            Ok(RpcReply::Ok(_))
-        )
-    }
-
-    async fn get(&self, keys: &[String]) -> bool {
-        self.submaster.get_replica_list(keys.to_vec()).await.is_ok()
-    }
-
-    async fn put(&self, keys: &[String]) -> bool {
-        let items = keys
-            .iter()
-            .map(|key| PutStartItem {
-                key: key.clone(),
-                size: PAGE_BYTES,
-                replicas: 1,
-                preferred_segment: None,
-                hard_pin: false,
-                put_id: 0,
-                avoid_nodes: Vec::new(),
-            })
-            .collect();
-        let Ok(started) = self.submaster.put_start(items).await else {
-            return false;
-        };
-        let ends: Vec<PutEndItem> = keys
-            .iter()
-            .zip(started)
-            .filter(|(_, started)| matches!(started, ItemResult::Ok(_)))
-            .map(|(key, _)| PutEndItem {
-                key: key.clone(),
-                checksum: 7,
-                put_id: 0,
-            })
-            .collect();
-        ends.len() == keys.len() && self.submaster.put_end(ends).await.is_ok()
-    }
-}
-
-/// Runs `card` until `end`, recording what starts at or after `measure_from`.
-async fn run_card(card: Card, args: EngineArgs, measure_from: Instant, end: Instant) -> Record {
-    let mut rng = Rng::of_client(card.index);
-    let mut record = Record::default();
-    // Pages this card wrote, oldest first: later requests' prefix hits.
-    let mut written: Vec<String> = Vec::new();
-    let mut page = 0u64;
-    let rate = if card.prefill {
-        args.prefill_rate
-    } else {
-        args.decode_rate
-    };
-    let mut next = Instant::now() + rng.interval(rate);
-    loop {
-        if next >= end {
-            return record;
-        }
-        tokio::time::sleep_until(next).await;
-        next += rng.interval(rate);
-        let measured = Instant::now() >= measure_from;
-        let mut fresh = |count: usize| -> Vec<String> {
-            (0..count)
-                .map(|_| {
-                    page += 1;
-                    format!("card{}/p{page}", card.index)
-                })
-                .collect()
-        };
-        let mut timed = Vec::new();
-        if card.prefill {
-            let hits = PREFETCH_HITS.min(written.len());
-            let start = if written.len() > hits {
-                rng.next() as usize % (written.len() - hits + 1)
-            } else {
-                0
-            };
-            let mut prefetch: Vec<String> = written[start..start + hits].to_vec();
-            prefetch.extend(fresh(PREFETCH_PAGES - hits));
-            let new_pages = fresh(NEW_PAGES);
-            let t = Instant::now();
-            let ok = card.exist(&prefetch).await;
-            timed.push((Call::Exist, prefetch.len(), t.elapsed(), ok));
-            if hits > 0 {
-                let t = Instant::now();
-                let ok = card.get(&prefetch[..hits]).await;
-                timed.push((Call::Get, hits, t.elapsed(), ok));
-            }
-            let t = Instant::now();
-            let ok = card.exist(&new_pages).await;
-            timed.push((Call::Exist, new_pages.len(), t.elapsed(), ok));
-            let t = Instant::now();
-            let ok = card.put(&new_pages).await;
-            timed.push((Call::Put, new_pages.len(), t.elapsed(), ok));
-            if ok {
-                written.extend(new_pages);
-            }
-        } else {
-            let new_page = fresh(1);
-            let t = Instant::now();
-            let ok = card.exist(&new_page).await;
-            timed.push((Call::Exist, 1, t.elapsed(), ok));
-            let t = Instant::now();
-            let ok = card.put(&new_page).await;
-            timed.push((Call::Put, 1, t.elapsed(), ok));
-        }
-        if !measured || Instant::now() >= end {
-            continue;
-        }
-        for (call, keys, took, ok) in timed {
-            if ok {
-                let micros = took.as_micros().min(u128::from(u32::MAX)) as u32;
-                record.latencies[call as usize].push(micros);
-                record.keys[call as usize] += keys as u64;
-            } else {
-                record.failures += 1;
-            }
-        }
-    }
 }
 
 /// What one point measured.
@@ -536,122 +339,4 @@ async fn probe(
         ));
     }
     Ok(())
-}
-
-type Row = (&'static str, &'static str, fn(&Point) -> f64);
-
-fn print_point(printer: &mut Printer, args: &EngineArgs, n: usize, point: &Point, base: &Point) {
-    let tag = format!("N={n}, {} cards", args.cards);
-    let rows: [Row; 12] = [
-        (
-            "engine calls/s (batch_is_exist, get, put)",
-            "calls/s",
-            |p| p.calls_per_s,
-        ),
-        ("keys/s in those calls", "keys/s", |p| p.keys_per_s),
-        (
-            "sub-master requests/s (after coalescing; pings included)",
-            "req/s",
-            |p| p.sub_requests_per_s,
-        ),
-        ("global-master requests/s", "req/s", |p| {
-            p.global_requests_per_s
-        }),
-        ("sub-master CPU per 1000 calls (all N)", "cpu-s", |p| {
-            p.per_kcall(p.sub_cores)
-        }),
-        ("sub-master CPU per 1000 keys (all N)", "cpu-s", |p| {
-            p.per_kkey(p.sub_cores)
-        }),
-        ("global-master CPU per 1000 calls", "cpu-s", |p| {
-            p.per_kcall(p.global_cores)
-        }),
-        ("nats-server CPU per 1000 calls", "cpu-s", |p| {
-            p.per_kcall(p.nats_cores)
-        }),
-        ("batch_is_exist p99", "us", |p| {
-            p.latency[Call::Exist as usize].1
-        }),
-        ("get p99", "us", |p| p.latency[Call::Get as usize].1),
-        ("put p99", "us", |p| p.latency[Call::Put as usize].1),
-        (
-            "machine CPU busy (cards, NATS and masters share it)",
-            "%",
-            |p| p.machine_busy * 100.0,
-        ),
-    ];
-    for (label, unit, figure) in rows {
-        printer.print(&BenchResult::new(
-            WORKLOAD,
-            format!("{tag}: {label}"),
-            figure(point),
-            unit,
-            "N=1 (same run)",
-            figure(base),
-        ));
-    }
-    for (call, name) in CALLS {
-        printer.print(&BenchResult::new(
-            WORKLOAD,
-            format!("{tag}: {name} p50"),
-            point.latency[call as usize].0,
-            "us",
-            "N=1 (same run)",
-            base.latency[call as usize].0,
-        ));
-    }
-    printer.print(&BenchResult::new(
-        WORKLOAD,
-        format!("{tag}: failed calls in the window"),
-        point.failures as f64,
-        "calls",
-        "calls made in the window (same run)",
-        point.calls_per_s * point.window_s,
-    ));
-}
-
-/// 10,000 cards on paper: the N = 1 point's CPU per call (at this model's
-/// mix) times the fleet's calls, against one core per process (a sub-master's
-/// command loop is one thread: past about one core of its work it saturates).
-fn print_fleet(printer: &mut Printer, args: &EngineArgs, one: &Point) {
-    let per_card = one.calls_per_s / args.cards as f64;
-    let fleet_calls = per_card * FLEET;
-    let scale = fleet_calls / one.calls_per_s.max(1e-9);
-    let baseline = "one core (a constant: where one process saturates)";
-    for n in [1usize, 2, 4, 8, 16] {
-        printer.print(&BenchResult::new(
-            WORKLOAD,
-            format!(
-                "extrapolated, 10000 cards ({fleet_calls:.0} calls/s): cores of each sub-master at N={n}"
-            ),
-            one.sub_cores * scale / n as f64,
-            "cores",
-            baseline,
-            1.0,
-        ));
-    }
-    printer.print(&BenchResult::new(
-        WORKLOAD,
-        "extrapolated, 10000 cards: sub-masters needed for at most one core each",
-        (one.sub_cores * scale).ceil(),
-        "sub-masters",
-        "none",
-        0.0,
-    ));
-    printer.print(&BenchResult::new(
-        WORKLOAD,
-        "extrapolated, 10000 cards: global-master cores (all its lookups on one replica)",
-        one.global_cores * scale,
-        "cores",
-        baseline,
-        1.0,
-    ));
-    printer.print(&BenchResult::new(
-        WORKLOAD,
-        "extrapolated, 10000 cards: nats-server cores (the appends of every put)",
-        one.nats_cores * scale,
-        "cores",
-        baseline,
-        1.0,
-    ));
 }
